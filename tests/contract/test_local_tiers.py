@@ -1,0 +1,52 @@
+"""The tier contract against the in-process tiers: CPU slab and LMDB files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tieredkv.backends.cpu import CPUTier
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import CPUTierConfig, LMDBTierConfig
+from tieredkv.testing.contract import TierContract
+
+
+class TestCPUTier(TierContract):
+    @pytest.fixture
+    async def make_tier(self) -> Any:
+        tiers: list[CPUTier] = []
+
+        async def make(capacity_bytes: int | None) -> CPUTier:
+            cap = capacity_bytes or 64 << 20
+            seg = min(8 << 20, cap)
+            tier = CPUTier(CPUTierConfig(capacity_bytes=cap, segment_bytes=seg, min_slot_bytes=64))
+            await tier.open()
+            tiers.append(tier)
+            return tier
+
+        yield make
+        for t in tiers:
+            await t.close()
+
+
+class TestLMDBTier(TierContract):
+    @pytest.fixture
+    async def make_tier(self, tmp_path: Any) -> Any:
+        tiers: list[LMDBTier] = []
+
+        async def make(capacity_bytes: int | None) -> LMDBTier:
+            cap = capacity_bytes or 256 << 20
+            cfg = LMDBTierConfig(
+                path=str(tmp_path / f"lmdb{len(tiers)}"),
+                size_cap_bytes=cap,
+                map_size_bytes=max(2 * cap, 16 << 20),
+            )
+            tier = LMDBTier(cfg)
+            await tier.open()
+            tiers.append(tier)
+            return tier
+
+        yield make
+        for t in tiers:
+            await t.close()

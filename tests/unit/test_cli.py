@@ -1,0 +1,70 @@
+"""The `tieredkv` command, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TKV = [sys.executable, "-m", "tieredkv.cli"]
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")}
+    e.update(env or {}, COLUMNS="200")
+    return subprocess.run([*TKV, *args], capture_output=True, text=True, timeout=120, env=e, cwd=ROOT)
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "tieredkv"
+    assert script.exists(), "pip install -e . must create the tieredkv console script"
+    r = subprocess.run([str(script), "version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "0.1.0"
+
+
+def test_config_check_bad_file_exits_2_naming_field_value_fix(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  - kind: lmdb\n    sync_mode: sometimes\n")
+    r = run("config", "check", str(bad))
+    assert r.returncode == 2
+    err = " ".join(r.stderr.split())
+    assert "tiers.0.sync_mode: got 'sometimes'" in err and "'durable' or 'fast'" in err
+    assert "Traceback" not in r.stderr
+
+
+def test_config_check_good_file() -> None:
+    r = run("config", "check", "config/tieredkv.yaml")
+    assert r.returncode == 0 and "2 tier(s): cpu, nvme" in r.stdout
+
+
+def test_config_show_masks_secrets_and_applies_env(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers:\n  - kind: redis\n    password: hunter2\n")
+    r = run("config", "show", "--json", env={"TIEREDKV_CONFIG": str(cfg), "TIEREDKV_TIERS__0__TTL_S": "60"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["tiers"][0]["password"] == "***" and data["tiers"][0]["ttl_s"] == 60
+    assert "hunter2" not in r.stdout
+
+
+def test_demo_round_trips_and_second_run_finds_first_runs_chunks(tmp_path: Path) -> None:
+    first = run("demo", "--chunks", "8", "--data-dir", str(tmp_path), "--json")
+    assert first.returncode == 0, first.stderr
+    s1 = json.loads(first.stdout)
+    assert s1["mismatches"] == 0
+    assert [t["kind"] for t in s1["tiers"]] == ["cpu", "lmdb"]
+    assert all(t["records"] == 16 and t["found_from_earlier_run"] == 0 for t in s1["tiers"])
+    second = json.loads(run("demo", "--chunks", "8", "--data-dir", str(tmp_path), "--json").stdout)
+    lmdb = [t for t in second["tiers"] if t["kind"] == "lmdb"][0]
+    assert lmdb["found_from_earlier_run"] == 16  # persisted on disk
+    assert [t for t in second["tiers"] if t["kind"] == "cpu"][0]["found_from_earlier_run"] == 0
+
+
+def test_demo_human_summary() -> None:
+    r = run("demo", "--chunks", "4")
+    assert r.returncode == 0, r.stderr
+    assert "every chunk read back equals what was stored" in r.stdout
+    assert "lmdb" in r.stdout and "cpu" in r.stdout

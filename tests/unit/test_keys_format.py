@@ -1,0 +1,130 @@
+"""Chunk keys (vLLM OffloadKey layout), namespaces and the record format."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from tieredkv.errors import CorruptRecordError
+from tieredkv.format import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    as_readable,
+    as_writable,
+    decode_header,
+    encode_record,
+    verify_record,
+)
+from tieredkv.keys import (
+    GroupGeometry,
+    Namespace,
+    ParallelLayout,
+    key_group,
+    key_hash,
+    make_chunk_key,
+    split_stored_key,
+)
+
+H = bytes(range(32))
+
+
+def test_chunk_key_is_vllm_offload_key_layout() -> None:
+    # vLLM: make_offload_key(block_hash, group_idx) == block_hash + group_idx.to_bytes(4, "big")
+    key = make_chunk_key(H, 258)
+    assert key == H + b"\x00\x00\x01\x02"
+    assert key_hash(key) == H and key_group(key) == 258
+    with pytest.raises(ValueError):
+        make_chunk_key(H, -1)
+    with pytest.raises(ValueError):
+        make_chunk_key(H, 2**32)
+
+
+def test_stored_key_round_trip() -> None:
+    ns = Namespace(model="m")
+    k = ns.key(H, 3)
+    assert split_stored_key(k) == (ns.fingerprint, H, 3)
+    assert ns.keys([H, H[::-1]], 3) == [k, ns.key(H[::-1], 3)]
+    with pytest.raises(ValueError):
+        split_stored_key(b"short")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other"},
+        {"revision": "abc"},
+        {"dtype": "float16"},
+        {"groups": (GroupGeometry(tokens_per_block=32),)},
+        {"groups": (GroupGeometry(bytes_per_block=1),)},
+        {"parallel": ParallelLayout(tp_size=2)},
+        {"parallel": ParallelLayout(rank=1)},
+        {"format_version": 2},
+        {"tenant_salt": "tenant-a"},
+    ],
+)
+def test_every_namespace_field_changes_the_fingerprint(change: dict) -> None:
+    base = Namespace(model="m", groups=(GroupGeometry(),))
+    other = Namespace(**{"model": "m", "groups": (GroupGeometry(),), **change})
+    assert len(base.fingerprint) == 16
+    assert base.fingerprint != other.fingerprint
+    assert base.fingerprint == Namespace(model="m", groups=(GroupGeometry(),)).fingerprint
+
+
+def test_record_layout_and_verify() -> None:
+    ns = Namespace(model="m")
+    key = ns.key(H, 7)
+    rec = encode_record(key, b"payload")
+    assert len(rec) == HEADER_SIZE + 7 == 71
+    magic, version, hsize, fp, group, flags, n, csum = HEADER.unpack_from(rec)
+    assert (magic, version, hsize, fp, group, flags, n) == (MAGIC, 1, 64, ns.fingerprint, 7, 0, 7)
+    assert bytes(verify_record(rec, key)) == b"payload"
+    assert decode_header(rec).payload_len == 7
+
+
+def test_every_byte_of_header_and_payload_is_covered() -> None:
+    ns = Namespace(model="m")
+    key = ns.key(H, 1)
+    rec = encode_record(key, bytes(range(200)))
+    covered = [i for i in range(len(rec)) if not 48 <= i < 64]  # 48..63 reserved
+    for i in covered:
+        bad = bytearray(rec)
+        bad[i] ^= 0x01
+        with pytest.raises(CorruptRecordError):
+            verify_record(bad, key)
+
+
+def test_record_bound_to_its_key() -> None:
+    ns = Namespace(model="m")
+    rec = encode_record(ns.key(H, 1), b"x" * 10)
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        verify_record(rec, ns.key(H[::-1], 1))  # same namespace and group, other hash
+    with pytest.raises(CorruptRecordError, match="group"):
+        verify_record(rec, ns.key(H, 2))
+    with pytest.raises(CorruptRecordError, match="namespace"):
+        verify_record(rec, Namespace(model="n").key(H, 1))
+
+
+def test_decoding_never_trusts_the_length_field() -> None:
+    key = Namespace(model="m").key(H, 0)
+    rec = bytearray(encode_record(key, b"abc"))
+    struct.pack_into("<Q", rec, 32, 2**62)
+    with pytest.raises(CorruptRecordError, match="disagrees"):
+        verify_record(rec, key)
+    with pytest.raises(CorruptRecordError, match="shorter"):
+        verify_record(rec[:20], key)
+
+
+def test_buffer_views() -> None:
+    t = torch.arange(8, dtype=torch.int32)
+    mv = as_readable(t)
+    assert mv.format == "B" and len(mv) == 32
+    assert bytes(as_readable(torch.tensor([7], dtype=torch.uint8))) == b"\x07"
+    w = as_writable(torch.zeros(4, dtype=torch.float16))
+    w[:] = b"\x01" * 8
+    with pytest.raises(ValueError, match="read-only"):
+        as_writable(b"abc")
+    with pytest.raises(ValueError, match="contiguous"):
+        as_readable(torch.zeros(4, 4)[:, 0])

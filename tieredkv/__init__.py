@@ -1,0 +1,32 @@
+"""tieredkv — a tiered KV-cache store (CPU, LMDB-on-NVMe, Redis / Redis Cluster) for LLM engines."""
+
+from __future__ import annotations
+
+from tieredkv.config import TieredKVConfig, load_config
+from tieredkv.errors import (
+    ConfigError,
+    CorruptRecordError,
+    TierClosedError,
+    TieredKVError,
+    TierFullError,
+    TierTimeoutError,
+    TierUnavailableError,
+)
+from tieredkv.keys import Namespace, make_chunk_key
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CorruptRecordError",
+    "Namespace",
+    "TierClosedError",
+    "TierFullError",
+    "TierTimeoutError",
+    "TierUnavailableError",
+    "TieredKVConfig",
+    "TieredKVError",
+    "__version__",
+    "load_config",
+    "make_chunk_key",
+]

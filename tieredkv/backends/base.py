@@ -1,0 +1,388 @@
+"""The tier contract: an async, batch-first store of verified records.
+
+Primitives:
+
+* :class:`Tier` — the ABC. Its public methods (``put_many``, ``get_many``,
+  ``contains_many``, ``delete_many``, ``scan``, ``stats``, ``close``) do argument checks,
+  deadlines, pins, metrics hooks and error translation once; a backend writes only the
+  underscore hooks (``_open``, ``_put_many``, ``_get_many``, ``_contains_many``,
+  ``_delete_many``, ``_scan``, ``_stats``, ``_close``).
+* :class:`RecordInfo` — one record seen by ``scan``.
+* :class:`TierStats` — capacity, usage, record count and counters.
+
+Keys are *stored keys* (namespace fingerprint + block hash + 4-byte group; see
+:mod:`tieredkv.keys`). Values are raw chunk payloads; each backend wraps them in the
+record format of :mod:`tieredkv.format` and verifies it on every read. A record that fails
+verification is a miss: the backend deletes it and ``counters["corrupt"]`` moves.
+
+Capacity is all-or-nothing per ``put_many`` call: either every item is stored (evicting
+unpinned records as needed) or :class:`~tieredkv.errors.TierFullError` is raised and none
+is. Pinned keys (``pin_many``) are never evicted or deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, overload
+
+from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
+from tieredkv.format import HEADER_SIZE, as_readable, as_writable
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+
+__all__ = ["OpObserver", "RecordInfo", "Tier", "TierStats"]
+
+log = logging.getLogger(__name__)
+
+#: ``observer(tier_name, op, keys, nbytes, seconds, outcome)``; outcome is "ok" or an error class name.
+OpObserver = Callable[[str, str, int, int, float, str], None]
+
+_MIN_KEY = FINGERPRINT_BYTES + GROUP_BYTES + 1
+
+
+@dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """A stored record as seen by :meth:`Tier.scan`."""
+
+    key: bytes
+    size: int
+    """Payload bytes (without the 64-byte header)."""
+    stamp: float | None = None
+    """Last write or access time (Unix seconds) where the tier tracks one."""
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.key[:FINGERPRINT_BYTES]
+
+    @property
+    def group(self) -> int:
+        return int.from_bytes(self.key[-GROUP_BYTES:], "big")
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A tier's capacity, usage and counters at one moment."""
+
+    name: str
+    kind: str
+    capacity_bytes: int | None
+    used_bytes: int
+    records: int | None
+    counters: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Tier(ABC):
+    """Base of every tier. Subclasses set :attr:`kind` and implement the underscore hooks."""
+
+    kind: ClassVar[str] = "abstract"
+    #: True when the tier enforces capacity itself (LRU eviction in-process); False when a
+    #: server does (Redis ``maxmemory``).
+    evicts_locally: ClassVar[bool] = True
+
+    def __init__(self, config: Any, *, name: str | None = None) -> None:
+        self.config = config
+        self.name: str = name or getattr(config, "name", "") or self.kind
+        self.op_timeout: float | None = getattr(config, "op_timeout_s", None)
+        self.counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+        self._pins: Counter[bytes] = Counter()
+        self._observers: list[OpObserver] = []
+        self._opened = False
+        self._closed = False
+        self._open_lock: asyncio.Lock | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def open(self) -> Tier:
+        """Connect / allocate. Idempotent; called by ``async with`` and by the first operation."""
+        if self._closed:
+            raise TierClosedError(f"tier {self.name!r} is closed")
+        if self._opened:
+            return self
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if not self._opened:
+                await self._guard("open", 0, self._open())
+                self._opened = True
+        return self
+
+    async def close(self) -> None:
+        """Release everything. Idempotent: a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._opened:
+            try:
+                await self._close()
+            except Exception as e:  # noqa: BLE001 - closing must not raise native errors
+                log.warning("tier %s: error while closing: %s", self.name, e)
+
+    async def __aenter__(self) -> Tier:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- pins ----------------------------------------------------------------------
+
+    def pin_many(self, keys: Iterable[bytes]) -> None:
+        """Protect ``keys`` from eviction and deletion until :meth:`unpin_many` (counted)."""
+        for k in keys:
+            self._pins[k] += 1
+
+    def unpin_many(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            n = self._pins[k] - 1
+            if n > 0:
+                self._pins[k] = n
+            else:
+                self._pins.pop(k, None)
+
+    def is_pinned(self, key: bytes) -> bool:
+        return key in self._pins
+
+    # ---- observers -----------------------------------------------------------------
+
+    def add_observer(self, fn: OpObserver) -> None:
+        """Call ``fn`` after every operation (metrics); exceptions in ``fn`` are logged."""
+        self._observers.append(fn)
+
+    # ---- public operations -----------------------------------------------------------
+
+    async def put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
+        """Store every ``(key, payload)``; a later duplicate key wins.
+
+        Raises:
+            TierFullError: the batch does not fit even after evicting every unpinned record;
+                nothing of the batch was stored.
+            TierUnavailableError / TierTimeoutError: the medium failed or ran past the deadline.
+        """
+        batch: dict[bytes, memoryview] = {}
+        for key, payload in items:
+            _check_key(key)
+            batch[key] = as_readable(payload)
+        if not batch:
+            return
+        await self._ensure_open()
+        nbytes = sum(len(v) for v in batch.values())
+        await self._guard("put_many", len(batch), self._put_many(list(batch.items())), nbytes)
+        self._count("puts", len(batch))
+        self._count("put_bytes", nbytes)
+
+    @overload
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+    @overload
+    async def get_many(self, keys: Sequence[bytes], into: Sequence[Any]) -> list[int | None]: ...
+
+    async def get_many(self, keys: Sequence[bytes], into: Sequence[Any] | None = None) -> list[Any]:
+        """Read records. With ``into``, copy each payload into the matching writable buffer and
+        return its length; without, return new ``bytes``. A miss is ``None``.
+
+        A record that fails verification, or is longer than its buffer, is a miss (counted).
+        """
+        keys = list(keys)
+        for k in keys:
+            _check_key(k)
+        if into is None:
+            dsts: list[memoryview | None] = [None] * len(keys)
+        else:
+            if len(into) != len(keys):
+                raise ValueError(f"get_many: {len(keys)} keys but {len(into)} buffers")
+            dsts = [as_writable(b) for b in into]
+        if not keys:
+            return []
+        await self._ensure_open()
+        self.pin_many(keys)
+        try:
+            out = await self._guard("get_many", len(keys), self._get_many(keys, dsts))
+        finally:
+            self.unpin_many(keys)
+        hits = sum(1 for r in out if r is not None)
+        self._count("hits", hits)
+        self._count("misses", len(keys) - hits)
+        self._count("get_bytes", sum(r if isinstance(r, int) else len(r) for r in out if r is not None))
+        return out
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key holds a record (not verified; ``get_many`` verifies)."""
+        keys = list(keys)
+        for k in keys:
+            _check_key(k)
+        if not keys:
+            return []
+        await self._ensure_open()
+        return await self._guard("contains_many", len(keys), self._contains_many(keys))
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete records; pinned keys are skipped. Returns how many records were removed."""
+        todo = [k for k in dict.fromkeys(keys) if _check_key(k) or not self.is_pinned(k)]
+        if not todo:
+            return 0
+        await self._ensure_open()
+        n = await self._guard("delete_many", len(todo), self._delete_many(todo))
+        self._count("deletes", n)
+        return n
+
+    async def scan(self, namespace: bytes | None = None) -> AsyncIterator[RecordInfo]:
+        """Every record, or those of one namespace fingerprint (16 bytes, or a Namespace)."""
+        fp = getattr(namespace, "fingerprint", namespace)
+        if fp is not None and len(fp) != FINGERPRINT_BYTES:
+            raise ValueError(f"namespace fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fp)}")
+        await self._ensure_open()
+        try:
+            async for info in self._scan(fp):
+                yield info
+        except TieredKVError:
+            raise
+        except Exception as e:
+            raise self._translate(e, "scan") from e
+
+    async def stats(self) -> TierStats:
+        await self._ensure_open()
+        st: TierStats = await self._guard("stats", 0, self._stats())
+        st.counters = {**dict(self.counters), **st.counters}
+        st.extra.setdefault("pinned_keys", len(self._pins))
+        return st
+
+    async def raw_get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Records exactly as stored (header + payload), unverified — for inspect, verify and migrate."""
+        keys = list(keys)
+        await self._ensure_open()
+        return await self._guard("raw_get_many", len(keys), self._raw_get_many(keys))
+
+    async def raw_put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
+        """Store records exactly as given (no encoding, no capacity planning) — for migration
+        of already-encoded records and for fault injection. Reads still verify them."""
+        batch = [(k, as_readable(r)) for k, r in items]
+        for k, _ in batch:
+            _check_key(k)
+        await self._ensure_open()
+        await self._guard("raw_put_many", len(batch), self._raw_put_many(batch))
+
+    # ---- helpers for backends --------------------------------------------------------
+
+    def _deliver(self, key: bytes, payload: memoryview, dst: memoryview | None) -> int | bytes | None:
+        """Copy a verified payload to its destination; ``None`` (a miss) when it does not fit."""
+        if dst is None:
+            return bytes(payload)
+        n = len(payload)
+        if n > len(dst):
+            self._count("oversize")
+            log.warning("tier %s: record of %d bytes does not fit a %d-byte buffer; miss", self.name, n, len(dst))
+            return None
+        dst[:n] = payload
+        return n
+
+    def _on_corrupt(self, key: bytes, err: Exception) -> None:
+        """Count and log a record that failed verification (the backend deletes it)."""
+        self._count("corrupt")
+        log.warning("tier %s: corrupt record %s… dropped: %s", self.name, key[:24].hex(), err)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        """Thread-safe counter increment (backends may count from their I/O thread)."""
+        with self._counter_lock:
+            self.counters[name] += n
+
+    def _translate(self, exc: BaseException, op: str) -> TieredKVError:
+        """Map a native error to the tieredkv tree; backends extend this."""
+        return TierUnavailableError(f"tier {self.name!r} ({self.kind}): {op} failed: {type(exc).__name__}: {exc}")
+
+    async def _ensure_open(self) -> None:
+        if self._closed:
+            raise TierClosedError(f"tier {self.name!r} is closed")
+        if not self._opened:
+            await self.open()
+
+    async def _guard(self, op: str, nkeys: int, coro: Any, nbytes: int = 0) -> Any:
+        """Run one hook with the deadline, error translation and observers."""
+        t0 = time.perf_counter()
+        outcome = "ok"
+        try:
+            if self.op_timeout:
+                async with asyncio.timeout(self.op_timeout):
+                    return await coro
+            return await coro
+        except TimeoutError as e:
+            outcome = "TierTimeoutError"
+            self._count("timeouts")
+            raise TierTimeoutError(
+                f"tier {self.name!r} ({self.kind}): {op} of {nkeys} keys ran past its {self.op_timeout}s deadline"
+            ) from e
+        except TieredKVError as e:
+            outcome = type(e).__name__
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as e:
+            err = self._translate(e, op)
+            outcome = type(err).__name__
+            self._count("errors")
+            raise err from e
+        finally:
+            if self._observers:
+                dt = time.perf_counter() - t0
+                for fn in self._observers:
+                    try:
+                        fn(self.name, op, nkeys, nbytes, dt, outcome)
+                    except Exception:  # noqa: BLE001
+                        log.exception("tier observer failed")
+
+    # ---- hooks -----------------------------------------------------------------------
+
+    async def _open(self) -> None:  # noqa: B027 - optional hook
+        """Allocate / connect."""
+
+    @abstractmethod
+    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        """Store unique ``(key, payload)`` pairs all-or-nothing (raise TierFullError)."""
+
+    @abstractmethod
+    async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
+        """Verify and deliver each record with :meth:`_deliver`; corrupt → delete + :meth:`_on_corrupt`."""
+
+    @abstractmethod
+    async def _contains_many(self, keys: list[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    async def _delete_many(self, keys: list[bytes]) -> int: ...
+
+    @abstractmethod
+    def _scan(self, fingerprint: bytes | None) -> AsyncIterator[RecordInfo]: ...
+
+    @abstractmethod
+    async def _stats(self) -> TierStats: ...
+
+    async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        raise NotImplementedError(f"tier kind {self.kind!r} does not expose raw records")
+
+    async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        raise NotImplementedError(f"tier kind {self.kind!r} does not accept raw records")
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (called once)."""
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, bytes) or len(key) < _MIN_KEY:
+        raise ValueError(
+            f"a tier key must be a stored key (bytes: 16-byte namespace fingerprint + hash + 4-byte group),"
+            f" got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
+        )
+
+
+def record_size(payload_len: int) -> int:
+    """Bytes a record of ``payload_len`` takes (header + payload)."""
+    return HEADER_SIZE + payload_len

@@ -1,0 +1,418 @@
+"""Typed configuration (pydantic v2).
+
+Primitives:
+
+* :class:`CPUTierConfig`, :class:`LMDBTierConfig`, :class:`RedisTierConfig` — one model per
+  tier, discriminated by ``kind``, ``extra="forbid"``, every field documented.
+* :class:`NamespaceConfig` — what the namespace fingerprint is built from.
+* :class:`TieredKVConfig` — the whole file.
+* :func:`load_config` — from a YAML/JSON path, a dict or nothing (defaults), with
+  ``TIEREDKV_*`` environment overrides applied on top.
+
+A bad value raises :class:`~tieredkv.errors.ConfigError` whose message names each bad
+field by its path (``tiers.1.map_size_bytes``), the value given and what is allowed.
+
+Environment overrides: ``TIEREDKV_<PATH>`` where path parts are joined by ``__``; a list
+item is addressed by index or, for ``tiers``, by the tier's name. Values are parsed as YAML
+scalars. Examples::
+
+    TIEREDKV_NAMESPACE__MODEL=meta-llama/Llama-3.1-8B
+    TIEREDKV_TIERS__lmdb__PATH=/nvme/tieredkv
+    TIEREDKV_TIERS__0__CAPACITY_BYTES=8GiB
+
+``TIEREDKV_CONFIG`` names the config file (read by the CLI) and is not an override.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tieredkv.errors import ConfigError
+
+__all__ = [
+    "CPUTierConfig",
+    "LMDBTierConfig",
+    "NamespaceConfig",
+    "RedisTierConfig",
+    "TierConfig",
+    "TieredKVConfig",
+    "format_validation_error",
+    "load_config",
+]
+
+ENV_PREFIX = "TIEREDKV_"
+_NOT_OVERRIDES = {"TIEREDKV_CONFIG"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+
+class _TierBase(_Model):
+    name: str = Field("", description="Unique tier name used in logs, metrics and the CLI; defaults to the kind.")
+    op_timeout_s: float = Field(
+        5.0, gt=0, description="Deadline for one tier operation (a whole batch), in seconds."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("name") and data.get("kind"):
+            data = {**data, "name": data["kind"]}
+        return data
+
+    @property
+    def label(self) -> str:
+        """The tier's name, or its kind when unnamed."""
+        return self.name or str(getattr(self, "kind"))
+
+
+class CPUTierConfig(_TierBase):
+    """In-process slab of host memory (pinned when CUDA is available)."""
+
+    kind: Literal["cpu"] = Field("cpu", description="Tier kind (selects the backend).")
+    capacity_bytes: ByteSize = Field(
+        ByteSize(1 << 30), gt=0, description="Size of the preallocated slab, e.g. '8GiB'."
+    )
+    segment_bytes: ByteSize = Field(
+        ByteSize(8 << 20),
+        gt=0,
+        description="Slab segment size; the largest chunk must fit in one segment.",
+    )
+    min_slot_bytes: ByteSize = Field(
+        ByteSize(4096), gt=0, description="Smallest slot size class; classes grow by x1.5 and x2 steps up to segment_bytes."
+    )
+    pin_memory: Literal["auto", "always", "never"] = Field(
+        "auto", description="Pin the slab: 'auto' pins when CUDA is available."
+    )
+    prefault: bool = Field(
+        True, description="Touch every slab page at open so first stores do not pay page faults."
+    )
+
+    @model_validator(mode="after")
+    def _sizes(self) -> CPUTierConfig:
+        if self.segment_bytes > self.capacity_bytes:
+            raise ValueError(
+                f"segment_bytes ({int(self.segment_bytes)}) must not exceed capacity_bytes ({int(self.capacity_bytes)})"
+            )
+        if self.min_slot_bytes > self.segment_bytes:
+            raise ValueError("min_slot_bytes must not exceed segment_bytes")
+        return self
+
+
+class LMDBTierConfig(_TierBase):
+    """One LMDB environment on local disk (NVMe)."""
+
+    kind: Literal["lmdb"] = Field("lmdb", description="Tier kind (selects the backend).")
+    path: str = Field("./tieredkv-data/lmdb", description="Directory of the LMDB environment (created if missing).")
+    map_size_bytes: ByteSize = Field(
+        ByteSize(4 << 30), gt=0, description="Initial LMDB map size; grown on demand up to max_map_size_bytes."
+    )
+    max_map_size_bytes: ByteSize = Field(
+        ByteSize(64 << 30), gt=0, description="Upper bound for map growth after MapFullError."
+    )
+    size_cap_bytes: ByteSize = Field(
+        ByteSize(2 << 30),
+        gt=0,
+        description="Stored bytes allowed before LRU eviction; must be below map_size_bytes.",
+    )
+    sync_mode: Literal["durable", "fast"] = Field(
+        "fast",
+        description="'durable': fsync every write transaction; 'fast': writemap without sync (a crash may lose recent puts, never corrupt them).",
+    )
+    max_readers: int = Field(126, gt=0, description="LMDB reader slots.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> LMDBTierConfig:
+        if self.size_cap_bytes >= self.map_size_bytes:
+            raise ValueError(
+                f"size_cap_bytes ({int(self.size_cap_bytes)}) must be below map_size_bytes ({int(self.map_size_bytes)});"
+                " LMDB needs headroom for its B-tree and free pages — raise map_size_bytes or lower size_cap_bytes"
+            )
+        if self.max_map_size_bytes < self.map_size_bytes:
+            raise ValueError("max_map_size_bytes must be at least map_size_bytes")
+        return self
+
+
+class RedisTierConfig(_TierBase):
+    """A Redis server or Redis Cluster."""
+
+    kind: Literal["redis"] = Field("redis", description="Tier kind (selects the backend).")
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="redis:// or rediss:// (TLS) URL of a node; for a cluster, any node.",
+    )
+    cluster: bool = Field(False, description="Use the Redis Cluster client (slot routing, hash-tagged keys).")
+    username: str | None = Field(None, description="ACL user name (AUTH user pass).")
+    password: str | None = Field(None, description="Password (AUTH); masked in `config show`.")
+    ssl_ca_certs: str | None = Field(None, description="CA bundle for TLS (rediss://).")
+    ssl_certfile: str | None = Field(None, description="Client certificate for mutual TLS.")
+    ssl_keyfile: str | None = Field(None, description="Client key for mutual TLS.")
+    socket_timeout_s: float = Field(2.0, gt=0, description="Socket read/write timeout; a dead server fails fast.")
+    connect_timeout_s: float = Field(0.5, gt=0, description="TCP connect timeout.")
+    ttl_s: int | None = Field(None, gt=0, description="Expire records after this many seconds (None: no TTL).")
+    key_prefix: str = Field("tkv", min_length=1, description="Prefix of every key this tier writes.")
+    hash_tag_buckets: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="Hash-tag buckets per namespace: a batch of one namespace touches at most this many cluster slots.",
+    )
+    max_batch_bytes: ByteSize = Field(
+        ByteSize(8 << 20), gt=0, description="Split pipelines so one round trip carries at most this many bytes."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+
+TierConfig = Annotated[Union[CPUTierConfig, LMDBTierConfig, RedisTierConfig], Field(discriminator="kind")]
+
+
+class NamespaceConfig(_Model):
+    """Identity of the bytes stored (see :class:`tieredkv.keys.Namespace`)."""
+
+    model: str = Field("tieredkv/demo-hybrid", min_length=1, description="Model name.")
+    revision: str = Field("", description="Model revision (commit or tag).")
+    dtype: str = Field("bfloat16", description="KV cache dtype.")
+    tenant_salt: str = Field("", description="Optional salt that isolates tenants sharing a tier.")
+
+
+def _default_tiers() -> list[Any]:
+    return [CPUTierConfig(), LMDBTierConfig()]
+
+
+class TieredKVConfig(_Model):
+    """The whole tieredkv configuration file."""
+
+    version: Literal[1] = Field(1, description="Config file format version.")
+    namespace: NamespaceConfig = Field(default_factory=NamespaceConfig, description="Namespace identity.")
+    tiers: list[TierConfig] = Field(
+        default_factory=_default_tiers, min_length=1, description="Tiers, fastest first."
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> TieredKVConfig:
+        seen: set[str] = set()
+        for i, t in enumerate(self.tiers):
+            n = t.label
+            if n in seen:
+                raise ValueError(
+                    f"tiers.{i}: duplicate tier name {n!r}; give each tier a distinct 'name'"
+                )
+            seen.add(n)
+        return self
+
+    def tier(self, name: str) -> TierConfig:
+        """The tier config called ``name`` (its ``name`` or, when unnamed, its ``kind``)."""
+        for t in self.tiers:
+            if t.label == name:
+                return t
+        raise ConfigError(f"no tier named {name!r}; configured: {[t.label for t in self.tiers]}")
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> TieredKVConfig:
+    """Load and validate a config from a path, a mapping or defaults, then apply env overrides.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, or any invalid field.
+    """
+    raw = _read_source(source)
+    raw = apply_env_overrides(raw, os.environ if env is None else env)
+    try:
+        return TieredKVConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, raw, source)) from e
+
+
+def _read_source(source: Any) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return _plain(source)
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it ({e.strerror}); check the path") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r}: top level must be a mapping of fields, got {type(data).__name__}"
+        )
+    return data
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump()
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with every ``TIEREDKV_*`` variable applied."""
+    out = _plain(raw)
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in _NOT_OVERRIDES:
+            continue
+        parts = [p for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not parts:
+            continue
+        try:
+            value = yaml.safe_load(env[name])
+        except yaml.YAMLError:
+            value = env[name]
+        _set_path(out, parts, value, name)
+    return out
+
+
+def _set_path(root: dict[str, Any], parts: list[str], value: Any, var: str) -> None:
+    node: Any = root
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, dict):
+            key = part.lower()
+            if key == "tiers" and "tiers" not in node and not last:
+                node["tiers"] = [_plain(t) for t in _default_tiers()]
+            if last:
+                node[key] = value
+                return
+            node = node.setdefault(key, {})
+        elif isinstance(node, list):
+            idx = _list_index(node, part, var)
+            if last:
+                node[idx] = value
+                return
+            node = node[idx]
+        else:
+            raise ConfigError(f"{var}: cannot set {'.'.join(parts)}: {'.'.join(parts[:i])} is not a mapping")
+
+
+def _list_index(items: list[Any], part: str, var: str) -> int:
+    if part.isdigit():
+        idx = int(part)
+        if idx >= len(items):
+            raise ConfigError(f"{var}: index {idx} out of range; there are {len(items)} items")
+        return idx
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and part.lower() in (
+            str(item.get("name") or "").lower(),
+            str(item.get("kind") or "").lower() if not item.get("name") else "",
+        ):
+            return i
+    names = [str(t.get("name") or t.get("kind")) for t in items if isinstance(t, dict)]
+    raise ConfigError(f"{var}: no tier named {part.lower()!r}; use an index or one of {names}")
+
+
+# ---------------------------------------------------------------------------------------
+# error messages
+
+
+def format_validation_error(err: ValidationError, raw: Any = None, source: Any = None) -> str:
+    """Turn a pydantic error into lines of ``field.path: got VALUE — problem (allowed/fix)``."""
+    where = f"config file {str(source)!r}" if isinstance(source, (str, os.PathLike)) else "config"
+    lines = [f"invalid {where}: {err.error_count()} problem(s)"]
+    for e in err.errors(include_url=False):
+        loc = _loc_path(e["loc"])
+        value = e.get("input")
+        problem = e["msg"]
+        hint = _hint(e, raw)
+        if e["type"] == "missing":
+            got = "missing — "
+        elif isinstance(value, dict):  # a rule across fields: the message names them
+            got = ""
+        else:
+            got = f"got {_short(value)} — "
+        lines.append(f"  {loc}: {got}{problem.removeprefix('Value error, ')}{'; ' + hint if hint else ''}")
+    return "\n".join(lines)
+
+
+def _loc_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("cpu", "lmdb", "redis") or not isinstance(p, str)]
+    return ".".join(parts) or "(top level)"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _hint(e: Any, raw: Any) -> str:
+    if not e["loc"]:
+        return ""
+    if e["type"] == "extra_forbidden":
+        model = _model_at(e["loc"][:-1], raw)
+        if model is not None:
+            allowed = sorted(model.model_fields)
+            close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            return f"{guess}allowed fields: {', '.join(allowed)}"
+    if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        return "allowed kinds: 'cpu', 'lmdb', 'redis' (third-party kinds register under entry point 'tieredkv.backends')"
+    model = _model_at(e["loc"][:-1], raw)
+    if model is not None:
+        field = model.model_fields.get(str(e["loc"][-1]))
+        if field is not None and field.description:
+            return f"expected: {field.description}"
+    return ""
+
+
+_TIER_MODELS: dict[str, type[BaseModel]] = {
+    "cpu": CPUTierConfig,
+    "lmdb": LMDBTierConfig,
+    "redis": RedisTierConfig,
+}
+
+
+def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
+    """The pydantic model that owns location ``loc`` (best effort)."""
+    model: type[BaseModel] | None = TieredKVConfig
+    node = raw
+    i = 0
+    while i < len(loc) and model is not None:
+        part = loc[i]
+        if model is TieredKVConfig and part == "tiers":
+            if i + 1 >= len(loc):
+                return model
+            idx = loc[i + 1]
+            item = node.get("tiers", [])[idx] if isinstance(node, dict) and isinstance(idx, int) else None
+            kind = loc[i + 2] if i + 2 < len(loc) and loc[i + 2] in _TIER_MODELS else None
+            if kind is None and isinstance(item, dict):
+                kind = item.get("kind")
+            model = _TIER_MODELS.get(str(kind))
+            node = item
+            i += 3 if i + 2 < len(loc) and loc[i + 2] in _TIER_MODELS else 2
+            continue
+        if model is TieredKVConfig and part == "namespace":
+            model, node, i = NamespaceConfig, (node or {}).get("namespace") if isinstance(node, dict) else None, i + 1
+            continue
+        return None
+    return model

@@ -1,0 +1,197 @@
+"""The stored block record: a fixed 64-byte header, then the payload.
+
+Header layout (little-endian, :data:`HEADER` ``struct``)::
+
+    offset size field
+    0      4    magic            b"TKVR"
+    4      2    format version   FORMAT_VERSION
+    6      2    header size      64
+    8      16   namespace fingerprint
+    24     4    group index
+    28     4    flags            (0; reserved)
+    32     8    payload length
+    40     8    checksum         xxh3_64 over (stored key, header bytes 0..32, payload)
+    48     16   reserved         (zero)
+
+The checksum covers the stored key as well as the payload, so a record copied or renamed
+under another key fails verification: a tier can never serve bytes that were not written
+for that key. Decoding never trusts the length field beyond the buffer it was given.
+Nothing here (or anywhere in tieredkv) uses pickle, marshal or eval.
+
+Buffer helpers turn bytes, bytearrays, memoryviews, NumPy arrays and contiguous CPU torch
+tensors into flat writable/readable ``memoryview``\\ s of unsigned bytes without copying.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import xxhash
+
+from tieredkv.errors import CorruptRecordError
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "RecordHeader",
+    "as_readable",
+    "as_writable",
+    "decode_header",
+    "encode_record",
+    "encode_record_into",
+    "make_header",
+    "verify_parts",
+    "verify_record",
+]
+
+MAGIC = b"TKVR"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sHH16sIIQQ16x")
+HEADER_SIZE = HEADER.size
+_PREFIX = 32  # header bytes covered by the checksum (magic .. flags)
+assert HEADER_SIZE == 64
+
+
+class RecordHeader(tuple):  # type: ignore[type-arg]
+    """Decoded header fields: ``(version, fingerprint, group, flags, payload_len, checksum)``."""
+
+    __slots__ = ()
+
+    def __new__(cls, version: int, fingerprint: bytes, group: int, flags: int, payload_len: int, checksum: int):
+        return tuple.__new__(cls, (version, fingerprint, group, flags, payload_len, checksum))
+
+    version = property(lambda self: self[0])
+    fingerprint = property(lambda self: self[1])
+    group = property(lambda self: self[2])
+    flags = property(lambda self: self[3])
+    payload_len = property(lambda self: self[4])
+    checksum = property(lambda self: self[5])
+
+
+def as_readable(buf: Any) -> memoryview:
+    """A flat ``memoryview`` of unsigned bytes over ``buf`` (no copy).
+
+    Accepts bytes-like objects, NumPy arrays and contiguous CPU torch tensors.
+    """
+    if isinstance(buf, memoryview):
+        mv = buf
+    elif isinstance(buf, (bytes, bytearray)):
+        return memoryview(buf)
+    elif hasattr(buf, "data_ptr") and hasattr(buf, "numpy"):  # torch.Tensor
+        mv = memoryview(_torch_bytes(buf))
+    else:
+        mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def as_writable(buf: Any) -> memoryview:
+    """Like :func:`as_readable` but the view must be writable (a destination buffer)."""
+    mv = as_readable(buf)
+    if mv.readonly:
+        raise ValueError("destination buffer is read-only; pass a bytearray, memoryview or tensor")
+    return mv
+
+
+def _torch_bytes(t: Any) -> Any:
+    if t.device.type != "cpu":
+        raise ValueError(f"tiers read and write host memory only; got a tensor on {t.device} (stage it first)")
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    import torch
+
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8) if t.dim() > 0 else t.reshape(1).view(torch.uint8)
+    return t.reshape(-1).numpy()
+
+
+def _checksum(key: bytes, prefix: memoryview | bytes, payload: memoryview) -> int:
+    h = xxhash.xxh3_64()
+    h.update(key)
+    h.update(prefix)
+    h.update(payload)
+    return h.intdigest()
+
+
+def make_header(key: bytes, payload: memoryview, *, flags: int = 0) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key`` (checksum included).
+
+    ``key`` is a stored key (fingerprint + hash + group); fingerprint and group come from it.
+    """
+    hdr = bytearray(HEADER_SIZE)
+    fp = key[:FINGERPRINT_BYTES]
+    group = int.from_bytes(key[-GROUP_BYTES:], "big")
+    HEADER.pack_into(hdr, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, fp, group, flags, len(payload), 0)
+    struct.pack_into("<Q", hdr, 40, _checksum(key, memoryview(hdr)[:_PREFIX], payload))
+    return bytes(hdr)
+
+
+def encode_record_into(dst: memoryview, key: bytes, payload: memoryview, *, flags: int = 0) -> int:
+    """Write header + payload for ``key`` into ``dst``; return the record length."""
+    total = HEADER_SIZE + len(payload)
+    if len(dst) < total:
+        raise ValueError(f"destination of {len(dst)} bytes is smaller than the record ({total})")
+    dst[HEADER_SIZE:total] = payload
+    dst[:HEADER_SIZE] = make_header(key, dst[HEADER_SIZE:total], flags=flags)
+    return total
+
+
+def encode_record(key: bytes, payload: Any, *, flags: int = 0) -> bytearray:
+    """A new ``bytearray`` holding the record for ``key`` (one copy of the payload)."""
+    mv = as_readable(payload)
+    out = bytearray(HEADER_SIZE + len(mv))
+    encode_record_into(memoryview(out), key, mv, flags=flags)
+    return out
+
+
+def decode_header(record: memoryview | bytes, payload_len: int | None = None) -> RecordHeader:
+    """Parse and sanity-check a header without verifying the checksum.
+
+    ``payload_len`` is the payload size actually present; by default the rest of ``record``.
+
+    Raises:
+        CorruptRecordError: short buffer, bad magic, unknown version, or a length that
+            disagrees with the bytes present.
+    """
+    if len(record) < HEADER_SIZE:
+        raise CorruptRecordError(f"record of {len(record)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, hsize, fp, group, flags, n, csum = HEADER.unpack_from(record, 0)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad magic {magic!r}; expected {MAGIC!r}")
+    if version != FORMAT_VERSION or hsize != HEADER_SIZE:
+        raise CorruptRecordError(f"unsupported record format version {version} (header {hsize} bytes)")
+    present = len(record) - HEADER_SIZE if payload_len is None else payload_len
+    if n != present:
+        raise CorruptRecordError(f"payload length field {n} disagrees with the {present} payload bytes present")
+    return RecordHeader(version, fp, group, flags, n, csum)
+
+
+def verify_parts(header: memoryview | bytes, payload: memoryview, key: bytes) -> memoryview:
+    """Verify a header and its payload (held apart) for stored key ``key``; return ``payload``.
+
+    Raises:
+        CorruptRecordError: any header field, the namespace, the group or the checksum is wrong.
+    """
+    hdr = decode_header(header[:HEADER_SIZE], len(payload))
+    if hdr.fingerprint != key[:FINGERPRINT_BYTES]:
+        raise CorruptRecordError("record belongs to another namespace")
+    if hdr.group != int.from_bytes(key[-GROUP_BYTES:], "big"):
+        raise CorruptRecordError(f"record is for group {hdr.group}, key says another")
+    if _checksum(key, memoryview(header)[:_PREFIX], payload) != hdr.checksum:
+        raise CorruptRecordError("payload checksum mismatch")
+    return payload
+
+
+def verify_record(record: memoryview | bytes, key: bytes) -> memoryview:
+    """Verify ``record`` (header + payload) was written for stored key ``key``; return its payload."""
+    mv = record if isinstance(record, memoryview) else memoryview(record)
+    if len(mv) < HEADER_SIZE:
+        raise CorruptRecordError(f"record of {len(mv)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    return verify_parts(mv[:HEADER_SIZE], mv[HEADER_SIZE:], key)

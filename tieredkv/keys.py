@@ -1,0 +1,181 @@
+"""Chunk keys and namespaces.
+
+Primitives:
+
+* **chunk key** — ``block_hash + group.to_bytes(4, "big")``: byte-compatible with vLLM's
+  ``OffloadKey`` (raw hash bytes followed by the KV group index, 4 bytes big-endian).
+* **namespace** — everything that makes stored bytes reusable: model name and revision,
+  dtype, per-group geometry, parallel layout, record format version and an optional tenant
+  salt. Its 16-byte :attr:`Namespace.fingerprint` prefixes every stored key, so two models
+  never share a record even on a shared Redis.
+* **stored key** — ``fingerprint + chunk key``: what tiers take and return. It is
+  self-describing: :func:`split_stored_key` recovers fingerprint, hash and group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tieredkv.errors import ConfigError
+
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "GROUP_BYTES",
+    "GroupGeometry",
+    "Namespace",
+    "ParallelLayout",
+    "key_group",
+    "key_hash",
+    "make_chunk_key",
+    "split_stored_key",
+    "stored_key",
+    "stored_key_group",
+]
+
+FINGERPRINT_BYTES = 16
+GROUP_BYTES = 4
+_MAX_GROUP = 2**32 - 1
+
+
+def make_chunk_key(block_hash: bytes, group: int) -> bytes:
+    """Build a chunk key: the block hash followed by ``group`` as 4 bytes big-endian."""
+    if not 0 <= group <= _MAX_GROUP:
+        raise ValueError(f"group index {group!r} out of range 0..{_MAX_GROUP}")
+    return bytes(block_hash) + group.to_bytes(GROUP_BYTES, "big")
+
+
+def key_hash(chunk_key: bytes) -> bytes:
+    """The block-hash part of a chunk key."""
+    return chunk_key[:-GROUP_BYTES]
+
+
+def key_group(chunk_key: bytes) -> int:
+    """The group index of a chunk key (also works on a stored key)."""
+    return int.from_bytes(chunk_key[-GROUP_BYTES:], "big")
+
+
+def stored_key(fingerprint: bytes, chunk_key: bytes) -> bytes:
+    """The key a tier stores: namespace fingerprint + chunk key."""
+    return fingerprint + chunk_key
+
+
+def stored_key_group(key: bytes) -> int:
+    """Group index of a stored key."""
+    return int.from_bytes(key[-GROUP_BYTES:], "big")
+
+
+def split_stored_key(key: bytes) -> tuple[bytes, bytes, int]:
+    """Split a stored key into ``(fingerprint, block_hash, group)``.
+
+    Raises:
+        ValueError: the key is too short to hold a fingerprint, a hash byte and a group.
+    """
+    if len(key) < FINGERPRINT_BYTES + GROUP_BYTES + 1:
+        raise ValueError(f"stored key of {len(key)} bytes is too short")
+    return (
+        key[:FINGERPRINT_BYTES],
+        key[FINGERPRINT_BYTES:-GROUP_BYTES],
+        int.from_bytes(key[-GROUP_BYTES:], "big"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupGeometry:
+    """What a KV group's bytes look like: enough to tell two layouts apart."""
+
+    kind: str = "full"
+    tokens_per_block: int = 16
+    blocks_per_chunk: int = 1
+    bytes_per_block: int = 0
+    window_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """How the KV cache is split across workers; each worker's bytes differ."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Identity of reusable bytes. Two namespaces with any field different never share a record."""
+
+    model: str
+    revision: str = ""
+    dtype: str = "bfloat16"
+    groups: tuple[GroupGeometry, ...] = ()
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    format_version: int = 1
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("namespace.model: got '' — a model name is required (e.g. 'meta-llama/Llama-3.1-8B')")
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16-byte BLAKE2b digest of the canonical JSON form of every field."""
+        return _fingerprint(self)
+
+    def key(self, block_hash: bytes, group: int) -> bytes:
+        """The stored key for ``block_hash`` in ``group`` under this namespace."""
+        return self.fingerprint + make_chunk_key(block_hash, group)
+
+    def keys(self, block_hashes: Sequence[bytes], group: int) -> list[bytes]:
+        """Stored keys for several hashes of one group."""
+        fp = self.fingerprint
+        suffix = group.to_bytes(GROUP_BYTES, "big")
+        return [fp + bytes(h) + suffix for h in block_hashes]
+
+    def describe(self) -> dict[str, Any]:
+        """Plain dict of the namespace (for logs, JSON and the CLI)."""
+        return _canonical(self)
+
+
+def _canonical(ns: Namespace) -> dict[str, Any]:
+    return {
+        "model": ns.model,
+        "revision": ns.revision,
+        "dtype": ns.dtype,
+        "groups": [
+            {
+                "kind": g.kind,
+                "tokens_per_block": g.tokens_per_block,
+                "blocks_per_chunk": g.blocks_per_chunk,
+                "bytes_per_block": g.bytes_per_block,
+                "window_tokens": g.window_tokens,
+            }
+            for g in ns.groups
+        ],
+        "parallel": {
+            "tp_size": ns.parallel.tp_size,
+            "pp_size": ns.parallel.pp_size,
+            "pcp_size": ns.parallel.pcp_size,
+            "dcp_size": ns.parallel.dcp_size,
+            "rank": ns.parallel.rank,
+        },
+        "format_version": ns.format_version,
+        "tenant_salt": ns.tenant_salt,
+    }
+
+
+_FP_CACHE: dict[Namespace, bytes] = {}
+
+
+def _fingerprint(ns: Namespace) -> bytes:
+    fp = _FP_CACHE.get(ns)
+    if fp is None:
+        blob = json.dumps(_canonical(ns), sort_keys=True, separators=(",", ":")).encode()
+        fp = hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES, person=b"tieredkv-ns").digest()
+        if len(_FP_CACHE) < 4096:
+            _FP_CACHE[ns] = fp
+    return fp

@@ -38,6 +38,8 @@ from tieredkv.errors import ConfigError
 
 __all__ = [
     "CPUTierConfig",
+    "PipelineConfig",
+    "PolicyRule",
     "LMDBTierConfig",
     "NamespaceConfig",
     "RedisTierConfig",
@@ -169,6 +171,13 @@ class RedisTierConfig(_TierBase):
         ByteSize(8 << 20), gt=0, description="Split pipelines so one round trip carries at most this many bytes."
     )
 
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if "{" in v or "}" in v:
+            raise ValueError("must not contain '{' or '}' (they would become the Redis Cluster hash tag)")
+        return v
+
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
@@ -189,6 +198,46 @@ class NamespaceConfig(_Model):
     tenant_salt: str = Field("", description="Optional salt that isolates tenants sharing a tier.")
 
 
+class PolicyRule(_Model):
+    """Which tiers a KV group's chunks go to, chosen by the group's chunk size (and kind)."""
+
+    max_chunk_bytes: ByteSize | None = Field(
+        None, description="The rule matches groups whose chunk is at most this many bytes (None: any size)."
+    )
+    kinds: list[Literal["full", "sliding_window", "mamba"]] | None = Field(
+        None, description="Group kinds the rule matches (None: every kind)."
+    )
+    tiers: list[str] = Field(
+        default_factory=list, description="Tier names, fastest first; empty means every configured tier."
+    )
+    write: Literal["through", "back"] = Field(
+        "through",
+        description="'through': a store writes every listed tier; 'back': only the first, and the next"
+        " tier receives a chunk when the first evicts it.",
+    )
+    promote: bool = Field(True, description="Copy a chunk loaded from a lower tier into the first tier.")
+
+
+class PipelineConfig(_Model):
+    """The asyncio store/load pipeline."""
+
+    staging_bytes: ByteSize = Field(
+        ByteSize(256 << 20), gt=0, description="Host staging pool (pinned with CUDA); full means back-pressure."
+    )
+    max_batch_bytes: ByteSize = Field(
+        ByteSize(16 << 20), gt=0, description="A tier writer batches queued chunks up to this many bytes per call."
+    )
+    max_batch_items: int = Field(64, gt=0, description="A tier writer batches at most this many chunks per call.")
+    job_timeout_s: float = Field(30.0, gt=0, description="A store or load job not finished by then fails.")
+    breaker_failures: int = Field(
+        3, gt=0, description="Consecutive failures of a tier that open its circuit breaker."
+    )
+    breaker_reset_s: float = Field(
+        1.0, gt=0, description="Seconds an open breaker waits before letting one probe through (half-open)."
+    )
+    uvloop: bool = Field(True, description="Run the pipeline loop on uvloop when it is installed.")
+
+
 def _default_tiers() -> list[Any]:
     return [CPUTierConfig(), LMDBTierConfig()]
 
@@ -201,6 +250,12 @@ class TieredKVConfig(_Model):
     tiers: list[TierConfig] = Field(
         default_factory=_default_tiers, min_length=1, description="Tiers, fastest first."
     )
+    policy: list[PolicyRule] = Field(
+        default_factory=lambda: [PolicyRule()],
+        min_length=1,
+        description="Routing rules; a group takes the first rule that matches it.",
+    )
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Store/load pipeline settings.")
 
     @model_validator(mode="after")
     def _names(self) -> TieredKVConfig:
@@ -212,6 +267,12 @@ class TieredKVConfig(_Model):
                     f"tiers.{i}: duplicate tier name {n!r}; give each tier a distinct 'name'"
                 )
             seen.add(n)
+        for i, rule in enumerate(self.policy):
+            for j, name in enumerate(rule.tiers):
+                if name not in seen:
+                    raise ValueError(f"policy.{i}.tiers.{j}: no tier named {name!r}; configured: {sorted(seen)}")
+            if rule.write == "back" and len(rule.tiers or seen) < 2:
+                raise ValueError(f"policy.{i}.write: 'back' needs at least two tiers to write back to")
         return self
 
     def tier(self, name: str) -> TierConfig:
@@ -351,7 +412,8 @@ def format_validation_error(err: ValidationError, raw: Any = None, source: Any =
             got = ""
         else:
             got = f"got {_short(value)} — "
-        lines.append(f"  {loc}: {got}{problem.removeprefix('Value error, ')}{'; ' + hint if hint else ''}")
+        where_ = f"{loc}: " if e["loc"] else ""
+        lines.append(f"  {where_}{got}{problem.removeprefix('Value error, ')}{'; ' + hint if hint else ''}")
     return "\n".join(lines)
 
 
@@ -411,8 +473,12 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
             node = item
             i += 3 if i + 2 < len(loc) and loc[i + 2] in _TIER_MODELS else 2
             continue
-        if model is TieredKVConfig and part == "namespace":
-            model, node, i = NamespaceConfig, (node or {}).get("namespace") if isinstance(node, dict) else None, i + 1
+        sub = {"namespace": NamespaceConfig, "pipeline": PipelineConfig}.get(str(part))
+        if model is TieredKVConfig and sub is not None:
+            model, node, i = sub, node.get(part) if isinstance(node, dict) else None, i + 1
+            continue
+        if model is TieredKVConfig and part == "policy" and i + 1 < len(loc):
+            model, node, i = PolicyRule, None, i + 2
             continue
         return None
     return model

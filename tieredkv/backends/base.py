@@ -323,7 +323,7 @@ class Tier(ABC):
         except TieredKVError as e:
             outcome = type(e).__name__
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, NotImplementedError):
             outcome = "cancelled"
             raise
         except Exception as e:

@@ -198,9 +198,11 @@ class LMDBTier(Tier):
     def _write(
         self, body: Callable[[Any], None], victims: list[bytes] | None = None, protect: dict[bytes, int] | None = None
     ) -> list[bytes]:
-        """Run ``body`` in one write transaction (plus dirty stamps), growing the map on MapFullError.
+        """Run ``body`` in one write transaction (plus dirty stamps), handling a full map.
 
-        Returns the victims actually deleted (more are added when the map cannot grow).
+        On MapFullError the map doubles, up to ``max_map_size_bytes``; at the limit, more
+        least-recently-used records are evicted in a transaction of their own (LMDB reuses
+        freed pages only after a commit) and ``body`` is retried. Returns ``victims``.
         """
         victims = list(victims or [])
         while True:
@@ -218,15 +220,14 @@ class LMDBTier(Tier):
                     self._count("map_growths")
                     continue
                 more = self._pick_victims(max(self._used // 8, 1), {*(protect or {}), *victims})
-                if not more:
-                    raise
-                victims.extend(more)
-
-                def body(txn: Any, _inner: Callable[[Any], None] = body, _more: list[bytes] = more) -> None:
-                    for k in _more:
+                with self._env.begin(write=True) as txn:
+                    for k in more:
                         txn.delete(k, db=self._rec)
                         txn.delete(k, db=self._acc)
-                    _inner(txn)
+                for k in more:
+                    self._used -= self._lru.pop(k, 0)
+                    self._dirty.pop(k, None)
+                self._count("evictions", len(more))
 
     def _flush_stamps(self, txn: Any) -> None:
         for k, stamp in self._dirty.items():

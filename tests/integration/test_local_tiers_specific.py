@@ -1,0 +1,145 @@
+"""CPU- and LMDB-specific behaviour beyond the shared contract."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tieredkv.backends.cpu import CPUTier
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import CPUTierConfig, LMDBTierConfig
+from tieredkv.errors import ConfigError
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+
+NS = Namespace(model="specific")
+KiB, MiB = 1024, 1024 * 1024
+
+
+def k(i: int, g: int = 0) -> bytes:
+    return NS.key(i.to_bytes(32, "big"), g)
+
+
+# ---- CPU -------------------------------------------------------------------------------
+
+
+async def test_cpu_power_of_two_chunks_fill_slots_exactly() -> None:
+    async with CPUTier(CPUTierConfig(capacity_bytes=8 * MiB, segment_bytes=1 * MiB)) as tier:
+        await tier.put_many([(k(i), payload(256 * KiB, i)) for i in range(32)])
+        st = await tier.stats()
+        assert st.records == 32 and st.used_bytes == 8 * MiB == st.capacity_bytes
+        await tier.put_many([(k(99), payload(256 * KiB))])
+        assert await tier.contains_many([k(0), k(1), k(99)]) == [False, True, True]
+        assert tier.counters["evictions"] == 1
+
+
+async def test_cpu_odd_sizes_waste_at_most_a_third() -> None:
+    async with CPUTier(CPUTierConfig(capacity_bytes=8 * MiB, segment_bytes=1 * MiB)) as tier:
+        await tier.put_many([(k(i), payload(3 * 64 * KiB + 1, i)) for i in range(10)])
+        st = await tier.stats()
+        assert st.used_bytes <= 10 * (3 * 64 * KiB + 1) * 4 / 3
+
+
+async def test_cpu_reclaims_a_segment_of_another_size_class() -> None:
+    async with CPUTier(CPUTierConfig(capacity_bytes=4 * MiB, segment_bytes=1 * MiB)) as tier:
+        await tier.put_many([(k(i), payload(64 * KiB, i)) for i in range(64)])  # all 4 segments
+        assert (await tier.stats()).extra["free_segments"] == 0
+        await tier.put_many([(k(1000), payload(1 * MiB))])
+        assert await tier.contains_many([k(1000)]) == [True]
+        assert tier.counters["evictions"] == 16  # one whole 64 KiB-class segment
+        out = torch.empty(64 * KiB, dtype=torch.uint8)
+        survivors = [i for i, p in enumerate(await tier.contains_many([k(i) for i in range(64)])) if p]
+        assert len(survivors) == 48
+        assert await tier.get_many([k(survivors[0])], into=[out]) == [64 * KiB]
+        assert torch.equal(out, payload(64 * KiB, survivors[0]))
+
+
+async def test_cpu_chunk_larger_than_a_segment_is_a_config_error() -> None:
+    async with CPUTier(CPUTierConfig(capacity_bytes=4 * MiB, segment_bytes=1 * MiB)) as tier:
+        with pytest.raises(ConfigError, match="segment_bytes"):
+            await tier.put_many([(k(1), payload(2 * MiB))])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+async def test_cpu_pinning_without_cuda() -> None:
+    with pytest.raises(ConfigError, match="pin_memory: got 'always' but CUDA is not available"):
+        await CPUTier(CPUTierConfig(capacity_bytes=MiB, segment_bytes=MiB, pin_memory="always")).open()
+    async with CPUTier(CPUTierConfig(capacity_bytes=MiB, segment_bytes=MiB)) as tier:
+        assert tier.pinned is False and tier.slab.numel() == MiB
+
+
+# ---- LMDB ------------------------------------------------------------------------------
+
+
+def lmdb_cfg(path: Path, **kw: object) -> LMDBTierConfig:
+    base: dict[str, object] = {"path": str(path), "map_size_bytes": 64 * MiB, "size_cap_bytes": 32 * MiB}
+    return LMDBTierConfig(**{**base, **kw})
+
+
+async def test_lmdb_survives_reopen_with_lru_order(tmp_path: Path) -> None:
+    cfg = lmdb_cfg(tmp_path, size_cap_bytes=4 * (64 * KiB + 64))
+    async with LMDBTier(cfg) as tier:
+        for i in range(4):
+            await tier.put_many([(k(i), payload(64 * KiB, i))])
+        await tier.get_many([k(0)])  # k0 becomes the most recently used
+    async with LMDBTier(cfg) as tier:
+        st = await tier.stats()
+        assert st.records == 4 and st.used_bytes == 4 * (64 * KiB + 64)
+        await tier.put_many([(k(4), payload(64 * KiB, 4))])  # evicts the LRU: k1, not k0
+        assert await tier.contains_many([k(i) for i in range(5)]) == [True, False, True, True, True]
+        out = torch.empty(64 * KiB, dtype=torch.uint8)
+        assert await tier.get_many([k(0)], into=[out]) == [64 * KiB]
+        assert torch.equal(out, payload(64 * KiB, 0))
+
+
+async def test_lmdb_map_grows_on_map_full(tmp_path: Path) -> None:
+    cfg = lmdb_cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=900 * KiB, max_map_size_bytes=16 * MiB)
+    async with LMDBTier(cfg) as tier:
+        # 4097-byte payloads take two 4 KiB overflow pages each: the map fills before the cap.
+        for i in range(0, 200, 20):
+            await tier.put_many([(k(j), payload(4097, j)) for j in range(i, i + 20)])
+        st = await tier.stats()
+        assert tier.counters["map_growths"] >= 1 and st.extra["map_size"] > 1 * MiB
+        assert all(await tier.contains_many([k(j) for j in range(200)]))
+
+
+async def test_lmdb_map_at_its_limit_evicts_instead_of_crashing(tmp_path: Path) -> None:
+    cfg = lmdb_cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=1000 * KiB, max_map_size_bytes=1 * MiB)
+    async with LMDBTier(cfg) as tier:
+        for i in range(0, 400, 20):
+            await tier.put_many([(k(j), payload(4097, j)) for j in range(i, i + 20)])
+        present = await tier.contains_many([k(j) for j in range(400)])
+        assert present[-1] and not present[0]
+        assert tier.counters["evictions"] > 0
+
+
+async def test_lmdb_durable_mode_round_trip(tmp_path: Path) -> None:
+    async with LMDBTier(lmdb_cfg(tmp_path, sync_mode="durable")) as tier:
+        await tier.put_many([(k(1), payload(1000))])
+        assert (await tier.get_many([k(1)]))[0] == payload(1000).numpy().tobytes()
+
+
+async def test_lmdb_runs_on_its_own_thread_and_leaves_none_behind(tmp_path: Path) -> None:
+    ticks = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tier = LMDBTier(lmdb_cfg(tmp_path, map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB))
+    await tier.open()
+    t = asyncio.create_task(ticker())
+    await tier.put_many([(k(i), payload(MiB, i)) for i in range(48)])
+    stop = True
+    await t
+    assert ticks > 3, "the event loop was blocked while LMDB wrote"
+    assert any(th.name.startswith("tieredkv-lmdb-") for th in threading.enumerate())
+    await tier.close()
+    assert not any(th.name.startswith("tieredkv-lmdb-") for th in threading.enumerate())

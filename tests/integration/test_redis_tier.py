@@ -1,0 +1,461 @@
+"""RedisTier against real redis-server processes (single node and a 3-master cluster).
+
+The generic tier contract runs elsewhere (tieredkv.testing.contract); these tests cover what
+is Redis-specific: key layout and hash-tag slots, faults (dead server, OOM, bad AUTH, TLS),
+TTL, corrupt and foreign records in the server, scan by namespace and stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.crc import key_slot
+from redis.exceptions import OutOfMemoryError, RedisError
+
+from tieredkv.backends.redis import RedisTier, parse_redis_key, redis_key
+from tieredkv.config import RedisTierConfig
+from tieredkv.errors import TierFullError, TierTimeoutError, TierUnavailableError
+from tieredkv.format import HEADER_SIZE, encode_record
+from tieredkv.keys import Namespace
+from tieredkv.testing.servers import RedisCluster, RedisServer, free_port, redis_command
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+# ---- fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    with RedisCluster() as c:
+        yield c
+
+
+@pytest.fixture(params=["single", "cluster"])
+def url_cluster(request: pytest.FixtureRequest) -> tuple[str, bool]:
+    if request.param == "single":
+        return request.getfixturevalue("server").url, False
+    return request.getfixturevalue("cluster").url, True
+
+
+def _ns() -> Namespace:
+    return Namespace(model=f"test/{uuid.uuid4().hex[:8]}")
+
+
+def _prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def _keys(ns: Namespace, n: int, groups: int = 1) -> list[bytes]:
+    hashes = [os.urandom(32) for _ in range(n)]
+    return [ns.key(h, g) for h in hashes for g in range(groups)]
+
+
+def _tier(url: str, cluster: bool = False, **kw: Any) -> RedisTier:
+    kw.setdefault("key_prefix", _prefix())
+    return RedisTier(RedisTierConfig(url=url, cluster=cluster, **kw))
+
+
+def _raw(url: str, cluster: bool) -> Any:
+    return AsyncRedisCluster.from_url(url) if cluster else aioredis.Redis.from_url(url)
+
+
+@pytest_asyncio.fixture
+async def raw_single(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(server.url)
+    yield client
+    await client.aclose()
+
+
+# ---- round trips -----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_round_trip_bytes_and_buffers(url_cluster: tuple[str, bool]) -> None:
+    url, cluster = url_cluster
+    ns = _ns()
+    keys = _keys(ns, 40, groups=2)
+    items = [(k, os.urandom(1000 + 37 * i)) for i, k in enumerate(keys)]
+    items.append((ns.key(os.urandom(32), 0), b""))  # empty payload is a record too
+    async with _tier(url, cluster, max_batch_bytes=50_000) as tier:
+        await tier.put_many(items)
+        got = await tier.get_many([k for k, _ in items])
+        assert got == [p for _, p in items]
+        bufs = [bytearray(len(p) + 10) for _, p in items]
+        lens = await tier.get_many([k for k, _ in items], bufs)
+        assert lens == [len(p) for _, p in items]
+        assert all(bytes(b[: len(p)]) == p for b, (_, p) in zip(bufs, items, strict=True))
+        assert await tier.contains_many(keys[:3] + [ns.key(b"absent", 0)]) == [True, True, True, False]
+        assert await tier.delete_many(keys[:5]) == 5
+        assert await tier.get_many(keys[:6]) == [None] * 5 + [items[5][1]]
+        assert tier.counters["hits"] >= 2 * len(items)
+
+
+@pytest.mark.asyncio
+async def test_torch_tensor_destination(server: RedisServer) -> None:
+    import torch
+
+    ns = _ns()
+    key = ns.key(os.urandom(32), 3)
+    src = torch.arange(4096, dtype=torch.bfloat16)
+    async with _tier(server.url) as tier:
+        await tier.put_many([(key, src)])
+        dst = torch.empty_like(src)
+        assert await tier.get_many([key], [dst]) == [src.numel() * 2]
+        assert torch.equal(dst, src)
+
+
+@pytest.mark.asyncio
+async def test_large_batch_is_split_by_max_batch_bytes(server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = _ns()
+    items = [(k, os.urandom(64 << 10)) for k in _keys(ns, 20)]
+    async with _tier(server.url, max_batch_bytes=200_000) as tier:
+        sizes: list[int] = []
+        real = tier._pipeline
+
+        def counting() -> Any:
+            pipe = real()
+            orig = pipe.execute
+
+            async def execute(*a: Any, **kw: Any) -> Any:
+                sizes.append(sum(len(c[0][2]) for c in pipe.command_stack if c[0][0] == "SET"))
+                return await orig(*a, **kw)
+
+            pipe.execute = execute
+            return pipe
+
+        monkeypatch.setattr(tier, "_pipeline", counting)
+        await tier.put_many(items)
+        assert len(sizes) >= 7  # 20 × 64 KiB in ≤ 200 kB runs: 3 records per run
+        assert all(0 < s <= 200_000 for s in sizes)
+        assert sum(sizes) == sum(HEADER_SIZE + len(p) for _, p in items)
+        assert await tier.get_many([k for k, _ in items]) == [p for _, p in items]
+
+
+# ---- key layout --------------------------------------------------------------------------
+
+
+def test_key_layout_round_trips() -> None:
+    ns = _ns()
+    for key in [ns.key(os.urandom(32), 7), ns.key(b"\x01", 0), ns.key(os.urandom(8), 2**32 - 1)]:
+        rk = redis_key(b"tkv", key, 16)
+        assert rk.startswith(b"tkv:{" + ns.fingerprint.hex().encode() + b".")
+        assert parse_redis_key(b"tkv", rk) == key
+        assert parse_redis_key(b"other", rk) is None
+    assert parse_redis_key(b"tkv", b"tkv:{zz.1}:00") is None
+    with pytest.raises(ValueError, match="must not contain"):  # ConfigError
+        RedisTier(RedisTierConfig(key_prefix="tkv{x}"))
+
+
+@pytest.mark.asyncio
+async def test_namespace_batch_touches_at_most_hash_tag_buckets_slots(cluster: RedisCluster) -> None:
+    ns = _ns()
+    keys = _keys(ns, 300, groups=2)
+    async with _tier(cluster.url, True, hash_tag_buckets=4) as tier:
+        await tier.put_many([(k, b"v") for k in keys])
+        raw = _raw(cluster.url, True)
+        try:
+            stored = [rk async for rk in raw.scan_iter(match=tier._match(ns.fingerprint))]
+            slots = {key_slot(rk) for rk in stored}
+            server_slot = await raw.cluster_keyslot(stored[0])
+        finally:
+            await raw.aclose()
+    assert len(stored) == len(keys)
+    assert 1 < len(slots) <= 4  # 300 random hashes fill all 4 buckets with near certainty
+    assert server_slot == key_slot(stored[0])
+    # both groups of a block share a slot
+    assert key_slot(tier.redis_key(keys[0])) == key_slot(tier.redis_key(keys[1]))
+
+
+@pytest.mark.asyncio
+async def test_cluster_spreads_namespaces_over_nodes(cluster: RedisCluster) -> None:
+    ns = _ns()
+    keys = _keys(ns, 200)
+    async with _tier(cluster.url, True, hash_tag_buckets=64) as tier:
+        await tier.put_many([(k, b"x" * 100) for k in keys])
+        st = await tier.stats()
+        assert st.extra["nodes"] == 3
+    per_node = [int(redis_command(p, "DBSIZE")[1:]) for _, p in cluster.nodes]
+    assert sum(1 for n in per_node if n > 0) >= 2
+
+
+# ---- faults -----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["kill", "stop"])
+async def test_dead_server_fails_fast_then_recovers(how: str) -> None:
+    ns = _ns()
+    keys = _keys(ns, 20)
+    with RedisServer() as srv:
+        async with _tier(srv.url, op_timeout_s=10.0) as tier:
+            await tier.put_many([(k, b"before") for k in keys])
+            srv.kill() if how == "kill" else srv._halt()
+            for op in (tier.get_many(keys), tier.put_many([(keys[0], b"x")]), tier.contains_many(keys)):
+                t0 = time.perf_counter()
+                with pytest.raises(TierUnavailableError) as ei:
+                    await op
+                assert time.perf_counter() - t0 < 3.0
+                assert not isinstance(ei.value, TierTimeoutError)
+                assert isinstance(ei.value.__cause__, RedisError)
+                assert "cannot reach" in str(ei.value)
+            srv.restart()
+            await tier.put_many([(keys[0], b"after")])
+            assert await tier.get_many(keys[:2]) == [b"after", None]  # no persistence: old data gone
+
+
+@pytest.mark.asyncio
+async def test_open_against_nothing_fails_fast() -> None:
+    port = free_port()
+    for cluster in (False, True):
+        tier = _tier(f"redis://127.0.0.1:{port}/0" if not cluster else f"redis://127.0.0.1:{port}", cluster)
+        t0 = time.perf_counter()
+        with pytest.raises(TierUnavailableError):
+            await tier.get_many([_ns().key(b"h", 0)])
+        assert time.perf_counter() - t0 < 3.0
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_cluster_node_killed_fails_fast_then_recovers() -> None:
+    with RedisCluster() as c:
+        ns = _ns()
+        keys = _keys(ns, 60)
+        async with _tier(c.url, True, hash_tag_buckets=64) as tier:
+            await tier.put_many([(k, b"v") for k in keys])
+            victim = c.servers[1]
+            victim.kill()
+            t0 = time.perf_counter()
+            with pytest.raises(TierUnavailableError) as ei:
+                await tier.get_many(keys)
+            assert time.perf_counter() - t0 < 3.0
+            assert isinstance(ei.value.__cause__, Exception)
+            victim.restart()  # same port, same nodes.conf: rejoins with its slots
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    await tier.put_many([(keys[0], b"back")])
+                    assert await tier.get_many([keys[0]]) == [b"back"]
+                    break
+                except TierUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+
+
+@pytest.mark.asyncio
+async def test_noeviction_oom_is_tier_full_and_rolls_back() -> None:
+    ns = _ns()
+    with RedisServer(maxmemory="3mb", maxmemory_policy="noeviction") as srv:
+        async with _tier(srv.url) as tier:
+            stored: list[bytes] = []
+            with pytest.raises(TierFullError) as ei:
+                for _ in range(40):
+                    batch = _keys(ns, 4)
+                    await tier.put_many([(k, os.urandom(128 << 10)) for k in batch])
+                    stored += batch
+            assert "out of memory" in str(ei.value) and "maxmemory" in str(ei.value)
+            assert isinstance(ei.value.__cause__, OutOfMemoryError)
+            assert stored, "some puts should fit before the server fills"
+            assert not any(await tier.contains_many(batch)), "the refused batch must be rolled back"
+            assert all(await tier.contains_many(stored))
+            st = await tier.stats()
+            assert st.capacity_bytes == 3 * 1024 * 1024
+            assert st.extra["maxmemory_policy"] == "noeviction"
+            assert tier.evicts_locally is False
+
+
+@pytest.mark.asyncio
+async def test_auth_password_and_acl_user() -> None:
+    ns = _ns()
+    key = ns.key(os.urandom(32), 0)
+    with RedisServer(requirepass="s3cret") as srv:
+        acl = ("ACL", "SETUSER", "alice", "on", ">alicepw", "~*", "&*", "+@all")
+        assert redis_command(srv.port, *acl, password="s3cret") == b"+OK"
+        async with _tier(srv.url, password="s3cret") as tier:
+            await tier.put_many([(key, b"secret bytes")])
+        async with _tier(srv.url, username="alice", password="alicepw", key_prefix=tier.config.key_prefix) as t2:
+            assert await t2.get_many([key]) == [b"secret bytes"]
+        for kw in ({"password": "wrong"}, {}, {"username": "alice", "password": "nope"}):
+            bad = _tier(srv.url, **kw)
+            t0 = time.perf_counter()
+            with pytest.raises(TierUnavailableError) as ei:
+                await bad.get_many([key])
+            assert time.perf_counter() - t0 < 3.0
+            assert "authentication failed" in str(ei.value)
+            assert "username/password" in str(ei.value)
+            assert ei.value.__cause__ is not None
+            await bad.close()
+
+
+@pytest.mark.asyncio
+async def test_ttl_is_set_when_configured(server: RedisServer, raw_single: aioredis.Redis) -> None:
+    ns = _ns()
+    k1, k2 = _keys(ns, 2)
+    async with _tier(server.url, ttl_s=100) as tier:
+        await tier.put_many([(k1, b"expiring")])
+        pttl = await raw_single.pttl(tier.redis_key(k1))
+    assert 90_000 < pttl <= 100_000
+    async with _tier(server.url) as tier:
+        await tier.put_many([(k2, b"forever")])
+        assert await raw_single.pttl(tier.redis_key(k2)) == -1
+
+
+# ---- corrupt and foreign records ---------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_garbage_record_is_miss_deleted_and_counted(url_cluster: tuple[str, bool]) -> None:
+    url, cluster = url_cluster
+    ns = _ns()
+    good, bad = _keys(ns, 2)
+    raw = _raw(url, cluster)
+    try:
+        async with _tier(url, cluster) as tier:
+            await tier.put_many([(good, b"fine"), (bad, b"will be overwritten")])
+            await raw.set(tier.redis_key(bad), b"garbage, not a record")
+            assert await tier.get_many([good, bad]) == [b"fine", None]
+            assert await raw.exists(tier.redis_key(bad)) == 0
+            assert await raw.exists(tier.redis_key(good)) == 1
+            assert tier.counters["corrupt"] == 1
+            # a truncated record and a flipped payload byte are caught too
+            rec = encode_record(bad, b"payload!")
+            await raw.set(tier.redis_key(bad), bytes(rec[:-1]))
+            rec[-1] ^= 0xFF
+            await raw.set(tier.redis_key(good), bytes(rec))
+            assert await tier.get_many([bad, good]) == [None, None]
+            assert tier.counters["corrupt"] == 3
+    finally:
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_foreign_record_under_our_key_is_a_miss(server: RedisServer, raw_single: aioredis.Redis) -> None:
+    ours, theirs = _ns(), _ns()
+    h = os.urandom(32)
+    mine, foreign, sibling = ours.key(h, 0), theirs.key(h, 0), ours.key(os.urandom(32), 0)
+    async with _tier(server.url) as tier:
+        await tier.put_many([(foreign, b"other model's bytes"), (sibling, b"other block")])
+        assert await raw_single.copy(tier.redis_key(foreign), tier.redis_key(mine), replace=True)
+        assert await tier.get_many([mine]) == [None]
+        assert tier.counters["corrupt"] == 1
+        # a record of the same namespace but another block, copied over: checksum covers the key
+        await raw_single.set(tier.redis_key(mine), await raw_single.get(tier.redis_key(sibling)))
+        assert await tier.get_many([mine]) == [None]
+        assert tier.counters["corrupt"] == 2
+        assert await tier.get_many([foreign, sibling]) == [b"other model's bytes", b"other block"]
+
+
+@pytest.mark.asyncio
+async def test_corrupt_delete_spares_a_concurrent_rewrite(server: RedisServer, raw_single: aioredis.Redis) -> None:
+    ns = _ns()
+    key = ns.key(os.urandom(32), 0)
+    async with _tier(server.url) as tier:
+        rk = tier.redis_key(key)
+        fresh = bytes(encode_record(key, b"fresh"))
+        # the record was garbage when read, but another client rewrote it before the delete
+        await tier._drop_corrupt([(rk, b"garbage seen by the reader")])
+        await raw_single.set(rk, fresh)
+        await tier._drop_corrupt([(rk, b"garbage seen by the reader")])
+        assert await tier.get_many([key]) == [b"fresh"]
+
+
+# ---- scan and stats ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_scan_by_namespace_is_exact(url_cluster: tuple[str, bool]) -> None:
+    url, cluster = url_cluster
+    a, b = _ns(), _ns()
+    ka, kb = _keys(a, 150, groups=2), _keys(b, 30)
+    prefix = _prefix()
+    async with _tier(url, cluster, key_prefix=prefix) as tier:
+        await tier.put_many([(k, os.urandom(i % 50)) for i, k in enumerate(ka)] + [(k, b"b") for k in kb])
+        # a key that looks like ours but is not a record key must be ignored
+        raw = _raw(url, cluster)
+        try:
+            await raw.set(f"{prefix}:{{junk}}:zz".encode(), b"x")
+            await raw.set(f"{prefix}x:{{{a.fingerprint.hex()}.0}}:00".encode(), b"x")
+        finally:
+            await raw.aclose()
+        seen_a = {i.key: i for i in [i async for i in tier.scan(a)]}
+        assert set(seen_a) == set(ka)
+        assert all(seen_a[k].size == i % 50 and seen_a[k].stamp is None for i, k in enumerate(ka))
+        assert {i.key async for i in tier.scan(b.fingerprint)} == set(kb)
+        assert {i.key async for i in tier.scan()} == set(ka) | set(kb)
+        assert [i async for i in tier.scan(_ns())] == []
+
+
+@pytest.mark.asyncio
+async def test_stats(url_cluster: tuple[str, bool]) -> None:
+    url, cluster = url_cluster
+    ns = _ns()
+    async with _tier(url, cluster) as tier:
+        await tier.put_many([(k, b"s" * 1000) for k in _keys(ns, 10)])
+        st = await tier.stats()
+    assert st.kind == "redis" and st.name == "redis"
+    assert st.capacity_bytes is None  # no maxmemory
+    assert st.used_bytes > 10_000
+    assert st.records is not None and st.records >= 10
+    assert st.extra["nodes"] == (3 if cluster else 1)
+    assert st.counters["puts"] == 10
+
+
+# ---- TLS --------------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tls_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tls")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.crt", cwd=d)  # fmt: skip
+    return d
+
+
+@pytest.mark.asyncio
+async def test_tls_with_client_certificate(tls_certs: Path) -> None:
+    d = tls_certs
+    tls_port = free_port()
+    args = ["--tls-port", str(tls_port), "--tls-cert-file", str(d / "server.crt"),
+            "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"),
+            "--tls-auth-clients", "yes"]  # fmt: skip
+    key = _ns().key(os.urandom(32), 0)
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    with RedisServer(extra_args=args):
+        mtls = {"ssl_certfile": str(d / "client.crt"), "ssl_keyfile": str(d / "client.key")}
+        async with _tier(url, ssl_ca_certs=str(d / "ca.crt"), **mtls) as tier:
+            await tier.put_many([(key, b"over tls")])
+            assert await tier.get_many([key]) == [b"over tls"]
+        no_cert = _tier(url, ssl_ca_certs=str(d / "ca.crt"))
+        with pytest.raises(TierUnavailableError):
+            await no_cert.get_many([key])
+        await no_cert.close()
+    with pytest.raises(ValueError, match="rediss://"):  # ConfigError: TLS options on a plain url
+        await _tier(f"redis://127.0.0.1:{tls_port}/0", ssl_ca_certs=str(d / "ca.crt")).open()

@@ -1,0 +1,471 @@
+"""Redis tier: one Redis key per record, batched through pipelines (single node or Cluster).
+
+Primitives:
+
+* :class:`RedisTier` — the tier (``kind = "redis"``); redis-py asyncio, hiredis when installed.
+* :func:`redis_key` / :func:`parse_redis_key` — the key layout and its inverse.
+
+Key layout (ASCII bytes)::
+
+    {key_prefix}:{<fingerprint hex>.<bucket hex>}:<block hash + group, hex>
+
+The part in braces is the Redis Cluster *hash tag*: ``bucket`` is the first 4 bytes of the
+block hash (big-endian) modulo ``hash_tag_buckets``, so one namespace's batch touches at most
+``hash_tag_buckets`` slots, while different blocks still spread over the cluster. Every
+group of a block lands in the same slot. Hex keeps keys printable and unambiguous, and
+``parse_redis_key`` recovers the stored key for ``scan``.
+
+Values are whole records (:func:`tieredkv.format.encode_record`), written with one ``SET``
+each (atomic per record; ``EX`` when ``ttl_s`` is set) and verified on every ``GET``.
+Capacity is the server's (``maxmemory``): the tier does not evict (``evicts_locally`` is
+false). A put that Redis refuses (``OOM``) raises :class:`~tieredkv.errors.TierFullError`
+after deleting the records of that call that were already written (best effort).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tieredkv.backends.base import RecordInfo, Tier, TierStats
+from tieredkv.config import RedisTierConfig
+from tieredkv.errors import (
+    ConfigError,
+    CorruptRecordError,
+    TieredKVError,
+    TierFullError,
+    TierTimeoutError,
+    TierUnavailableError,
+)
+from tieredkv.format import HEADER_SIZE, encode_record, verify_record
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+
+__all__ = ["RedisTier", "parse_redis_key", "redis_key"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Keys per pipeline for commands whose replies are small (EXISTS, DEL, STRLEN).
+_SMALL_BATCH = 2048
+#: SCAN ``COUNT`` hint.
+_SCAN_COUNT = 1000
+#: Record size assumed for splitting GET pipelines before any record was seen.
+_DEFAULT_RECORD_GUESS = 256 << 10
+_GLOB_SPECIAL = frozenset(b"*?[]\\")
+
+# Deletes a key only if it still holds the bytes we judged corrupt (SHA-1 match), so a
+# fresh record written concurrently by another client is never dropped.
+_DEL_IF_SAME = """
+local v = redis.call('GET', KEYS[1])
+if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+# ---- key layout ------------------------------------------------------------------------
+
+
+def _bucket(block_hash: bytes, buckets: int) -> int:
+    return int.from_bytes(block_hash[:4], "big") % buckets
+
+
+def redis_key(prefix: bytes, key: bytes, buckets: int) -> bytes:
+    """The Redis key of stored key ``key`` (see the module docstring for the layout)."""
+    fp = key[:FINGERPRINT_BYTES]
+    rest = key[FINGERPRINT_BYTES:]
+    bucket = _bucket(rest[:-GROUP_BYTES], buckets)
+    return b"%s:{%s.%x}:%s" % (prefix, fp.hex().encode(), bucket, rest.hex().encode())
+
+
+def parse_redis_key(prefix: bytes, rkey: bytes) -> bytes | None:
+    """The stored key behind Redis key ``rkey``, or ``None`` if it is not one of ours."""
+    head = prefix + b":{"
+    if not rkey.startswith(head):
+        return None
+    end = rkey.find(b"}:", len(head))
+    if end < 0:
+        return None
+    fp_hex, dot, _bucket_hex = rkey[len(head) : end].partition(b".")
+    try:
+        fp = bytes.fromhex(fp_hex.decode("ascii"))
+        rest = bytes.fromhex(rkey[end + 2 :].decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not dot or len(fp) != FINGERPRINT_BYTES or len(rest) <= GROUP_BYTES:
+        return None
+    return fp + rest
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    return b"".join(b"\\" + bytes([c]) if c in _GLOB_SPECIAL else bytes([c]) for c in raw)
+
+
+def _chunks(items: Sequence[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """Split ``items`` into runs whose ``size`` sums to at most ``limit`` (never empty runs)."""
+    run: list[T] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if run and total + n > limit:
+            yield run
+            run, total = [], 0
+        run.append(it)
+        total += n
+    if run:
+        yield run
+
+
+# ---- the tier --------------------------------------------------------------------------
+
+
+class RedisTier(Tier):
+    """A Redis server or Redis Cluster as a tier.
+
+    Args:
+        config: :class:`~tieredkv.config.RedisTierConfig`.
+        name: overrides ``config.name``.
+
+    Example::
+
+        async with RedisTier(RedisTierConfig(url="redis://127.0.0.1:6379/0")) as tier:
+            await tier.put_many([(key, payload)])
+    """
+
+    kind: ClassVar[str] = "redis"
+    evicts_locally: ClassVar[bool] = False
+
+    config: RedisTierConfig
+
+    def __init__(self, config: RedisTierConfig, *, name: str | None = None) -> None:
+        super().__init__(config, name=name)
+        if "{" in config.key_prefix or "}" in config.key_prefix:
+            # A brace in the prefix would become the cluster hash tag and put every key
+            # of every namespace in one slot.
+            raise ConfigError(
+                f"tier {self.name!r}: key_prefix {config.key_prefix!r} must not contain '{{' or '}}'"
+                " (the hash tag is added by the tier); use e.g. 'tkv' or 'tkv-prod'"
+            )
+        self._client: Any = None
+        self._prefix = config.key_prefix.encode()
+        self._buckets = config.hash_tag_buckets
+        self._max_batch = int(config.max_batch_bytes)
+        self._record_guess = _DEFAULT_RECORD_GUESS
+        parts = urlsplit(config.url)
+        self._where = f"{parts.scheme}://{parts.hostname or parts.path}{f':{parts.port}' if parts.port else ''}"
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key this tier stores ``key`` under."""
+        return redis_key(self._prefix, key, self._buckets)
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        c = self.config
+        kw: dict[str, Any] = {
+            "socket_timeout": c.socket_timeout_s,
+            "socket_connect_timeout": c.connect_timeout_s,
+            # One immediate retry: enough to replace a pooled connection that died with a
+            # restarted server, few enough that a dead server fails in milliseconds.
+            "retry": Retry(NoBackoff(), 1),
+        }
+        if c.username is not None:
+            kw["username"] = c.username
+        if c.password is not None:
+            kw["password"] = c.password
+        tls = {
+            k: v
+            for k, v in (
+                ("ssl_ca_certs", c.ssl_ca_certs),
+                ("ssl_certfile", c.ssl_certfile),
+                ("ssl_keyfile", c.ssl_keyfile),
+            )
+            if v
+        }
+        if tls and not c.url.startswith("rediss://"):
+            raise ConfigError(
+                f"tier {self.name!r}: {', '.join(sorted(tls))} set but url {self._where!r} is not TLS;"
+                " use a rediss:// url"
+            )
+        kw.update(tls)
+        return kw
+
+    def _pipeline(self) -> Any:
+        return self._client.pipeline(transaction=False)
+
+    def _note_size(self, record_len: int) -> None:
+        # Running estimate of record size, used to split GET pipelines by bytes.
+        self._record_guess = (self._record_guess * 7 + record_len) // 8
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        kw = self._client_kwargs()
+        if self.config.cluster:
+            client: Any = RedisCluster.from_url(self.config.url, **kw)
+        else:
+            client = aioredis.Redis.from_url(self.config.url, **kw)
+        try:
+            if self.config.cluster:
+                await client.initialize()
+            else:
+                await client.ping()
+        except BaseException:
+            await _aclose_quietly(client)
+            raise
+        self._client = client
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    # ---- data path --------------------------------------------------------------------
+
+    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        ttl = self.config.ttl_s
+        written: list[bytes] = []
+        try:
+            for run in _chunks(items, lambda it: HEADER_SIZE + len(it[1]), self._max_batch):
+                pipe = self._pipeline()
+                rkeys = [self.redis_key(k) for k, _ in run]
+                for rk, (key, payload) in zip(rkeys, run, strict=True):
+                    pipe.set(rk, encode_record(key, payload), ex=ttl)
+                results = await pipe.execute(raise_on_error=False)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                written.extend(rk for rk, r in zip(rkeys, results, strict=True) if not isinstance(r, BaseException))
+                if failed:
+                    raise failed[0]
+        except ResponseError:
+            # The server answered but refused (OOM, READONLY...): undo this call's writes.
+            await self._rollback(written)
+            raise
+        if items:
+            self._note_size(HEADER_SIZE + len(items[-1][1]))
+
+    async def _rollback(self, rkeys: list[bytes]) -> None:
+        if not rkeys:
+            return
+        try:
+            for run in _chunks(rkeys, lambda _: 1, _SMALL_BATCH):
+                pipe = self._pipeline()
+                for rk in run:
+                    pipe.delete(rk)
+                await pipe.execute(raise_on_error=False)
+        except RedisError as e:  # best effort: the put's own error is what the caller sees
+            log.warning("tier %s: could not roll back %d records of a failed put: %s", self.name, len(rkeys), e)
+
+    async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
+        out: list[int | bytes | None] = [None] * len(keys)
+        corrupt: list[tuple[bytes, bytes]] = []
+
+        def size(i: int) -> int:
+            dst = into[i]
+            return self._record_guess if dst is None else HEADER_SIZE + len(dst)
+
+        for run in _chunks(range(len(keys)), size, self._max_batch):
+            pipe = self._pipeline()
+            rkeys = [self.redis_key(keys[i]) for i in run]
+            for rk in rkeys:
+                pipe.get(rk)
+            values = await pipe.execute()
+            for i, rk, value in zip(run, rkeys, values, strict=True):
+                if value is None:
+                    continue
+                try:
+                    payload = verify_record(value, keys[i])
+                except CorruptRecordError as e:
+                    self._on_corrupt(keys[i], e)
+                    corrupt.append((rk, value))
+                    continue
+                self._note_size(len(value))
+                out[i] = self._deliver(keys[i], payload, into[i])
+        if corrupt:
+            await self._drop_corrupt(corrupt)
+        return out
+
+    async def _drop_corrupt(self, corrupt: list[tuple[bytes, bytes]]) -> None:
+        """Delete records that failed verification, unless rewritten meanwhile (rare path)."""
+        for rk, value in corrupt:
+            digest = hashlib.sha1(value, usedforsecurity=False).hexdigest()
+            try:
+                await self._client.eval(_DEL_IF_SAME, 1, rk, digest)
+            except ResponseError:  # scripting disabled (managed Redis): plain DEL
+                await self._client.delete(rk)
+
+    async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for run in _chunks(keys, lambda _: self._record_guess, self._max_batch):
+            pipe = self._pipeline()
+            for k in run:
+                pipe.get(self.redis_key(k))
+            out.extend(await pipe.execute())
+        return out
+
+    async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        ttl = self.config.ttl_s
+        for run in _chunks(items, lambda it: len(it[1]), self._max_batch):
+            pipe = self._pipeline()
+            for key, record in run:
+                pipe.set(self.redis_key(key), record, ex=ttl)
+            await pipe.execute()
+
+    async def _contains_many(self, keys: list[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
+            pipe = self._pipeline()
+            for k in run:
+                pipe.exists(self.redis_key(k))
+            out.extend(bool(r) for r in await pipe.execute())
+        return out
+
+    async def _delete_many(self, keys: list[bytes]) -> int:
+        removed = 0
+        for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
+            pipe = self._pipeline()
+            for k in run:
+                pipe.delete(self.redis_key(k))
+            removed += sum(int(r) for r in await pipe.execute())
+        return removed
+
+    # ---- scan -------------------------------------------------------------------------
+
+    def _match(self, fingerprint: bytes | None) -> bytes:
+        head = _glob_escape(self._prefix) + b":{"
+        return head + (fingerprint.hex().encode() + b".*" if fingerprint is not None else b"*")
+
+    async def _scan(self, fingerprint: bytes | None) -> AsyncIterator[RecordInfo]:
+        match = self._match(fingerprint)
+        seen: set[bytes] = set()  # SCAN may return a key twice
+        async for batch in self._scan_batches(match):
+            fresh = [rk for rk in batch if rk not in seen]
+            seen.update(fresh)
+            keyed = [(rk, sk) for rk in fresh if (sk := parse_redis_key(self._prefix, rk)) is not None]
+            if fingerprint is not None:
+                keyed = [(rk, sk) for rk, sk in keyed if sk[:FINGERPRINT_BYTES] == fingerprint]
+            if not keyed:
+                continue
+            pipe = self._pipeline()
+            for rk, _ in keyed:
+                pipe.strlen(rk)
+            for (_, sk), n in zip(keyed, await pipe.execute(), strict=True):
+                if n >= HEADER_SIZE:  # 0: deleted since SCAN saw it
+                    yield RecordInfo(key=sk, size=int(n) - HEADER_SIZE, stamp=None)
+
+    async def _scan_batches(self, match: bytes) -> AsyncIterator[list[bytes]]:
+        """SCAN every primary (one on a single node), yielding each reply's keys."""
+        if not self.config.cluster:
+            cursor = 0
+            while True:
+                cursor, keys = await self._client.scan(cursor, match=match, count=_SCAN_COUNT)
+                if keys:
+                    yield list(keys)
+                if cursor == 0:
+                    return
+        for node in self._client.get_primaries():
+            cursor = 0
+            while True:
+                reply = await self._client.execute_command(
+                    "SCAN", cursor, "MATCH", match, "COUNT", _SCAN_COUNT, target_nodes=node
+                )
+                cursor, keys = _scan_reply(reply)
+                if keys:
+                    yield keys
+                if cursor == 0:
+                    break
+
+    # ---- stats ------------------------------------------------------------------------
+
+    async def _stats(self) -> TierStats:
+        infos: list[dict[str, Any]] = []
+        sizes: list[int] = []
+        if self.config.cluster:
+            for node in self._client.get_primaries():
+                infos.append(await self._client.info("memory", target_nodes=node))
+                sizes.append(int(await self._client.dbsize(target_nodes=node)))
+        else:
+            infos.append(await self._client.info("memory"))
+            sizes.append(int(await self._client.dbsize()))
+        maxmem = [int(i.get("maxmemory", 0)) for i in infos]
+        policies = sorted({str(i.get("maxmemory_policy", "")) for i in infos})
+        return TierStats(
+            name=self.name,
+            kind=self.kind,
+            capacity_bytes=sum(maxmem) if maxmem and all(maxmem) else None,
+            used_bytes=sum(int(i.get("used_memory", 0)) for i in infos),
+            records=sum(sizes),
+            extra={
+                "nodes": len(infos),
+                "maxmemory_policy": policies[0] if len(policies) == 1 else policies,
+                "records_scope": "DBSIZE: every key in the database(s), not only this tier's prefix",
+                "key_prefix": self.config.key_prefix,
+                "url": self._where,
+            },
+        )
+
+    # ---- errors -----------------------------------------------------------------------
+
+    def _translate(self, exc: BaseException, op: str) -> TieredKVError:
+        """Map redis-py errors to the tieredkv tree (the caller chains ``exc`` as the cause)."""
+        where = f"tier {self.name!r} (redis at {self._where})"
+        detail = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and str(exc).startswith("OOM")):
+            return TierFullError(
+                f"{where}: {op} refused, the server is out of memory ({detail}); raise its maxmemory,"
+                " use maxmemory-policy allkeys-lru so Redis evicts, or set ttl_s"
+            )
+        if isinstance(exc, AuthenticationError):
+            return TierUnavailableError(
+                f"{where}: {op}: authentication failed ({detail}); check the tier's username/password"
+                " (or the credentials in its url) against the server's requirepass / ACL users"
+            )
+        if isinstance(exc, NoPermissionError):
+            return TierUnavailableError(
+                f"{where}: {op}: the ACL user lacks a permission ({detail}); it needs"
+                " +get +set +del +exists +strlen +scan +eval +info +dbsize on the key prefix"
+            )
+        if isinstance(exc, RedisTimeoutError):
+            return TierTimeoutError(
+                f"{where}: {op}: no reply within socket_timeout_s={self.config.socket_timeout_s} ({detail})"
+            )
+        if isinstance(exc, (RedisConnectionError, OSError)):
+            return TierUnavailableError(f"{where}: {op}: cannot reach the server ({detail})")
+        if isinstance(exc, (ClusterError, RedisClusterException)):
+            return TierUnavailableError(f"{where}: {op}: the cluster is unavailable ({detail})")
+        return TierUnavailableError(f"{where}: {op} failed ({detail})")
+
+
+def _scan_reply(reply: Any) -> tuple[int, list[bytes]]:
+    """Normalise a SCAN reply sent to one cluster node (``[cursor, keys]`` or ``{node: ...}``)."""
+    if isinstance(reply, dict):  # {node_name: [cursor, keys]}
+        (reply,) = reply.values()
+    cursor, keys = reply
+    if isinstance(cursor, dict):  # redis-py's cluster callback: ({node_name: cursor}, keys)
+        (cursor,) = cursor.values()
+    return int(cursor), list(keys)
+
+
+async def _aclose_quietly(client: Any) -> None:
+    try:
+        await client.aclose()
+    except Exception as e:  # noqa: BLE001 - already failing; keep the original error
+        log.debug("closing a half-open redis client failed: %s", e)

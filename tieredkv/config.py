@@ -38,6 +38,7 @@ from tieredkv.errors import ConfigError
 
 __all__ = [
     "CPUTierConfig",
+    "MetricsConfig",
     "PipelineConfig",
     "PolicyRule",
     "LMDBTierConfig",
@@ -238,6 +239,15 @@ class PipelineConfig(_Model):
     uvloop: bool = Field(True, description="Run the pipeline loop on uvloop when it is installed.")
 
 
+class MetricsConfig(_Model):
+    """Prometheus metrics."""
+
+    port: int | None = Field(
+        None, ge=0, le=65535, description="Serve /metrics over HTTP on this port (None: no endpoint; 0: any free port)."
+    )
+    addr: str = Field("127.0.0.1", description="Address the metrics endpoint binds to ('0.0.0.0' in a container).")
+
+
 def _default_tiers() -> list[Any]:
     return [CPUTierConfig(), LMDBTierConfig()]
 
@@ -256,6 +266,7 @@ class TieredKVConfig(_Model):
         description="Routing rules; a group takes the first rule that matches it.",
     )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Store/load pipeline settings.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics settings.")
 
     @model_validator(mode="after")
     def _names(self) -> TieredKVConfig:
@@ -473,7 +484,7 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
             node = item
             i += 3 if i + 2 < len(loc) and loc[i + 2] in _TIER_MODELS else 2
             continue
-        sub = {"namespace": NamespaceConfig, "pipeline": PipelineConfig}.get(str(part))
+        sub = {"namespace": NamespaceConfig, "pipeline": PipelineConfig, "metrics": MetricsConfig}.get(str(part))
         if model is TieredKVConfig and sub is not None:
             model, node, i = sub, node.get(part) if isinstance(node, dict) else None, i + 1
             continue

@@ -16,6 +16,16 @@ from tieredkv.keys import Namespace, make_chunk_key
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # open_store / TieredStore pull in torch: import them on first use only.
+    if name in ("open_store", "TieredStore"):
+        from tieredkv import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'tieredkv' has no attribute {name!r}")
+
+
 __all__ = [
     "ConfigError",
     "CorruptRecordError",
@@ -26,7 +36,9 @@ __all__ = [
     "TierUnavailableError",
     "TieredKVConfig",
     "TieredKVError",
+    "TieredStore",
     "__version__",
     "load_config",
     "make_chunk_key",
+    "open_store",
 ]

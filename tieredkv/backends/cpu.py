@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,7 @@ class CPUTier(Tier):
         self._class_sizes = sorted({x for x in sizes if x < self._seg_bytes} | {self._seg_bytes})
         self._slab: Any = None
         self._mv: memoryview | None = None
+        self._evict_listener: Callable[[bytes, bytes], None] | None = None
         self.pinned = False
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -93,6 +94,11 @@ class CPUTier(Tier):
         self._index = {}
 
     # ---- public extras -----------------------------------------------------------------
+
+    def set_evict_listener(self, fn: Callable[[bytes, bytes], None] | None) -> None:
+        """Call ``fn(key, payload_bytes)`` for every record evicted (not deleted), before its slot
+        is reused — write-back demotes it to a lower tier. Corrupt records are not passed on."""
+        self._evict_listener = fn
 
     @property
     def slab(self) -> Any:
@@ -242,8 +248,7 @@ class CPUTier(Tier):
     def _evict_one(self, cls: int, reserved: set[bytes]) -> bool:
         for key in self._lru[cls]:
             if key not in reserved and not self.is_pinned(key):
-                self._drop(key, self._lru[cls][key])
-                self._count("evictions")
+                self._evict(key, self._lru[cls][key])
                 return True
         return False
 
@@ -261,13 +266,23 @@ class CPUTier(Tier):
         if best is None:
             return
         for key in list(self._seg_keys[best]):
-            self._drop(key, self._index[key])
-            self._count("evictions")
+            self._evict(key, self._index[key])
         owner = self._seg_cls.pop(best)
         del self._seg_keys[best]
         base = best * self._seg_bytes
         self._free[owner] = [o for o in self._free[owner] if not base <= o < base + self._seg_bytes]
         self._carve(best, cls)
+
+    def _evict(self, key: bytes, slot: _Slot) -> None:
+        if self._evict_listener is not None and self._mv is not None:
+            try:
+                payload = verify_parts(slot.header, self._mv[slot.offset : slot.offset + slot.length], key)
+            except CorruptRecordError as e:
+                self._on_corrupt(key, e)
+            else:
+                self._evict_listener(key, bytes(payload))
+        self._drop(key, slot)
+        self._count("evictions")
 
     def _drop(self, key: bytes, slot: _Slot) -> None:
         del self._index[key]

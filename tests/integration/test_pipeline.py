@@ -1,0 +1,203 @@
+"""The store/load pipeline with real tiers: bytes, pending, write-back, breaker, back-pressure, close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tieredkv.backends.cpu import CPUTier
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.redis import RedisTier
+from tieredkv.config import CPUTierConfig, LMDBTierConfig, PipelineConfig, PolicyRule, RedisTierConfig
+from tieredkv.keys import Namespace
+from tieredkv.pipeline import ChunkRef, KeyState, LoadJob, Pipeline, StoreJob
+from tieredkv.policy import TierPolicy
+from tieredkv.staging import StagingPool
+from tieredkv.testing.faulty import FaultyTier
+from tieredkv.testing.servers import RedisServer
+
+NS = Namespace(model="pipeline-test")
+BLOCKS, BPC = 64, 4  # blocks per group, blocks per chunk
+LAYER_SHAPE = (BLOCKS, 2, 16, 4, 32)  # 4 KiB per block per layer, uint8
+
+
+def kv(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, LAYER_SHAPE, dtype=torch.uint8, generator=g) for _ in range(2)]
+
+
+def chunks(n: int, group: int = 0, start: int = 0) -> tuple[ChunkRef, ...]:
+    return tuple(
+        ChunkRef(NS.key((start + i).to_bytes(32, "big"), group), tuple(range(BPC * i, BPC * i + BPC))) for i in range(n)
+    )
+
+
+def make(tiers: list[Any], rules: list[PolicyRule] | None = None, **cfg: Any) -> Pipeline:
+    pcfg = PipelineConfig(**{"uvloop": True, **cfg})
+    pol = TierPolicy(rules or [PolicyRule()], [t.name for t in tiers])
+    return Pipeline(tiers, pol, pcfg, staging=StagingPool(int(cfg.get("staging_bytes", 64 << 20))))
+
+
+def cpu(**kw: Any) -> CPUTier:
+    return CPUTier(CPUTierConfig(**{"capacity_bytes": 32 << 20, "segment_bytes": 1 << 20, **kw}))
+
+
+def lmdb(path: Path, **kw: Any) -> LMDBTier:
+    return LMDBTier(LMDBTierConfig(**{"path": str(path), "map_size_bytes": 256 << 20, "size_cap_bytes": 128 << 20, **kw}))
+
+
+def wait_results(p: Pipeline, n: int, timeout: float = 20.0) -> dict[int, Any]:
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        for r in p.poll_finished():
+            got[r.job_id] = r
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} results"
+        time.sleep(0.002)
+    return got
+
+
+def test_store_lookup_load_round_trip_with_partial_first_chunk(tmp_path: Path) -> None:
+    src, dst = kv(1), kv(2)
+    with make([cpu(), lmdb(tmp_path)]) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.register_group(1, dst, blocks_per_chunk=BPC)
+        cs = chunks(8)
+        t0 = time.perf_counter()
+        p.submit_store(StoreJob(1, 0, cs))
+        assert time.perf_counter() - t0 < 0.05, "submit must return at once"
+        (res,) = wait_results(p, 1).values()
+        assert res.ok and res.done == tuple(c.key for c in cs) and res.tiers == {"cpu": 8, "lmdb": 8}
+        assert p.lookup([cs[0].key, NS.key(b"x" * 32, 0)]) == [(KeyState.HIT, "cpu"), (KeyState.MISS, None)]
+        # Load group-0 chunks into group-1's tensors (same geometry), the first one from block 2 on.
+        load = (ChunkRef(cs[0].key, (40, 41)), ChunkRef(cs[1].key, (44, 45, 46, 47)))
+        p.submit_load(LoadJob(2, 1, load, skip_blocks=2))
+        (res,) = wait_results(p, 1).values()
+        assert res.ok and res.tiers == {"cpu": 2}
+        for s, d in zip(src, dst):
+            assert torch.equal(d[40:42], s[2:4]) and torch.equal(d[44:48], s[4:8])
+            assert not torch.equal(d[42], s[2])  # untouched neighbour
+
+
+def test_lower_tier_hit_is_promoted(tmp_path: Path) -> None:
+    src = kv(3)
+    low = lmdb(tmp_path)
+    rules = [PolicyRule(tiers=["lmdb"])]
+    with make([cpu(), low], rules) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.submit_store(StoreJob(1, 0, chunks(2)))
+        wait_results(p, 1)
+    top = cpu()
+    with make([top, lmdb(tmp_path)], [PolicyRule(tiers=["cpu", "lmdb"])]) as p:
+        p.register_group(0, kv(4), blocks_per_chunk=BPC)
+        assert p.lookup([chunks(1)[0].key]) == [(KeyState.HIT, "lmdb")]
+        p.submit_load(LoadJob(2, 0, chunks(2)))
+        (res,) = wait_results(p, 1).values()
+        assert res.ok and res.tiers == {"lmdb": 2}
+        assert p.lookup([c.key for c in chunks(2)]) == [(KeyState.HIT, "cpu")] * 2
+        assert p.stats()["counters"]["promotions"] == 2
+
+
+def test_write_back_demotes_on_cpu_eviction(tmp_path: Path) -> None:
+    src = kv(5)
+    chunk_bytes = BPC * 2 * 4096
+    with make([cpu(capacity_bytes=4 * chunk_bytes, segment_bytes=chunk_bytes), lmdb(tmp_path)],
+              [PolicyRule(tiers=["cpu", "lmdb"], write="back")]) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        cs = chunks(8)
+        for i, c in enumerate(cs):
+            p.submit_store(StoreJob(i, 0, (c,)))
+            wait_results(p, 1)
+        assert p.drain(10)
+        states = p.lookup([c.key for c in cs])
+        assert [s for s, _ in states] == [KeyState.HIT] * 8
+        assert {t for _, t in states[:4]} == {"lmdb"} and {t for _, t in states[4:]} == {"cpu"}
+        assert p.stats()["counters"]["write_backs"] == 4
+        dst = kv(6)
+        p.register_group(1, dst, blocks_per_chunk=BPC)
+        p.submit_load(LoadJob(99, 0, (cs[0],)))
+        assert next(iter(wait_results(p, 1).values())).ok
+
+
+def test_lookup_says_pending_until_bytes_are_written(tmp_path: Path) -> None:
+    slow = FaultyTier(lmdb(tmp_path), delay_s=0.5, ops={"put_many"})
+    with make([slow], [PolicyRule()]) as p:
+        p.register_group(0, kv(7), blocks_per_chunk=BPC)
+        c = chunks(1)
+        p.submit_store(StoreJob(1, 0, c))
+        assert p.lookup([c[0].key]) == [(KeyState.PENDING, None)]
+        wait_results(p, 1)
+        assert p.lookup([c[0].key]) == [(KeyState.HIT, slow.name)]
+
+
+def test_staging_exhausted_means_back_pressure_not_deadlock(tmp_path: Path) -> None:
+    chunk_bytes = BPC * 2 * 4096
+    slow = FaultyTier(lmdb(tmp_path), delay_s=0.3, ops={"put_many"})
+    with make([slow], staging_bytes=2 * chunk_bytes) as p:
+        p.register_group(0, kv(8), blocks_per_chunk=BPC)
+        t0 = time.perf_counter()
+        for i in range(6):
+            p.submit_store(StoreJob(i, 0, chunks(1, start=i)))
+        assert time.perf_counter() - t0 < 0.1, "a full staging pool must not block the caller"
+        res = wait_results(p, 6)
+        refused = [r for r in res.values() if not r.ok]
+        assert len(refused) == 4 and all("back-pressure" in (r.error or "") for r in refused)
+        assert p.stats()["counters"]["store_backpressure"] == 4
+        p.submit_store(StoreJob(10, 0, chunks(1, start=10)))  # room again once the first two finished
+        assert wait_results(p, 1)[10].ok
+
+
+def test_close_with_jobs_in_flight_is_clean(tmp_path: Path) -> None:
+    stuck = FaultyTier(lmdb(tmp_path), delay_s=30, ops={"put_many"})
+    p = make([stuck], job_timeout_s=60).start()
+    p.register_group(0, kv(9), blocks_per_chunk=BPC)
+    for i in range(3):
+        p.submit_store(StoreJob(i, 0, chunks(1, start=i)))
+    t0 = time.perf_counter()
+    p.close(timeout=0.5)
+    assert time.perf_counter() - t0 < 5
+    res = {r.job_id: r for r in p.poll_finished()}
+    assert set(res) == {0, 1, 2} and all(not r.ok and "cancelled" in (r.error or "") for r in res.values())
+    names = [t.name for t in threading.enumerate()]
+    assert not any(n.startswith(("tieredkv-pipeline", "tieredkv-lmdb")) for n in names), names
+    p.submit_store(StoreJob(5, 0, chunks(1)))  # after close: refused, no exception
+    assert p.poll_finished()[0].error == "pipeline is closed"
+    p.close()  # idempotent
+
+
+def test_redis_killed_mid_run_drops_counted_then_heals() -> None:
+    with RedisServer() as srv:
+        red = RedisTier(RedisTierConfig(url=srv.url, socket_timeout_s=0.5, connect_timeout_s=0.2))
+        with make([cpu(), red], breaker_failures=2, breaker_reset_s=0.3, max_batch_items=1) as p:
+            p.register_group(0, kv(10), blocks_per_chunk=BPC)
+            p.submit_store(StoreJob(0, 0, chunks(1)))
+            assert wait_results(p, 1)[0].tiers == {"cpu": 1, "redis": 1}
+            srv.kill()
+            for i in range(1, 7):
+                p.submit_store(StoreJob(i, 0, chunks(1, start=i)))
+            res = wait_results(p, 6)
+            assert all(r.ok and r.tiers["cpu"] == 1 and r.tiers["redis"] == 0 for r in res.values())
+            st = p.stats()
+            assert st["dropped"]["redis"] == 6 and st["breakers"]["redis"] == "open"
+            # Loads of a key only Redis held are misses, not exceptions.
+            p.submit_load(LoadJob(50, 0, chunks(1, start=500)))
+            assert not wait_results(p, 1)[50].ok
+            srv.restart()
+            t_restart = time.monotonic()
+            healed = False
+            i = 100
+            while time.monotonic() - t_restart < 5:
+                p.submit_store(StoreJob(i, 0, chunks(1, start=i)))
+                if wait_results(p, 1)[i].tiers.get("redis") == 1:
+                    healed = True
+                    break
+                i += 1
+                time.sleep(0.05)
+            assert healed, "breaker did not heal within 5 s of the restart"
+            assert p.stats()["breakers"]["redis"] == "closed"
+            assert time.monotonic() - t_restart < 5

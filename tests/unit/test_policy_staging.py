@@ -1,0 +1,90 @@
+"""Routing rules, the circuit breaker, the staging pool and block copies (CPU tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tieredkv.config import PolicyRule
+from tieredkv.errors import ConfigError
+from tieredkv.policy import BreakerState, CircuitBreaker, TierPolicy
+from tieredkv.staging import Copier, KVGroupTensors, StagingPool
+
+
+def test_rules_route_by_chunk_size_then_kind() -> None:
+    pol = TierPolicy(
+        [
+            PolicyRule(max_chunk_bytes=256 << 10, tiers=["cpu", "redis"]),
+            PolicyRule(kinds=["mamba"], tiers=["cpu"], promote=False),
+            PolicyRule(tiers=["cpu", "lmdb"], write="back"),
+        ],
+        ["cpu", "lmdb", "redis"],
+    )
+    small = pol.route(0, 64 << 10, "full")
+    assert small.tiers == ("cpu", "redis") and small.write_tiers == ("cpu", "redis")
+    assert pol.route(1, 4 << 20, "mamba").tiers == ("cpu",)
+    big = pol.route(2, 4 << 20, "sliding_window")
+    assert big.tiers == ("cpu", "lmdb") and big.write_tiers == ("cpu",) and big.write == "back"
+    assert pol.get(2) is big and pol.get(7).tiers == ("cpu", "lmdb", "redis")
+
+
+def test_no_matching_rule_is_a_config_error() -> None:
+    pol = TierPolicy([PolicyRule(max_chunk_bytes=1024)], ["cpu"])
+    with pytest.raises(ConfigError, match="no rule matches group 3"):
+        pol.route(3, 4096)
+
+
+def test_breaker_opens_half_opens_and_closes() -> None:
+    now = [0.0]
+    b = CircuitBreaker(failures=3, reset_s=1.0, clock=lambda: now[0])
+    for _ in range(2):
+        assert b.allow()
+        b.failure()
+    assert b.state is BreakerState.CLOSED
+    b.failure()
+    assert b.state is BreakerState.OPEN and not b.allow() and b.opens == 1
+    now[0] = 1.5
+    assert b.allow() and b.state is BreakerState.HALF_OPEN
+    assert not b.allow(), "half-open lets one probe through at a time"
+    b.failure()
+    assert b.state is BreakerState.OPEN and b.opens == 2 and not b.allow()
+    now[0] = 3.0
+    assert b.allow()
+    b.success()
+    assert b.state is BreakerState.CLOSED and b.allow() and b.allow()
+
+
+def test_staging_pool_bounds_coalesces_and_counts_refusals() -> None:
+    pool = StagingPool(64 * 1024, pin=False)
+    a = pool.try_acquire(20_000)
+    b = pool.try_acquire(20_000)
+    c = pool.try_acquire(20_000)
+    assert a and b and c and a.tensor.numel() == 20_000
+    assert pool.try_acquire(8192) is None and pool.refusals == 1
+    pool.release(b)
+    pool.release(a)
+    big = pool.try_acquire(40_000)  # a and b coalesced
+    assert big is not None and big.offset == 0
+    pool.release(big)
+    pool.release(c)
+    assert pool.free_bytes == pool.capacity and pool.try_acquire(64 * 1024) is not None
+    assert pool.high_water == 64 * 1024
+
+
+def test_copier_gather_scatter_layout_and_skip() -> None:
+    g = torch.Generator().manual_seed(0)
+    k = torch.randint(0, 256, (8, 3, 5), dtype=torch.uint8, generator=g)
+    v = torch.randn(8, 2, 4, generator=g).to(torch.bfloat16)
+    group = KVGroupTensors([k, v])
+    assert group.bytes_per_block == 15 + 16
+    buf = torch.empty(group.chunk_bytes(2), dtype=torch.uint8)
+    Copier().gather(group, [5, 2], buf)
+    # payload = k[5], k[2], then v[5], v[2] as bytes
+    assert torch.equal(buf[:15], k[5].reshape(-1)) and torch.equal(buf[15:30], k[2].reshape(-1))
+    assert torch.equal(buf[30:46], v[5].reshape(-1).view(torch.uint8))
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    Copier().scatter(KVGroupTensors([k2, v2]), [7], buf, skip_blocks=1, chunk_blocks=2)
+    assert torch.equal(k2[7], k[2]) and torch.equal(v2[7], v[2])
+    assert not k2[:7].any()
+    with pytest.raises(ValueError, match="smaller"):
+        Copier().gather(group, [1, 2, 3], buf)

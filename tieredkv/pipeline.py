@@ -1,0 +1,599 @@
+"""The asyncio store/load pipeline: an event loop on its own thread between the engine and the tiers.
+
+Primitives:
+
+* :class:`ChunkRef`, :class:`StoreJob`, :class:`LoadJob` — what the engine submits: per KV
+  group, chunk keys with the GPU block ids of each chunk.
+* :class:`JobResult` — what :meth:`Pipeline.poll_finished` returns: id, ok, bytes, seconds,
+  error, and per key what happened (stored / refused; loaded / missing).
+* :class:`Pipeline` — ``submit_store`` / ``submit_load`` return at once (the engine is never
+  blocked by a tier); bytes move GPU → staging → tiers and back on the loop thread.
+
+Inside the loop, each tier has one writer task that batches queued chunks (one LMDB
+transaction or one Redis pipeline per batch) and one :class:`~tieredkv.policy.CircuitBreaker`:
+a dead tier means dropped (counted) stores and misses, never an exception into the engine, and
+it heals through half-open probes without a restart. ``drain()`` waits for everything in
+flight; ``close()`` drains, cancels what is left, closes the tiers and joins the thread.
+
+A key is *pending* from ``submit_store`` until its writes finish, so a lookup never reports a
+hit for bytes that are not written yet. The engine must leave a store's GPU blocks alone until
+its result is polled (vLLM's connector guarantees that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from tieredkv.backends.base import Tier
+from tieredkv.config import PipelineConfig
+from tieredkv.errors import TierClosedError, TieredKVError, TierFullError
+from tieredkv.policy import CircuitBreaker, GroupRoute, TierPolicy
+from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, StagingPool
+
+__all__ = ["ChunkRef", "JobResult", "KeyState", "LoadJob", "Pipeline", "StoreJob"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk: its stored key and the GPU block ids it occupies, in order."""
+
+    key: bytes
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    job_id: int
+    group: int
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Load whole chunks; the first chunk's first ``skip_blocks`` blocks are not copied
+    (the local prefix ends mid-chunk), so its ``block_ids`` list only the blocks to fill."""
+
+    job_id: int
+    group: int
+    chunks: tuple[ChunkRef, ...]
+    skip_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    job_id: int
+    kind: str  # "store" | "load"
+    ok: bool
+    nbytes: int
+    seconds: float
+    error: str | None = None
+    done: tuple[bytes, ...] = ()
+    """Store: keys now held by at least one tier. Load: keys copied into their blocks."""
+    failed: tuple[bytes, ...] = ()
+    """Store: keys refused or dropped (offer them again later). Load: keys not found."""
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Store: chunks written per tier. Load: chunks read per tier."""
+
+
+class KeyState(str, Enum):
+    HIT = "hit"
+    PENDING = "pending"
+    MISS = "miss"
+
+
+class _Outcome(Enum):
+    OK = 1
+    FULL = 2
+    DROPPED = 3
+
+
+@dataclass(slots=True)
+class _WriteItem:
+    key: bytes
+    payload: Any
+    fut: asyncio.Future[_Outcome]
+
+
+class _TierLane:
+    """One tier on the loop: its writer queue, writer task and breaker."""
+
+    def __init__(self, tier: Tier, cfg: PipelineConfig) -> None:
+        self.tier = tier
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self.queue: asyncio.Queue[_WriteItem] = asyncio.Queue()
+        self.max_bytes = int(cfg.max_batch_bytes)
+        self.max_items = cfg.max_batch_items
+        self.dropped = 0
+        self.batches = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def write(self, key: bytes, payload: Any) -> asyncio.Future[_Outcome]:
+        fut: asyncio.Future[_Outcome] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait(_WriteItem(key, payload, fut))
+        return fut
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self.queue.get()]
+            nbytes = len(batch[0].payload)
+            while not self.queue.empty() and len(batch) < self.max_items and nbytes < self.max_bytes:
+                item = self.queue.get_nowait()
+                batch.append(item)
+                nbytes += len(item.payload)
+            await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[_WriteItem]) -> None:
+        outcome = _Outcome.OK
+        if not self.breaker.allow():
+            outcome = _Outcome.DROPPED
+        else:
+            try:
+                await self.tier.put_many([(it.key, it.payload) for it in batch])
+                self.breaker.success()
+                self.batches += 1
+            except TierFullError:
+                self.breaker.success()  # the tier answered: it is alive, just full
+                outcome = _Outcome.FULL
+            except TieredKVError as e:
+                self.breaker.failure()
+                log.warning("tier %s: store of %d chunks dropped: %s", self.tier.name, len(batch), e)
+                outcome = _Outcome.DROPPED
+        if outcome is _Outcome.DROPPED:
+            self.dropped += len(batch)
+        for it in batch:
+            if not it.fut.done():
+                it.fut.set_result(outcome)
+
+    async def read(self, keys: list[bytes], into: list[Any]) -> list[Any] | None:
+        """``get_many`` guarded by the breaker; ``None`` when the tier is skipped or failed."""
+        if not self.breaker.allow():
+            return None
+        try:
+            got = await self.tier.get_many(keys, into=into)
+        except TieredKVError as e:
+            self.breaker.failure()
+            log.warning("tier %s: load of %d chunks failed (misses): %s", self.tier.name, len(keys), e)
+            return None
+        self.breaker.success()
+        return got
+
+    async def contains(self, keys: list[bytes]) -> list[bool] | None:
+        if not self.breaker.allow():
+            return None
+        try:
+            got = await self.tier.contains_many(keys)
+        except TieredKVError:
+            self.breaker.failure()
+            return None
+        self.breaker.success()
+        return got
+
+
+@dataclass(slots=True)
+class _Group:
+    tensors: KVGroupTensors
+    blocks_per_chunk: int
+    route: GroupRoute
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.tensors.chunk_bytes(self.blocks_per_chunk)
+
+
+class Pipeline:
+    """Moves chunks between KV tensors and tiers on a private event loop thread."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: TierPolicy,
+        cfg: PipelineConfig | None = None,
+        *,
+        staging: StagingPool | None = None,
+    ) -> None:
+        self.cfg = cfg or PipelineConfig()
+        self.tiers = {t.name: t for t in tiers}
+        self.policy = policy
+        self.staging = staging or StagingPool(int(self.cfg.staging_bytes))
+        self.copier = Copier()
+        self._groups: dict[int, _Group] = {}
+        self._lanes: dict[str, _TierLane] = {}
+        self._finished: collections.deque[JobResult] = collections.deque()
+        self._pending: collections.Counter[bytes] = collections.Counter()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.latencies: dict[str, collections.deque[float]] = {
+            "store": collections.deque(maxlen=100_000),
+            "load": collections.deque(maxlen=100_000),
+        }
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> Pipeline:
+        """Start the loop thread and open every tier (raises what opening raises)."""
+        if self._thread is not None:
+            return self
+        loop = _new_loop(self.cfg.uvloop)
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="tieredkv-pipeline", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._open(), timeout=60)
+        except BaseException:
+            self._stop_loop()
+            raise
+        return self
+
+    async def _open(self) -> None:
+        for tier in self.tiers.values():
+            await tier.open()
+            lane = _TierLane(tier, self.cfg)
+            lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
+            self._lanes[tier.name] = lane
+            hook = getattr(tier, "set_evict_listener", None)
+            if hook is not None:
+                hook(self._on_evict)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has finished; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Drain (up to ``timeout``), cancel what is left, close the tiers, join the thread.
+
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is None:
+            return
+        self.drain(timeout)
+        try:
+            self._call(self._shutdown(), timeout=timeout + 5)
+        finally:
+            self._stop_loop()
+
+    async def _shutdown(self) -> None:
+        tasks = [*self._tasks, *(lane.task for lane in self._lanes.values() if lane.task)]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for tier in self.tiers.values():
+            await tier.close()
+
+    def _stop_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        if not thread.is_alive():
+            loop.close()
+        self._loop = None
+        self._thread = None
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- groups --------------------------------------------------------------------------
+
+    def register_group(
+        self, group: int, tensors: Sequence[Any], *, blocks_per_chunk: int = 1, kind: str = "full"
+    ) -> GroupRoute:
+        """Declare a KV group: its tensors (block id first), chunk size in blocks and kind."""
+        kv = KVGroupTensors(tensors)
+        route = self.policy.route(group, kv.chunk_bytes(blocks_per_chunk), kind)
+        unknown = [n for n in route.tiers if n not in self.tiers]
+        if unknown:
+            raise TieredKVError(f"group {group} routes to unknown tiers {unknown}")
+        self._groups[group] = _Group(kv, blocks_per_chunk, route)
+        return route
+
+    # ---- submit (engine thread) ------------------------------------------------------------
+
+    def submit_store(self, job: StoreJob) -> None:
+        """Queue a store; returns at once. Back-pressure (staging full) finishes it as refused."""
+        grp = self._group(job.group)
+        nbytes = len(job.chunks) * grp.chunk_bytes
+        if self._refuse_if_closed(job, "store", nbytes):
+            return
+        buf = self.staging.try_acquire(nbytes) if job.chunks else None
+        if buf is None:
+            self.counters["store_backpressure"] += 1
+            self._finish(JobResult(job.job_id, "store", False, 0, 0.0, "back-pressure: staging pool full",
+                                   failed=tuple(c.key for c in job.chunks)))
+            return
+        ready = self.copier.record_ready(grp.tensors)
+        with self._lock:
+            self._inflight += 1
+            for c in job.chunks:
+                self._pending[c.key] += 1
+        self._spawn(self._store(job, grp, buf, ready, time.perf_counter()))
+
+    def submit_load(self, job: LoadJob) -> None:
+        """Queue a load; returns at once. Its result says which keys were loaded."""
+        grp = self._group(job.group)
+        nbytes = len(job.chunks) * grp.chunk_bytes
+        if self._refuse_if_closed(job, "load", nbytes):
+            return
+        buf = self.staging.try_acquire(nbytes) if job.chunks else None
+        if buf is None:
+            self.counters["load_backpressure"] += 1
+            self._finish(JobResult(job.job_id, "load", False, 0, 0.0, "back-pressure: staging pool full",
+                                   failed=tuple(c.key for c in job.chunks)))
+            return
+        with self._lock:
+            self._inflight += 1
+        self._spawn(self._load(job, grp, buf, time.perf_counter()))
+
+    def poll_finished(self) -> list[JobResult]:
+        """Every job finished since the last call (never blocks)."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def is_pending(self, key: bytes) -> bool:
+        return key in self._pending
+
+    # ---- lookups (any thread) ----------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = 5.0) -> list[tuple[KeyState, str | None]]:
+        """Per key: (HIT, tier) / (PENDING, None) / (MISS, None), searching each key's route in order."""
+        return self._call(self._lookup(list(keys)), timeout=timeout)
+
+    async def _lookup(self, keys: list[bytes]) -> list[tuple[KeyState, str | None]]:
+        out: list[tuple[KeyState, str | None]] = [(KeyState.MISS, None)] * len(keys)
+        todo: list[int] = []
+        for i, k in enumerate(keys):
+            if k in self._pending:
+                out[i] = (KeyState.PENDING, None)
+            else:
+                todo.append(i)
+        for name in self._tier_order():
+            ask = [i for i in todo if name in self.policy.get(_group_of(keys[i])).tiers]
+            if not ask:
+                continue
+            got = await self._lanes[name].contains([keys[i] for i in ask])
+            if got is None:
+                continue
+            hit = {i for i, present in zip(ask, got) if present}
+            for i in hit:
+                out[i] = (KeyState.HIT, name)
+            todo = [i for i in todo if i not in hit]
+        return out
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Protect ``keys`` from eviction in every tier until :meth:`unpin` (e.g. an accepted hit)."""
+        self._call_soon(lambda: [t.pin_many(keys) for t in self.tiers.values()])
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self._call_soon(lambda: [t.unpin_many(keys) for t in self.tiers.values()])
+
+    def breaker_states(self) -> dict[str, str]:
+        return {n: lane.breaker.state.value for n, lane in self._lanes.items()}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "counters": dict(self.counters),
+            "dropped": {n: lane.dropped for n, lane in self._lanes.items()},
+            "breakers": self.breaker_states(),
+            "breaker_opens": {n: lane.breaker.opens for n, lane in self._lanes.items()},
+            "staging": {"capacity": self.staging.capacity, "in_use": self.staging.in_use,
+                        "high_water": self.staging.high_water, "refusals": self.staging.refusals},
+        }
+
+    # ---- loop side -------------------------------------------------------------------------
+
+    async def _store(self, job: StoreJob, grp: _Group, buf: StagingBuffer, ready: Any, t0: float) -> None:
+        cb = grp.chunk_bytes
+        keys = [c.key for c in job.chunks]
+        written: dict[str, int] = {}
+        done: list[bytes] = []
+        error = None
+        try:
+            async with asyncio.timeout(self.cfg.job_timeout_s):
+                ev = None
+                for i, c in enumerate(job.chunks):
+                    ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(i * cb, cb), after=ready if i == 0 else None)
+                await _wait_event(ev)
+                views = [memoryview(buf.view(i * cb, cb).numpy()) for i in range(len(keys))]
+                lanes = [self._lanes[n] for n in grp.route.write_tiers]
+                futs = [[lane.write(k, v) for k, v in zip(keys, views)] for lane in lanes]
+                results = [await asyncio.gather(*f) for f in futs]
+                for lane, res in zip(lanes, results):
+                    written[lane.tier.name] = sum(r is _Outcome.OK for r in res)
+                done = [k for i, k in enumerate(keys) if any(res[i] is _Outcome.OK for res in results)]
+                if len(done) < len(keys):
+                    error = "some chunks were refused or dropped by every tier"
+        except TimeoutError:
+            error = f"store job ran past job_timeout_s={self.cfg.job_timeout_s}"
+        except asyncio.CancelledError:
+            error = "cancelled at close"
+            raise
+        except Exception as e:  # noqa: BLE001 - never into the engine
+            log.exception("store job %s failed", job.job_id)
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            self.staging.release(buf)
+            with self._lock:
+                for k in keys:
+                    self._unpend(k)
+            done_set = set(done)
+            self._finish(JobResult(job.job_id, "store", not error, len(done) * cb, time.perf_counter() - t0, error,
+                                   tuple(done), tuple(k for k in keys if k not in done_set), written), counted=True)
+
+    async def _load(self, job: LoadJob, grp: _Group, buf: StagingBuffer, t0: float) -> None:
+        cb = grp.chunk_bytes
+        keys = [c.key for c in job.chunks]
+        views = [buf.view(i * cb, cb) for i in range(len(keys))]
+        found_in: dict[int, str] = {}
+        error = None
+        promote: list[asyncio.Future[_Outcome]] = []
+        try:
+            async with asyncio.timeout(self.cfg.job_timeout_s):
+                todo = list(range(len(keys)))
+                for name in grp.route.tiers:
+                    if not todo:
+                        break
+                    got = await self._lanes[name].read([keys[i] for i in todo], [views[i] for i in todo])
+                    if got is None:
+                        continue
+                    hit = [i for i, n in zip(todo, got) if n == cb]
+                    for i in hit:
+                        found_in[i] = name
+                    todo = [i for i in todo if i not in found_in]
+                if todo:
+                    error = f"{len(todo)} of {len(keys)} chunks not found in any tier"
+                else:
+                    ev = None
+                    for i, c in enumerate(job.chunks):
+                        skip = job.skip_blocks if i == 0 else 0
+                        ev = self.copier.scatter(grp.tensors, c.block_ids, views[i], skip_blocks=skip,
+                                                 chunk_blocks=grp.blocks_per_chunk)
+                    await _wait_event(ev)
+                    first = grp.route.tiers[0]
+                    if grp.route.promote:
+                        lane = self._lanes[first]
+                        promote = [lane.write(keys[i], memoryview(views[i].numpy())) for i, n in found_in.items()
+                                   if n != first]
+                    if promote:
+                        await asyncio.gather(*promote)
+                        self.counters["promotions"] += len(promote)
+        except TimeoutError:
+            error = f"load job ran past job_timeout_s={self.cfg.job_timeout_s}"
+        except asyncio.CancelledError:
+            error = "cancelled at close"
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("load job %s failed", job.job_id)
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            self.staging.release(buf)
+            per_tier = collections.Counter(found_in.values())
+            ok_keys = tuple(keys) if not error else ()
+            self._finish(JobResult(job.job_id, "load", not error, len(ok_keys) * cb, time.perf_counter() - t0, error,
+                                   ok_keys, tuple(k for i, k in enumerate(keys) if i not in found_in), dict(per_tier)),
+                         counted=True)
+
+    def _on_evict(self, key: bytes, payload: bytes) -> None:
+        """CPU tier eviction (loop thread): write-back groups send the chunk one tier down."""
+        route = self.policy.get(_group_of(key))
+        if route.write != "back" or len(route.tiers) < 2:
+            return
+        with self._lock:
+            self._pending[key] += 1
+        fut = self._lanes[route.tiers[1]].write(key, payload)
+        self.counters["write_backs"] += 1
+
+        def done(_: Any) -> None:
+            with self._lock:
+                self._unpend(key)
+
+        fut.add_done_callback(done)
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _group(self, group: int) -> _Group:
+        grp = self._groups.get(group)
+        if grp is None:
+            raise KeyError(f"group {group} is not registered; call register_group first")
+        return grp
+
+    def _tier_order(self) -> list[str]:
+        return list(self.tiers)
+
+    def _unpend(self, key: bytes) -> None:
+        n = self._pending[key] - 1
+        if n > 0:
+            self._pending[key] = n
+        else:
+            self._pending.pop(key, None)
+
+    def _refuse_if_closed(self, job: Any, kind: str, nbytes: int) -> bool:
+        if not self._closed and self._loop is not None:
+            return False
+        self._finish(JobResult(job.job_id, kind, False, 0, 0.0, "pipeline is closed" if self._closed else "not started",
+                               failed=tuple(c.key for c in job.chunks)))
+        return True
+
+    def _finish(self, res: JobResult, counted: bool = False) -> None:
+        self._finished.append(res)
+        self.counters[f"{res.kind}_{'ok' if res.ok else 'failed'}"] += 1
+        if res.ok:
+            self.latencies[res.kind].append(res.seconds)
+        if counted:
+            with self._idle:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
+
+    def _spawn(self, coro: Any) -> None:
+        def start() -> None:
+            task = asyncio.get_running_loop().create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._call_soon(start)
+
+    def _call_soon(self, fn: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            raise TierClosedError("pipeline is not running")
+        loop.call_soon_threadsafe(fn)
+
+    def _call(self, coro: Any, timeout: float | None) -> Any:
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise TierClosedError("pipeline is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+def _group_of(key: bytes) -> int:
+    return int.from_bytes(key[-4:], "big")
+
+
+async def _wait_event(ev: Any) -> None:
+    """Wait for a CUDA event without blocking the loop (None: nothing to wait for)."""
+    if ev is None:
+        return
+    while not ev.query():
+        await asyncio.sleep(0.0002)
+
+
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()

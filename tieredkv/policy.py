@@ -1,0 +1,116 @@
+"""Per-group tier routing and the circuit breaker that guards each tier.
+
+Primitives:
+
+* :class:`GroupRoute` — for one KV group: its tiers (fastest first), write mode and
+  whether lower-tier hits are promoted.
+* :class:`TierPolicy` — resolves every group to a route from the config's rules, keyed by the
+  group's chunk size in bytes (``max_chunk_bytes``) and optionally its kind.
+* :class:`CircuitBreaker` — closed → open after ``failures`` consecutive errors → half-open
+  after ``reset_s`` (one probe at a time) → closed on a success, open again on a failure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from tieredkv.config import PolicyRule
+from tieredkv.errors import ConfigError
+
+__all__ = ["BreakerState", "CircuitBreaker", "GroupRoute", "TierPolicy"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRoute:
+    group: int
+    tiers: tuple[str, ...]
+    write: str  # "through" | "back"
+    promote: bool
+
+    @property
+    def write_tiers(self) -> tuple[str, ...]:
+        """Tiers a store writes at once."""
+        return self.tiers if self.write == "through" else self.tiers[:1]
+
+
+class TierPolicy:
+    """Routes groups to tiers by the first matching rule."""
+
+    def __init__(self, rules: Sequence[PolicyRule], tier_names: Sequence[str]) -> None:
+        self.rules = list(rules)
+        self.tier_names = tuple(tier_names)
+        self._routes: dict[int, GroupRoute] = {}
+
+    def route(self, group: int, chunk_bytes: int, kind: str = "full") -> GroupRoute:
+        """Resolve (and remember) the route of ``group``."""
+        for i, rule in enumerate(self.rules):
+            if rule.max_chunk_bytes is not None and chunk_bytes > rule.max_chunk_bytes:
+                continue
+            if rule.kinds is not None and kind not in rule.kinds:
+                continue
+            tiers = tuple(rule.tiers) or self.tier_names
+            r = GroupRoute(group, tiers, rule.write, rule.promote)
+            self._routes[group] = r
+            return r
+        raise ConfigError(
+            f"policy: no rule matches group {group} (kind {kind!r}, {chunk_bytes}-byte chunks);"
+            " add a last rule without max_chunk_bytes/kinds as a catch-all"
+        )
+
+    def get(self, group: int) -> GroupRoute:
+        """The route resolved for ``group``; groups never declared use every tier, write-through."""
+        r = self._routes.get(group)
+        if r is None:
+            r = self._routes[group] = GroupRoute(group, self.tier_names, "through", True)
+        return r
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Per-tier breaker. Not thread-safe: used on the pipeline loop only."""
+
+    def __init__(self, failures: int = 3, reset_s: float = 1.0, clock: object = time.monotonic) -> None:
+        self.failures = failures
+        self.reset_s = reset_s
+        self._clock = clock
+        self._consecutive = 0
+        self._opened_at = 0.0
+        self._probing = False
+        self.state = BreakerState.CLOSED
+        self.opens = 0
+
+    def allow(self) -> bool:
+        """May an operation go to the tier now? (In half-open, only one probe at a time.)"""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            if self._clock() - self._opened_at < self.reset_s:  # type: ignore[operator]
+                return False
+            self.state = BreakerState.HALF_OPEN
+            self._probing = False
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        self._consecutive = 0
+        self._probing = False
+        self.state = BreakerState.CLOSED
+
+    def failure(self) -> None:
+        self._consecutive += 1
+        self._probing = False
+        if self.state is BreakerState.HALF_OPEN or self._consecutive >= self.failures:
+            if self.state is not BreakerState.OPEN:
+                self.opens += 1
+            self.state = BreakerState.OPEN
+            self._opened_at = self._clock()  # type: ignore[operator]

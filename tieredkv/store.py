@@ -1,0 +1,168 @@
+"""TieredStore: the standalone API — tiers + per-group policy + pipeline behind one object.
+
+::
+
+    import tieredkv
+    store = tieredkv.open_store("config/tieredkv.yaml")        # or a dict / TieredKVConfig / None
+    store.register_group(0, [k_cache, v_cache], blocks_per_chunk=4, kind="full")
+    key = store.key(block_hash, group=0)
+    job = store.store(0, [(key, (17, 18, 19, 20))])             # returns at once
+    store.wait([job])                                          # or poll() from an engine loop
+    state, tier = store.lookup([key])[0]                       # (KeyState.HIT, "cpu")
+    store.load(0, [(key, (5, 6, 7, 8))]); store.wait_all()
+    store.close()
+
+Tensors may live on a CUDA device or on the CPU; the same code paths run in both cases.
+Request-level planning (which chunks of which request to store or load, across several KV
+groups) is :class:`tieredkv.scheduler.OffloadScheduler`; ``tieredkv demo`` shows the two
+used together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tieredkv.backends.base import Tier
+from tieredkv.backends.registry import build_tier
+from tieredkv.config import TieredKVConfig, load_config
+from tieredkv.errors import TierTimeoutError
+from tieredkv.keys import GroupGeometry, Namespace
+from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, StoreJob
+from tieredkv.policy import GroupRoute, TierPolicy
+
+__all__ = ["KeyState", "TieredStore", "open_store"]
+
+ChunkArg = tuple[bytes, Sequence[int]]
+
+
+class TieredStore:
+    """Tiers, policy and pipeline for one namespace. Thread-safe to call from one engine thread."""
+
+    def __init__(
+        self,
+        config: TieredKVConfig,
+        *,
+        namespace: Namespace | None = None,
+        tiers: Sequence[Tier] | None = None,
+    ) -> None:
+        self.config = config
+        ns = config.namespace
+        self.namespace = namespace or Namespace(
+            model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt
+        )
+        self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
+        self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])
+        self.pipeline = Pipeline(self.tiers, self.policy, config.pipeline)
+        self._ids = itertools.count(1)
+        self._results: dict[int, JobResult] = {}
+        self._open_jobs: set[int] = set()
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> TieredStore:
+        self.pipeline.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish (or cancel after ``timeout``) every job and close the tiers. Idempotent."""
+        self.pipeline.close(timeout)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- groups and keys ---------------------------------------------------------------
+
+    def register_group(
+        self, group: int, tensors: Sequence[Any], *, blocks_per_chunk: int = 1, kind: str = "full"
+    ) -> GroupRoute:
+        """Declare KV group ``group``: its tensors (block id first), chunk size in blocks, kind."""
+        return self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
+
+    def with_geometry(self, groups: Sequence[GroupGeometry]) -> TieredStore:
+        """Bind the namespace to the KV geometry (call before storing anything)."""
+        ns = self.namespace
+        self.namespace = Namespace(ns.model, ns.revision, ns.dtype, tuple(groups), ns.parallel,
+                                   ns.format_version, ns.tenant_salt)
+        return self
+
+    def key(self, block_hash: bytes, group: int) -> bytes:
+        return self.namespace.key(block_hash, group)
+
+    # ---- operations --------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = 5.0) -> list[tuple[KeyState, str | None]]:
+        """Per key: ``(HIT, tier)``, ``(PENDING, None)`` while a store is in flight, or ``(MISS, None)``."""
+        return self.pipeline.lookup(keys, timeout)
+
+    def store(self, group: int, chunks: Iterable[ChunkArg]) -> int:
+        """Submit whole chunks ``(key, block_ids)`` of ``group`` for storing; returns the job id at once."""
+        job_id = next(self._ids)
+        self._open_jobs.add(job_id)
+        self.pipeline.submit_store(StoreJob(job_id, group, _refs(chunks)))
+        return job_id
+
+    def load(self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0) -> int:
+        """Submit a load of whole chunks into ``block_ids``; the first chunk's first ``skip_blocks``
+        blocks are not copied. Returns the job id at once."""
+        job_id = next(self._ids)
+        self._open_jobs.add(job_id)
+        self.pipeline.submit_load(LoadJob(job_id, group, _refs(chunks), skip_blocks))
+        return job_id
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Protect ``keys`` from eviction (an accepted hit about to be loaded)."""
+        self.pipeline.pin(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.pipeline.unpin(keys)
+
+    def poll(self) -> list[JobResult]:
+        """Results finished since the last call, including ones a ``wait`` collected but did not ask for."""
+        self._collect()
+        out = list(self._results.values())
+        self._results.clear()
+        return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = 30.0) -> dict[int, JobResult]:
+        """Block until the given jobs finish; returns their results (others stay for ``poll``)."""
+        want = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._collect()
+            if want <= self._results.keys():
+                return {j: self._results.pop(j) for j in want}
+            if deadline is not None and time.monotonic() > deadline:
+                raise TierTimeoutError(f"jobs {sorted(want - self._results.keys())} not finished after {timeout}s")
+            time.sleep(0.0005)
+
+    def wait_all(self, timeout: float | None = 30.0) -> dict[int, JobResult]:
+        return self.wait(set(self._open_jobs) | set(self._results), timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return self.pipeline.stats()
+
+    def _collect(self) -> None:
+        for r in self.pipeline.poll_finished():
+            self._results[r.job_id] = r
+            self._open_jobs.discard(r.job_id)
+
+
+def _refs(chunks: Iterable[ChunkArg]) -> tuple[ChunkRef, ...]:
+    return tuple(ChunkRef(bytes(k), tuple(int(b) for b in ids)) for k, ids in chunks)
+
+
+def open_store(
+    config: TieredKVConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    namespace: Namespace | None = None,
+) -> TieredStore:
+    """Build and start a :class:`TieredStore` from a config (object, path, dict or defaults)."""
+    cfg = config if isinstance(config, TieredKVConfig) else load_config(config)
+    return TieredStore(cfg, namespace=namespace).start()

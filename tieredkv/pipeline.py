@@ -42,6 +42,8 @@ __all__ = ["ChunkRef", "JobResult", "KeyState", "LoadJob", "Pipeline", "StoreJob
 
 log = logging.getLogger(__name__)
 
+NULL_BLOCK = 0
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
@@ -60,13 +62,30 @@ class StoreJob:
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """Load whole chunks; the first chunk's first ``skip_blocks`` blocks are not copied
-    (the local prefix ends mid-chunk), so its ``block_ids`` list only the blocks to fill."""
+    """Load whole chunks into GPU blocks.
+
+    A chunk's ``block_ids`` either list one destination per block of the chunk, with the
+    null id 0 for a block not to copy, or (first chunk only) just the blocks after
+    ``skip_blocks`` blocks that are not copied (the local prefix ends mid-chunk).
+    """
 
     job_id: int
     group: int
     chunks: tuple[ChunkRef, ...]
     skip_blocks: int = 0
+
+    def placements(self, i: int, blocks_per_chunk: int) -> list[tuple[int, int]]:
+        """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i``."""
+        ids = self.chunks[i].block_ids
+        if len(ids) == blocks_per_chunk:
+            return [(p, b) for p, b in enumerate(ids) if b != NULL_BLOCK]
+        skip = self.skip_blocks if i == 0 else 0
+        if skip + len(ids) != blocks_per_chunk:
+            raise ValueError(
+                f"load job {self.job_id}: chunk {i} has {len(ids)} block ids (+{skip} skipped),"
+                f" a chunk has {blocks_per_chunk} blocks"
+            )
+        return [(skip + p, b) for p, b in enumerate(ids)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +241,8 @@ class Pipeline:
             "load": collections.deque(maxlen=100_000),
         }
         self.counters: collections.Counter[str] = collections.Counter()
+        #: Per KV group: stored/loaded chunks and bytes, chunks refused or missing.
+        self.group_counters: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -317,40 +338,43 @@ class Pipeline:
 
     # ---- submit (engine thread) ------------------------------------------------------------
 
-    def submit_store(self, job: StoreJob) -> None:
-        """Queue a store; returns at once. Back-pressure (staging full) finishes it as refused."""
+    def submit_store(self, job: StoreJob) -> bool:
+        """Queue a store; returns at once whether it was admitted. Back-pressure (staging full)
+        or a closed pipeline refuses it: False, and its (failed) result is polled like any other."""
         grp = self._group(job.group)
         nbytes = len(job.chunks) * grp.chunk_bytes
         if self._refuse_if_closed(job, "store", nbytes):
-            return
+            return False
         buf = self.staging.try_acquire(nbytes) if job.chunks else None
         if buf is None:
             self.counters["store_backpressure"] += 1
             self._finish(JobResult(job.job_id, "store", False, 0, 0.0, "back-pressure: staging pool full",
                                    failed=tuple(c.key for c in job.chunks)))
-            return
+            return False
         ready = self.copier.record_ready(grp.tensors)
         with self._lock:
             self._inflight += 1
             for c in job.chunks:
                 self._pending[c.key] += 1
         self._spawn(self._store(job, grp, buf, ready, time.perf_counter()))
+        return True
 
-    def submit_load(self, job: LoadJob) -> None:
-        """Queue a load; returns at once. Its result says which keys were loaded."""
+    def submit_load(self, job: LoadJob) -> bool:
+        """Queue a load; returns at once whether it was admitted. Its result says which keys loaded."""
         grp = self._group(job.group)
         nbytes = len(job.chunks) * grp.chunk_bytes
         if self._refuse_if_closed(job, "load", nbytes):
-            return
+            return False
         buf = self.staging.try_acquire(nbytes) if job.chunks else None
         if buf is None:
             self.counters["load_backpressure"] += 1
             self._finish(JobResult(job.job_id, "load", False, 0, 0.0, "back-pressure: staging pool full",
                                    failed=tuple(c.key for c in job.chunks)))
-            return
+            return False
         with self._lock:
             self._inflight += 1
         self._spawn(self._load(job, grp, buf, time.perf_counter()))
+        return True
 
     def poll_finished(self) -> list[JobResult]:
         """Every job finished since the last call (never blocks)."""
@@ -405,6 +429,7 @@ class Pipeline:
             "dropped": {n: lane.dropped for n, lane in self._lanes.items()},
             "breakers": self.breaker_states(),
             "breaker_opens": {n: lane.breaker.opens for n, lane in self._lanes.items()},
+            "groups": {g: dict(c) for g, c in self.group_counters.items()},
             "staging": {"capacity": self.staging.capacity, "in_use": self.staging.in_use,
                         "high_water": self.staging.high_water, "refusals": self.staging.refusals},
         }
@@ -446,6 +471,10 @@ class Pipeline:
                 for k in keys:
                     self._unpend(k)
             done_set = set(done)
+            gc = self.group_counters[job.group]
+            gc["store_chunks"] += len(done)
+            gc["store_bytes"] += len(done) * cb
+            gc["store_refused"] += len(keys) - len(done)
             self._finish(JobResult(job.job_id, "store", not error, len(done) * cb, time.perf_counter() - t0, error,
                                    tuple(done), tuple(k for k in keys if k not in done_set), written), counted=True)
 
@@ -473,10 +502,9 @@ class Pipeline:
                     error = f"{len(todo)} of {len(keys)} chunks not found in any tier"
                 else:
                     ev = None
-                    for i, c in enumerate(job.chunks):
-                        skip = job.skip_blocks if i == 0 else 0
-                        ev = self.copier.scatter(grp.tensors, c.block_ids, views[i], skip_blocks=skip,
-                                                 chunk_blocks=grp.blocks_per_chunk)
+                    for i in range(len(job.chunks)):
+                        ev = self.copier.scatter(grp.tensors, job.placements(i, grp.blocks_per_chunk), views[i],
+                                                 grp.blocks_per_chunk)
                     await _wait_event(ev)
                     first = grp.route.tiers[0]
                     if grp.route.promote:
@@ -498,6 +526,10 @@ class Pipeline:
             self.staging.release(buf)
             per_tier = collections.Counter(found_in.values())
             ok_keys = tuple(keys) if not error else ()
+            gc = self.group_counters[job.group]
+            gc["load_chunks"] += len(ok_keys)
+            gc["load_bytes"] += len(ok_keys) * cb
+            gc["load_missing"] += len(keys) - len(found_in)
             self._finish(JobResult(job.job_id, "load", not error, len(ok_keys) * cb, time.perf_counter() - t0, error,
                                    ok_keys, tuple(k for i, k in enumerate(keys) if i not in found_in), dict(per_tier)),
                          counted=True)

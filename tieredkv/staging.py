@@ -142,20 +142,16 @@ class Copier:
 
     def gather(self, group: KVGroupTensors, block_ids: Sequence[int], dst: torch.Tensor, after: Any = None) -> Any:
         """Copy blocks ``block_ids`` into ``dst`` (payload layout). Returns a completion event or None."""
-        return self._move(group, block_ids, dst, after, to_staging=True)
+        return self._move(group, list(enumerate(block_ids)), len(block_ids), dst, after, to_staging=True)
 
-    def scatter(self, group: KVGroupTensors, block_ids: Sequence[int], src: torch.Tensor, skip_blocks: int = 0,
-                chunk_blocks: int | None = None) -> Any:
-        """Copy payload ``src`` into blocks ``block_ids``.
+    def scatter(self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], src: torch.Tensor,
+                chunk_blocks: int) -> Any:
+        """Copy payload ``src`` (a chunk of ``chunk_blocks`` blocks) into the device: each
+        ``(position_in_chunk, block_id)`` of ``placements``; positions not listed are not copied."""
+        return self._move(group, placements, chunk_blocks, src, None, to_staging=False)
 
-        ``src`` holds ``chunk_blocks`` blocks per tensor (default ``len(block_ids) + skip_blocks``);
-        the first ``skip_blocks`` of them are not copied (a load starting mid-chunk).
-        """
-        return self._move(group, block_ids, src, None, to_staging=False, skip=skip_blocks, total=chunk_blocks)
-
-    def _move(self, group: KVGroupTensors, ids: Sequence[int], buf: torch.Tensor, after: Any, *, to_staging: bool,
-              skip: int = 0, total: int | None = None) -> Any:
-        n = total if total is not None else len(ids) + skip
+    def _move(self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], n: int, buf: torch.Tensor,
+              after: Any, *, to_staging: bool) -> Any:
         if buf.numel() < group.chunk_bytes(n):
             raise ValueError(f"staging view of {buf.numel()} bytes is smaller than {n} blocks ({group.chunk_bytes(n)})")
         on_cuda = group.device.type == "cuda"
@@ -169,8 +165,8 @@ class Copier:
         with ctx:
             off = 0
             for t, bb in zip(group.tensors, group.block_bytes):
-                for j, b in enumerate(ids):
-                    view = buf[off + (skip + j) * bb : off + (skip + j + 1) * bb]
+                for pos, b in placements:
+                    view = buf[off + pos * bb : off + (pos + 1) * bb]
                     if to_staging:
                         view.copy_(t[b], non_blocking=on_cuda)
                     else:

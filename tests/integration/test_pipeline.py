@@ -201,3 +201,23 @@ def test_redis_killed_mid_run_drops_counted_then_heals() -> None:
             assert healed, "breaker did not heal within 5 s of the restart"
             assert p.stats()["breakers"]["redis"] == "closed"
             assert time.monotonic() - t_restart < 5
+
+
+def test_load_with_null_placeholders_inside_a_chunk(tmp_path: Path) -> None:
+    src, dst = kv(11), kv(12)
+    with make([cpu()]) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.register_group(1, dst, blocks_per_chunk=BPC)
+        c = chunks(1)[0]
+        assert p.submit_store(StoreJob(1, 0, (c,)))
+        wait_results(p, 1)
+        # sliding-window style: only positions 1 and 3 of the chunk are wanted.
+        assert p.submit_load(LoadJob(2, 1, (ChunkRef(c.key, (0, 21, 0, 23)),)))
+        assert wait_results(p, 1)[2].ok
+        for s, d in zip(src, dst):
+            assert torch.equal(d[21], s[1]) and torch.equal(d[23], s[3])
+        assert not torch.equal(dst[0][20], src[0][0]) and not torch.equal(dst[0][0], src[0][0])
+        bad = LoadJob(3, 1, (ChunkRef(c.key, (5, 6)),))  # 2 ids, no skip: malformed
+        p.submit_load(bad)
+        res = wait_results(p, 1)[3]
+        assert not res.ok and "block ids" in (res.error or "")

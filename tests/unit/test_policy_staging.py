@@ -83,7 +83,7 @@ def test_copier_gather_scatter_layout_and_skip() -> None:
     assert torch.equal(buf[:15], k[5].reshape(-1)) and torch.equal(buf[15:30], k[2].reshape(-1))
     assert torch.equal(buf[30:46], v[5].reshape(-1).view(torch.uint8))
     k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
-    Copier().scatter(KVGroupTensors([k2, v2]), [7], buf, skip_blocks=1, chunk_blocks=2)
+    Copier().scatter(KVGroupTensors([k2, v2]), [(1, 7)], buf, chunk_blocks=2)
     assert torch.equal(k2[7], k[2]) and torch.equal(v2[7], v[2])
     assert not k2[:7].any()
     with pytest.raises(ValueError, match="smaller"):

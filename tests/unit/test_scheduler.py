@@ -1,0 +1,540 @@
+"""Scenario tests for the multi-group scheduler adapter, one rule at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from tieredkv.groups import GroupLayout, GroupSpec
+from tieredkv.scheduler import OffloadScheduler, StoreOutcome, StorePlan
+
+TPH = 4  # tokens per hash
+
+
+def H(i: int) -> bytes:
+    return b"h" + i.to_bytes(7, "big")
+
+
+def hashes(n: int, start: int = 0) -> list[bytes]:
+    return [H(i) for i in range(start, start + n)]
+
+
+def key(hash_index: int, group: int) -> bytes:
+    return H(hash_index) + group.to_bytes(4, "big")
+
+
+def layout(*groups: GroupSpec) -> GroupLayout:
+    return GroupLayout(groups, tokens_per_hash=TPH)
+
+
+FULL = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=1)
+
+
+def accept_all(plan: StorePlan) -> StoreOutcome:
+    return StoreOutcome(accepted=frozenset(plan.keys))
+
+
+def chunk_indices(plan: StorePlan, pos: int) -> list[int]:
+    return [c.chunk_index for c in plan.groups[pos].chunks]
+
+
+def ids(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ------------------------------------------------------------------- keys
+
+
+def test_key_is_hash_at_last_position_plus_group_big_endian() -> None:
+    lay = layout(GroupSpec(7, "full", tokens_per_block=4, blocks_per_chunk=3))  # 3 hashes/chunk
+    s = OffloadScheduler(lay)
+    s.add_request("r", 24, block_hashes=hashes(6))
+    assert s.offload_keys("r", 0) == (H(2) + b"\x00\x00\x00\x07", H(5) + b"\x00\x00\x00\x07")
+
+
+def test_key_layout_matches_keys_module() -> None:
+    from tieredkv.keys import key_group, key_hash, make_chunk_key
+
+    s = OffloadScheduler(layout(GroupSpec(258, "full", tokens_per_block=4)))
+    s.add_request("r", 4, block_hashes=[H(9)])
+    (k,) = s.offload_keys("r", 0)
+    assert k == make_chunk_key(H(9), 258)
+    assert key_hash(k) == H(9) and key_group(k) == 258
+
+
+def test_hashes_must_be_bytes() -> None:
+    s = OffloadScheduler(layout(FULL))
+    with pytest.raises(TypeError, match="bytes"):
+        s.add_request("r", 4, block_hashes=["abc"])  # type: ignore[list-item]
+
+
+# ------------------------------------------------------------ store basics
+
+
+def test_store_whole_chunks_only_and_cursor_follows() -> None:
+    s = OffloadScheduler(layout(GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=2)))
+    s.add_request("r", 20, block_hashes=hashes(5))
+    s.update_request("r", block_ids=[ids(1, 5)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=20)
+    # 20 tokens = 2 whole chunks of 8 tokens; the partial third chunk is never stored.
+    assert chunk_indices(plan, 0) == [0, 1]
+    assert [c.block_ids for c in plan.groups[0].chunks] == [(1, 2), (3, 4)]
+    assert plan.keys == (key(1, 0), key(3, 0))
+    assert s.cursor("r", 0) == 0  # nothing moves before the outcome
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 2
+    assert not s.plan_store("r", num_computed_tokens=20, num_scheduled_tokens=0)
+
+
+def test_chunk_is_planned_only_when_computed() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 16, block_hashes=hashes(4))
+    s.update_request("r", block_ids=[ids(1, 4)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=9)
+    assert chunk_indices(plan, 0) == [0, 1]  # tokens 0..8 computed: chunks 0 and 1 whole
+    s.complete_store("r", accept_all(plan))
+    plan = s.plan_store("r", num_computed_tokens=9, num_scheduled_tokens=7)
+    assert chunk_indices(plan, 0) == [2, 3]
+
+
+def test_hash_lag_holds_chunk_until_key_exists() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 12)
+    s.update_request("r", block_ids=[ids(1, 3)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=12)
+    assert not plan  # blocks but no keys yet
+    assert s.cursor("r", 0) == 0
+    s.update_request("r", block_hashes=hashes(2))
+    plan = s.plan_store("r", num_computed_tokens=12)
+    assert chunk_indices(plan, 0) == [0, 1]
+    s.complete_store("r", accept_all(plan))
+    s.update_request("r", block_hashes=hashes(1, start=2))
+    plan = s.plan_store("r", num_computed_tokens=12)
+    assert chunk_indices(plan, 0) == [2]
+
+
+def test_offload_prompt_only_and_max_offload_tokens_cap() -> None:
+    s = OffloadScheduler(layout(FULL), offload_prompt_only=True)
+    s.add_request("r", 8, block_hashes=hashes(4))
+    s.update_request("r", block_ids=[ids(1, 4)], num_tokens=16)
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=16)
+    assert chunk_indices(plan, 0) == [0, 1] and plan.num_offloadable_tokens == 8
+
+    s2 = OffloadScheduler(layout(FULL), offload_prompt_only=False)
+    s2.add_request("r", 8, block_hashes=hashes(4), max_offload_tokens=12)
+    s2.update_request("r", block_ids=[ids(1, 4)], num_tokens=16)
+    plan = s2.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=16)
+    assert chunk_indices(plan, 0) == [0, 1, 2] and plan.num_offloadable_tokens == 12
+
+
+def test_finish_offers_final_whole_chunks_but_not_the_last_sampled_token() -> None:
+    s = OffloadScheduler(layout(FULL), offload_prompt_only=False)
+    s.add_request("r", 6, block_hashes=hashes(1))
+    s.update_request("r", block_ids=[ids(1, 3)])
+    s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=6)))
+    # Decode to 12 tokens: the 12th token was sampled, its KV never computed.
+    s.update_request("r", block_hashes=hashes(2, start=1), num_tokens=12)
+    plan = s.finish_request("r", num_computed_tokens=11)
+    assert chunk_indices(plan, 0) == [1]  # chunk 2 holds token 11, which has no KV
+    s.complete_store("r", accept_all(plan))
+    assert "r" not in s  # dropped after the final outcome
+
+    s.add_request("q", 6, block_hashes=hashes(3))
+    s.update_request("q", block_ids=[ids(1, 3)], num_tokens=13)
+    plan = s.finish_request("q", num_computed_tokens=12)
+    assert chunk_indices(plan, 0) == [0, 1, 2]  # 12 tokens have KV
+
+
+def test_abort_offers_computed_tokens_only() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 16, block_hashes=hashes(4))
+    s.update_request("r", block_ids=[ids(1, 4)])
+    plan = s.finish_request("r", num_computed_tokens=9, aborted=True)
+    assert chunk_indices(plan, 0) == [0, 1]
+    s.complete_store("r", StoreOutcome(refused=frozenset(plan.keys)))
+    assert "r" not in s  # no retry after the request ended: its blocks are freed
+
+
+def test_empty_final_plan_drops_request_at_once() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 3)
+    assert not s.finish_request("r", num_computed_tokens=3)
+    assert "r" not in s and len(s) == 0
+    s.complete_store("r", StoreOutcome())  # stale outcome for a gone request: ignored
+
+
+def test_plan_store_after_finish_is_an_error() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 8, block_hashes=hashes(2))
+    s.update_request("r", block_ids=[ids(1, 2)])
+    s.finish_request("r", num_computed_tokens=8)
+    with pytest.raises(ValueError, match="finished"):
+        s.plan_store("r", num_computed_tokens=8)
+
+
+# ------------------------------------------------------- the review cases
+
+
+def test_review_a_null_block_in_middle_of_chunk_is_never_stored() -> None:
+    # 4 blocks per chunk; the second block of chunk 0 is null (SWA skip / SSM sparsity).
+    sw = GroupSpec(0, "sliding_window", tokens_per_block=4, blocks_per_chunk=4, window_tokens=20)
+    s = OffloadScheduler(layout(sw))
+    s.add_request("r", 64, block_hashes=hashes(16))
+    s.update_request("r", block_ids=[[1, 0, 3, 4, 5, 6, 7, 8]])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=32)
+    assert chunk_indices(plan, 0) == [1]  # chunk 0 skipped even though its LAST block is live
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 0  # 16 + 20 > 32: may still be read, not passed yet
+
+    s.update_request("r", block_ids=[[9, 10, 11, 12, 13, 14, 15, 16]])
+    plan = s.plan_store("r", num_computed_tokens=32, num_scheduled_tokens=32)
+    assert chunk_indices(plan, 0) == [2, 3]
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 4  # chunk 0 left the window for good: now passed
+    # Never stored, so never a hit: lookup of the same prompt cannot start at chunk 0.
+    s.add_request("q", 64, block_hashes=hashes(16))
+    stored = {key(7, 0), key(11, 0), key(15, 0)}
+    look = s.plan_lookup("q", num_computed_tokens=0, is_stored=stored)
+    assert look.num_hit_tokens == 48 and key(3, 0) not in look.keys
+
+
+def test_review_b_refused_store_is_retried_then_stored() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 16, block_hashes=hashes(4))
+    s.update_request("r", block_ids=[ids(1, 2)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)
+    assert chunk_indices(plan, 0) == [0, 1]
+    s.complete_store("r", StoreOutcome.from_prepare_store(plan, None))  # capacity: all refused
+    assert s.cursor("r", 0) == 0
+
+    s.update_request("r", block_ids=[ids(3, 2)])
+    plan = s.plan_store("r", num_computed_tokens=8, num_scheduled_tokens=8)
+    assert chunk_indices(plan, 0) == [0, 1, 2, 3]  # the refused chunks come back first
+    s.complete_store("r", StoreOutcome.from_prepare_store(plan, [key(0, 0), key(2, 0), key(3, 0)]))
+    assert s.cursor("r", 0) == 4  # key(1) was "present"
+    assert not s.plan_store("r", num_computed_tokens=16)
+
+
+def test_partial_refusal_keeps_cursor_at_the_refused_chunk() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 16, block_hashes=hashes(4))
+    s.update_request("r", block_ids=[ids(1, 4)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=16)
+    s.complete_store(
+        "r",
+        StoreOutcome(accepted=frozenset({key(0, 0), key(2, 0), key(3, 0)}), refused=frozenset({key(1, 0)})),
+    )
+    assert s.cursor("r", 0) == 1
+    plan = s.plan_store("r", num_computed_tokens=16)
+    assert chunk_indices(plan, 0) == [1]  # accepted chunks are not offered twice
+    s.complete_store("r", StoreOutcome())  # unmentioned counts as refused
+    assert chunk_indices(s.plan_store("r", num_computed_tokens=16), 0) == [1]
+
+
+def test_review_c_group_with_nothing_to_store_keeps_its_cursor() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=4)  # 16-token chunks
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=4, blocks_per_chunk=1, window_tokens=64)
+    s = OffloadScheduler(layout(full, sw))
+    s.add_request("r", 32, block_hashes=hashes(8))
+    s.update_request("r", block_ids=[ids(1, 3), ids(101, 3)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=12)
+    assert chunk_indices(plan, 0) == [] and chunk_indices(plan, 1) == [0, 1, 2]
+    s.complete_store("r", accept_all(plan))
+    assert (s.cursor("r", 0), s.cursor("r", 1)) == (0, 3)
+
+    s.update_request("r", block_ids=[ids(4, 5), ids(104, 5)])
+    plan = s.plan_store("r", num_computed_tokens=12, num_scheduled_tokens=20)
+    assert chunk_indices(plan, 0) == [0, 1]  # chunk 0 was not skipped
+    assert chunk_indices(plan, 1) == [3, 4, 5, 6, 7]
+
+
+def test_waiting_null_in_one_group_does_not_block_another() -> None:
+    sw = GroupSpec(0, "sliding_window", tokens_per_block=4, blocks_per_chunk=1, window_tokens=12)
+    s = OffloadScheduler(layout(FULL.__class__(1, "full", 4), sw))
+    s.add_request("r", 32, block_hashes=hashes(8))
+    s.update_request("r", block_ids=[ids(1, 4), [0, 0, 13, 14]])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=16)
+    assert chunk_indices(plan, 0) == [0, 1, 2, 3]
+    assert chunk_indices(plan, 1) == [2, 3]
+    s.complete_store("r", accept_all(plan))
+    # Chunk 0 of the SW group (tokens 0-3) is out of reach at 16 (4 + 12 <= 16): passed.
+    # Chunk 1 (tokens 4-7) could still be read by the window (8 + 12 > 16): the cursor holds.
+    assert s.cursor("r", 1) == 1 and s.cursor("r", 0) == 4
+    s.update_request("r", block_ids=[ids(5, 1), [15]])
+    s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=16, num_scheduled_tokens=4)))
+    assert s.cursor("r", 1) == 5
+
+
+def test_released_blocks_are_never_stored_from_stale_ids() -> None:
+    sw = GroupSpec(0, "sliding_window", tokens_per_block=4, blocks_per_chunk=1, window_tokens=8)
+    s = OffloadScheduler(layout(sw))
+    s.add_request("r", 24, block_hashes=hashes(6))
+    s.update_request("r", block_ids=[ids(1, 2)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)
+    s.complete_store("r", StoreOutcome(refused=frozenset(plan.keys)))
+    # The engine frees block 0 (left the window) and may hand it to another request.
+    s.release_blocks("r", 0, [0])
+    s.update_request("r", block_ids=[ids(3, 2)])
+    plan = s.plan_store("r", num_computed_tokens=8, num_scheduled_tokens=8)
+    assert chunk_indices(plan, 0) == [1, 2, 3]
+    assert all(1 not in c.block_ids for c in plan.groups[0].chunks)
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 4  # chunk 0: null and 4 + 8 <= 16, out of the window for good
+
+
+def test_mamba_sparse_chunk_with_many_blocks_is_skipped_then_passed() -> None:
+    mamba = GroupSpec(0, "mamba", tokens_per_block=4, blocks_per_chunk=2)
+    s = OffloadScheduler(layout(mamba))
+    s.add_request("r", 32, block_hashes=hashes(8))
+    s.update_request("r", block_ids=[[0, 2, 3, 4, 0, 6]])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=24)
+    assert chunk_indices(plan, 0) == [1]
+    s.complete_store("r", accept_all(plan))
+    # Chunk 0 ends at 8, reach 8: 16 <= 24, never storable; chunk 2 (24 + 8 > 24) waits.
+    assert s.cursor("r", 0) == 2
+    assert s.progress("r")[0].num_waiting == 1
+    assert not s.finish_request("r", num_computed_tokens=24)  # over: chunk 2 never whole
+    assert "r" not in s
+
+
+def test_replanning_replaces_the_previous_plan() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 8, block_hashes=hashes(2))
+    s.update_request("r", block_ids=[ids(1, 2)])
+    first = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)
+    second = s.plan_store("r", num_computed_tokens=8)
+    assert first.keys == second.keys
+    s.complete_store("r", accept_all(second))
+    assert s.cursor("r", 0) == 2
+
+
+def test_outcome_validation_and_prepare_store_translation() -> None:
+    with pytest.raises(ValueError, match="only one"):
+        StoreOutcome(accepted=frozenset({b"k"}), refused=frozenset({b"k"}))
+    plan = StorePlan("r", 0, ())
+    assert StoreOutcome.from_prepare_store(plan, None) == StoreOutcome()
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def test_preemption_resets_blocks_and_reconsiders_dead_chunks() -> None:
+    sw = GroupSpec(0, "sliding_window", tokens_per_block=4, blocks_per_chunk=1, window_tokens=4)
+    s = OffloadScheduler(layout(FULL.__class__(1, "full", 4), sw))
+    s.add_request("r", 24, block_hashes=hashes(6))
+    s.update_request("r", block_ids=[ids(1, 4), [0, 0, 13, 14]])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=16)
+    s.complete_store("r", accept_all(plan))
+    assert (s.cursor("r", 0), s.cursor("r", 1)) == (4, 4)  # SW chunks 0, 1 never storable
+    s.preempt("r")
+    assert [p.num_blocks for p in s.progress("r")] == [0, 0]
+    assert s.cursor("r", 0) == 4  # stored chunks stay stored
+    assert s.cursor("r", 1) == 0  # dead chunks are reconsidered after recompute
+    # Recompute in small steps: SW chunks 0 and 1 are whole this time.
+    s.update_request("r", block_ids=[ids(21, 2), ids(31, 2)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)
+    assert chunk_indices(plan, 0) == [] and chunk_indices(plan, 1) == [0, 1]
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 1) == 4
+
+
+def test_refused_chunk_survives_preemption() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 8, block_hashes=hashes(2))
+    s.update_request("r", block_ids=[ids(1, 2)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)
+    s.complete_store("r", StoreOutcome(accepted=frozenset({key(0, 0)}), refused=frozenset({key(1, 0)})))
+    s.preempt("r")
+    assert not s.plan_store("r", num_computed_tokens=0)  # no blocks: nothing to read
+    s.update_request("r", block_ids=[ids(7, 2)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)
+    assert [c.block_ids for c in plan.groups[0].chunks] == [(8,)]  # new ids, refused chunk only
+
+
+# -------------------------------------------------------------------- reset
+
+
+def test_reset_reoffers_from_zero_and_ignores_stale_outcomes() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 8, block_hashes=hashes(2))
+    s.update_request("r", block_ids=[ids(1, 2)])
+    s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=8)))
+    stale = s.plan_store("r", num_computed_tokens=8)
+    assert not stale
+    s.add_request("done", 4, block_hashes=hashes(1))
+    s.update_request("done", block_ids=[[9]])
+    assert s.finish_request("done", num_computed_tokens=4)
+    s.reset()
+    assert "done" not in s  # finished requests are dropped
+    assert s.cursor("r", 0) == 0
+    plan = s.plan_store("r", num_computed_tokens=8)
+    s.reset()
+    s.complete_store("r", accept_all(plan))  # made before the reset: ignored
+    assert s.cursor("r", 0) == 0
+    assert chunk_indices(s.plan_store("r", num_computed_tokens=8), 0) == [0, 1]
+
+
+# ------------------------------------------------------------------- lookup
+
+
+def _stored(*pairs: tuple[int, int]) -> set[bytes]:
+    return {key(h, g) for h, g in pairs}
+
+
+def test_lookup_full_prefix_stops_at_first_miss() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 40, block_hashes=hashes(10))
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=_stored((0, 0), (1, 0), (2, 0), (4, 0)))
+    assert (look.boundary_tokens, look.num_hit_tokens) == (12, 12)
+    assert look.groups[0].keys == (key(0, 0), key(1, 0), key(2, 0))
+
+
+def test_lookup_last_prompt_token_is_recomputed() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 16, block_hashes=hashes(4))
+    everything = {key(i, 0) for i in range(4)}
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=everything)
+    assert look.boundary_tokens == 12  # not 16: token 15 must be recomputed
+
+
+def test_lookup_is_zero_rather_than_partial() -> None:
+    big = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=4)  # 16-token chunks
+    s = OffloadScheduler(layout(big))
+    s.add_request("r", 40, block_hashes=hashes(10))
+    stored = {key(3, 0), key(7, 0)}
+    assert s.plan_lookup("r", num_computed_tokens=16, is_stored=stored).boundary_tokens == 32
+    # Local prefix already at 32: the next whole chunk (48) is beyond token 39 -> 0, not 7 tokens.
+    look = s.plan_lookup("r", num_computed_tokens=32, is_stored=stored)
+    assert (look.num_hit_tokens, look.boundary_tokens, look.groups) == (0, 32, ())
+
+
+def test_lookup_sliding_window_needs_window_before_boundary() -> None:
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=4, blocks_per_chunk=1, window_tokens=8)
+    s = OffloadScheduler(layout(sw))
+    s.add_request("r", 41, block_hashes=hashes(10))
+    # chunks 2, 3 stored (window of 2 ending at 16) and 5, 6 stored (ending at 28); 7 missing.
+    stored = _stored((2, 1), (3, 1), (5, 1), (6, 1), (9, 1))
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=stored)
+    assert look.boundary_tokens == 28
+    assert look.groups[0].keys == (key(5, 1), key(6, 1))
+    assert (look.groups[0].first_chunk, look.groups[0].end_chunk) == (5, 7)
+
+
+def test_lookup_mamba_needs_chunk_at_boundary() -> None:
+    mamba = GroupSpec(2, "mamba", tokens_per_block=8, blocks_per_chunk=1)
+    s = OffloadScheduler(layout(mamba))
+    s.add_request("r", 40, block_hashes=hashes(10))
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=_stored((3, 2)))
+    assert look.boundary_tokens == 16 and look.groups[0].keys == (key(3, 2),)
+
+
+def test_lookup_iterates_until_groups_agree() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=1)
+    mamba = GroupSpec(1, "mamba", tokens_per_block=4, blocks_per_chunk=3)  # 12-token chunks
+    sw = GroupSpec(2, "sliding_window", tokens_per_block=8, blocks_per_chunk=1, window_tokens=8)
+    s = OffloadScheduler(layout(full, mamba, sw))
+    s.add_request("r", 60, block_hashes=hashes(15))
+    stored = {key(i, 0) for i in range(11)}  # full prefix covers 44 tokens
+    stored |= _stored((8, 1), (5, 1))  # mamba states at 36 and 24
+    stored |= _stored((5, 2), (3, 2))  # SW chunks ending at 24 and 16 (not 40)
+    calls: list[bytes] = []
+
+    def is_stored(k: bytes) -> bool:
+        calls.append(k)
+        return k in stored
+
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=is_stored)
+    # full -> 44; mamba -> 36 (state at 36); SW at 32 needs chunk 3 (h7): missing -> 24;
+    # mamba at 24 ok (h5), full ok: all agree on 24.
+    assert look.boundary_tokens == 24
+    assert len(calls) == len(set(calls))  # each key asked at most once
+    for spec, g in zip(s.layout.groups, look.groups):
+        assert look.boundary_tokens % spec.tokens_per_chunk == 0
+        assert all(k in stored for k in g.keys)
+
+
+def test_lookup_local_prefix_mid_chunk_and_max_load_tokens() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=4)
+    s = OffloadScheduler(layout(full))
+    s.add_request("r", 64, block_hashes=hashes(16))
+    stored = {key(i, 0) for i in (3, 7, 11)}
+    look = s.plan_lookup("r", num_computed_tokens=8, is_stored=stored)
+    assert (look.boundary_tokens, look.num_hit_tokens) == (48, 40)
+    assert look.groups[0].first_chunk == 0  # chunk 0 is half local, half loaded
+    capped = s.plan_lookup("r", num_computed_tokens=8, is_stored=stored, max_load_tokens=30)
+    assert capped.boundary_tokens == 32
+
+
+def test_lookup_without_keys_is_a_miss() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 40)
+    assert s.plan_lookup("r", num_computed_tokens=0, is_stored=lambda k: True).num_hit_tokens == 0
+
+
+# --------------------------------------------------------------------- load
+
+
+def test_load_plan_start_offset_and_hits_not_restored() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=4)
+    s = OffloadScheduler(layout(full))
+    s.add_request("r", 64, block_hashes=hashes(16))
+    stored = {key(i, 0) for i in (3, 7, 11)}
+    look = s.plan_lookup("r", num_computed_tokens=8, is_stored=stored)
+    s.update_request("r", block_ids=[ids(1, 12)])
+    load = s.plan_load("r", num_computed_tokens=8, num_external_tokens=look.num_hit_tokens)
+    g = load.groups[0]
+    assert g.keys == (key(3, 0), key(7, 0), key(11, 0))
+    assert g.start_offset == 2 and g.block_positions[0] == 2 and g.is_contiguous
+    assert g.dst_block_ids == tuple(ids(3, 10))
+    assert load.keys == g.keys
+    assert s.progress("r")[0].hit_chunks == 3
+    # Chunks 0-2 came from the store: not stored again.
+    s.update_request("r", block_ids=[ids(13, 4)])
+    plan = s.plan_store("r", num_computed_tokens=48, num_scheduled_tokens=16)
+    assert chunk_indices(plan, 0) == [3]
+
+
+def test_load_plan_skips_null_destinations_for_sliding_window() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=2)
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=4, blocks_per_chunk=2, window_tokens=12)
+    s = OffloadScheduler(layout(full, sw))
+    s.add_request("r", 40, block_hashes=hashes(10))
+    stored = {key(i, 0) for i in (1, 3, 5, 7)} | {key(i, 1) for i in (3, 5, 7)}
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=stored)
+    assert look.boundary_tokens == 32
+    assert look.groups[1].keys == (key(5, 1), key(7, 1))  # cdiv(12, 8) = 2 chunks
+    # The engine allocates only what the window needs: blocks 0-4 null, 5-7 live.
+    s.update_request("r", block_ids=[ids(1, 8), [0, 0, 0, 0, 0, 16, 17, 18]])
+    load = s.plan_load("r", num_computed_tokens=0, num_external_tokens=32)
+    g = load.groups[1]
+    assert g.keys == (key(5, 1), key(7, 1)) and g.chunk_indices == (2, 3)
+    assert g.dst_block_ids == (16, 17, 18) and g.start_offset == 1
+    assert load.groups[0].dst_block_ids == tuple(ids(1, 8))
+
+
+def test_load_plan_validates_its_inputs() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=4, blocks_per_chunk=2)
+    s = OffloadScheduler(layout(full))
+    s.add_request("r", 40, block_hashes=hashes(10))
+    s.update_request("r", block_ids=[ids(1, 4)])
+    with pytest.raises(ValueError, match="not whole chunks"):
+        s.plan_load("r", num_computed_tokens=0, num_external_tokens=12)
+    with pytest.raises(ValueError, match="not whole GPU blocks"):
+        s.plan_load("r", num_computed_tokens=2, num_external_tokens=14)
+    with pytest.raises(ValueError, match="not allocated"):
+        s.plan_load("r", num_computed_tokens=0, num_external_tokens=24)
+    empty = s.plan_load("r", num_computed_tokens=0, num_external_tokens=0)
+    assert empty.keys == () and len(empty.groups) == 1
+
+
+def test_unknown_request_and_bad_counts() -> None:
+    s = OffloadScheduler(layout(FULL))
+    with pytest.raises(KeyError, match="unknown request"):
+        s.plan_store("nope", num_computed_tokens=0)
+    s.add_request("r", 4)
+    with pytest.raises(ValueError, match="already tracked"):
+        s.add_request("r", 4)
+    with pytest.raises(ValueError, match="num_computed_tokens=-1"):
+        s.plan_store("r", num_computed_tokens=-1)
+    with pytest.raises(ValueError, match="groups"):
+        s.update_request("r", block_ids=[[1], [2]])
+

@@ -1,0 +1,785 @@
+"""Scheduler adapter: what to store and what to load, per request and KV group.
+
+Pure bookkeeping: no vLLM import, no I/O. The engine (the vLLM connector or the
+standalone store) tells the adapter about a request's block hashes and GPU block
+ids; the adapter answers with plans, and the engine reports back what the store
+side did with them.
+
+Primitives:
+
+- :class:`OffloadScheduler` -- per request and group: offload keys, GPU block ids,
+  a store cursor, hits. Methods, in a request's life:
+
+  - :meth:`~OffloadScheduler.add_request`, :meth:`~OffloadScheduler.update_request`
+    (append hashes / block ids), :meth:`~OffloadScheduler.release_blocks`;
+  - :meth:`~OffloadScheduler.plan_lookup` -> :class:`LookupPlan` (longest hit that is
+    whole chunks in every group), :meth:`~OffloadScheduler.plan_load` ->
+    :class:`LoadPlan` (keys and destination blocks of an accepted hit);
+  - :meth:`~OffloadScheduler.plan_store` -> :class:`StorePlan` (whole chunks only),
+    :meth:`~OffloadScheduler.complete_store` with a :class:`StoreOutcome`;
+  - :meth:`~OffloadScheduler.preempt`, :meth:`~OffloadScheduler.finish_request`
+    (final plan; also for aborts), :meth:`~OffloadScheduler.remove_request`,
+    :meth:`~OffloadScheduler.reset`.
+
+Rules the adapter guarantees by construction:
+
+1. A chunk is planned for store only when every one of its GPU blocks is non-null
+   and its key exists (hashes may lag blocks).
+2. A group's cursor passes a chunk only when the store accepted it, already had
+   it, or it can never become whole (it has a null block and has left the
+   group's window for good, or the request is over). A refused chunk stays
+   below the cursor and is offered again on the next plan.
+3. A lookup answers 0 or a boundary that is whole chunks in every group and
+   backed by stored chunks; the last known token is always recomputed.
+
+Per-step work is proportional to the chunks a step touches: each group walks
+only from its scan position forward, plus the few chunks still waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass
+
+from tieredkv.groups import GroupLayout, GroupSpec
+
+__all__ = [
+    "ChunkToStore",
+    "GroupStorePlan",
+    "StorePlan",
+    "StoreOutcome",
+    "GroupLookup",
+    "LookupPlan",
+    "GroupLoadPlan",
+    "LoadPlan",
+    "GroupProgress",
+    "OffloadScheduler",
+]
+
+NULL_BLOCK = 0
+
+# Per-chunk status bytes. WAITING chunks are also listed in _GroupState.waiting.
+_UNSEEN, _WAITING, _DONE, _DEAD = 0, 1, 2, 3
+
+
+def _chunk_key(block_hash: bytes, group: int) -> bytes:
+    """vLLM OffloadKey layout: hash bytes + group index, 4 bytes big-endian."""
+    return block_hash + group.to_bytes(4, "big")
+
+
+# --------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class ChunkToStore:
+    """One whole chunk to store: its key, index in the group, and GPU blocks."""
+
+    key: bytes
+    chunk_index: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupStorePlan:
+    """The chunks of one group to store this step, ascending."""
+
+    group: int
+    chunks: tuple[ChunkToStore, ...] = ()
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """Keys of the chunks, in chunk order."""
+        return tuple(c.key for c in self.chunks)
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """Every source GPU block id, chunk-major (never a null id)."""
+        return tuple(b for c in self.chunks for b in c.block_ids)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What to store for one request after one step, one entry per group."""
+
+    req_id: str
+    num_offloadable_tokens: int
+    groups: tuple[GroupStorePlan, ...]
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """All keys, group-major then ascending chunk (vLLM's spec order)."""
+        return tuple(k for g in self.groups for k in g.keys)
+
+    def __bool__(self) -> bool:
+        return any(g.chunks for g in self.groups)
+
+
+@dataclass(frozen=True)
+class StoreOutcome:
+    """What the store side did with a :class:`StorePlan`.
+
+    Attributes:
+        accepted: Keys it will write.
+        present: Keys it already holds.
+        refused: Keys it could not take now (capacity); offered again later.
+
+    A planned key in none of the sets is treated as refused.
+    """
+
+    accepted: frozenset[bytes] = frozenset()
+    present: frozenset[bytes] = frozenset()
+    refused: frozenset[bytes] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name in ("accepted", "present", "refused"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+        both = (self.accepted | self.present) & self.refused
+        if both or self.accepted & self.present:
+            raise ValueError("a key can be in only one of accepted/present/refused")
+
+    @classmethod
+    def from_prepare_store(
+        cls, plan: StorePlan, keys_to_store: Iterable[bytes] | None
+    ) -> StoreOutcome:
+        """Translate vLLM's all-or-nothing ``prepare_store`` answer.
+
+        ``None`` refuses the whole plan; otherwise ``keys_to_store`` are
+        accepted and every other planned key is already present.
+        """
+        keys = frozenset(plan.keys)
+        if keys_to_store is None:
+            return cls(refused=keys)
+        accepted = frozenset(keys_to_store) & keys
+        return cls(accepted=accepted, present=keys - accepted)
+
+
+@dataclass(frozen=True)
+class GroupLookup:
+    """The chunks of one group that a hit needs from the store."""
+
+    group: int
+    first_chunk: int
+    end_chunk: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class LookupPlan:
+    """The longest hit whole in every group; ``num_hit_tokens`` is 0 on a miss.
+
+    Attributes:
+        num_computed_tokens: The local (GPU) prefix the lookup started from.
+        boundary_tokens: Local prefix plus hit (== num_computed_tokens on a miss).
+        num_hit_tokens: Tokens the store can provide beyond the local prefix.
+        groups: Per group, the stored chunks the hit relies on (empty on a miss).
+    """
+
+    num_computed_tokens: int
+    boundary_tokens: int
+    num_hit_tokens: int
+    groups: tuple[GroupLookup, ...] = ()
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """Every key the hit relies on, group-major."""
+        return tuple(k for g in self.groups for k in g.keys)
+
+
+@dataclass(frozen=True)
+class GroupLoadPlan:
+    """Keys and GPU destinations of one group for a load.
+
+    Attributes:
+        group: The group index.
+        keys: Chunk keys to read, ascending.
+        chunk_indices: The chunk index of each key.
+        dst_block_ids: Destination GPU block ids, ascending position, no nulls.
+        block_positions: Each destination's block index within the request.
+        start_offset: Blocks to skip inside the first chunk (the local prefix
+            or a null placeholder ends mid-chunk).
+    """
+
+    group: int
+    keys: tuple[bytes, ...] = ()
+    chunk_indices: tuple[int, ...] = ()
+    dst_block_ids: tuple[int, ...] = ()
+    block_positions: tuple[int, ...] = ()
+    start_offset: int = 0
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True when destinations are one run from ``start_offset`` (vLLM's layout)."""
+        if not self.block_positions:
+            return True
+        first = self.block_positions[0]
+        return self.block_positions[-1] - first + 1 == len(self.block_positions)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Everything to load for an accepted hit, one entry per group."""
+
+    req_id: str
+    num_computed_tokens: int
+    boundary_tokens: int
+    groups: tuple[GroupLoadPlan, ...]
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """All keys, group-major then ascending chunk."""
+        return tuple(k for g in self.groups for k in g.keys)
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """A snapshot of one group's bookkeeping for a request."""
+
+    group: int
+    num_keys: int
+    num_blocks: int
+    cursor: int
+    num_waiting: int
+    hit_chunks: int
+
+
+# --------------------------------------------------------------------- state
+
+
+class _GroupState:
+    """Per request, per group: keys, block ids, chunk statuses, cursor."""
+
+    __slots__ = ("keys", "block_ids", "status", "scan", "waiting", "first_dead", "hits")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.block_ids: list[int] = []
+        self.status = bytearray()
+        # Every chunk below `scan` is DONE, DEAD or WAITING (then in `waiting`).
+        self.scan = 0
+        self.waiting: set[int] = set()
+        self.first_dead: int | None = None
+        self.hits = 0
+
+    def status_of(self, k: int) -> int:
+        return self.status[k] if k < len(self.status) else _UNSEEN
+
+    def set_status(self, k: int, value: int) -> None:
+        if k >= len(self.status):
+            self.status.extend(bytes(k + 1 - len(self.status)))
+        self.status[k] = value
+        if value == _WAITING:
+            self.waiting.add(k)
+        else:
+            self.waiting.discard(k)
+        if value == _DEAD and (self.first_dead is None or k < self.first_dead):
+            self.first_dead = k
+
+    @property
+    def cursor(self) -> int:
+        """Lowest chunk not yet stored, present or never storable."""
+        return min(self.scan, min(self.waiting)) if self.waiting else self.scan
+
+
+class _Request:
+    __slots__ = (
+        "req_id",
+        "num_prompt_tokens",
+        "num_tokens",
+        "max_offload_tokens",
+        "hashes",
+        "groups",
+        "pending",
+        "finished",
+    )
+
+    def __init__(
+        self, req_id: str, num_prompt_tokens: int, max_offload_tokens: int | None, n: int
+    ) -> None:
+        self.req_id = req_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = num_prompt_tokens
+        self.max_offload_tokens = max_offload_tokens
+        self.hashes: list[bytes] = []
+        self.groups = tuple(_GroupState() for _ in range(n))
+        # key -> (group position, chunk index) of the latest plan
+        self.pending: dict[bytes, tuple[int, int]] = {}
+        self.finished = False
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected a non-negative integer")
+
+
+# ----------------------------------------------------------------- scheduler
+
+
+class OffloadScheduler:
+    """Multi-group store/lookup/load planner for live requests.
+
+    Args:
+        layout: The model's offloaded KV groups.
+        offload_prompt_only: Store only prompt chunks (vLLM's default).
+    """
+
+    def __init__(self, layout: GroupLayout, *, offload_prompt_only: bool = True) -> None:
+        self.layout = layout
+        self.offload_prompt_only = offload_prompt_only
+        self._hpc = tuple(layout.hashes_per_chunk(i) for i in range(len(layout)))
+        self._reqs: dict[str, _Request] = {}
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        req_id: str,
+        num_prompt_tokens: int,
+        *,
+        block_hashes: Sequence[bytes] = (),
+        max_offload_tokens: int | None = None,
+    ) -> None:
+        """Start tracking a request.
+
+        Args:
+            req_id: Unique request id.
+            num_prompt_tokens: Prompt length in tokens.
+            block_hashes: Hashes known so far, one per ``tokens_per_hash`` tokens.
+            max_offload_tokens: Per-request cap on stored tokens (None: no cap).
+        """
+        if req_id in self._reqs:
+            raise ValueError(f"request {req_id!r} is already tracked")
+        _check_count("num_prompt_tokens", num_prompt_tokens)
+        if max_offload_tokens is not None:
+            _check_count("max_offload_tokens", max_offload_tokens)
+        req = _Request(req_id, num_prompt_tokens, max_offload_tokens, len(self.layout))
+        self._reqs[req_id] = req
+        self._append_hashes(req, block_hashes)
+
+    def update_request(
+        self,
+        req_id: str,
+        *,
+        block_hashes: Sequence[bytes] = (),
+        block_ids: Sequence[Sequence[int]] | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Append new block hashes and newly allocated GPU block ids.
+
+        Args:
+            req_id: The request.
+            block_hashes: Hashes that became known since the last call.
+            block_ids: Per group (layout order), the block ids allocated this
+                step, appended to the group's list; 0 is a null block.
+            num_tokens: The request's current token count (prompt + output).
+        """
+        req = self._get(req_id)
+        self._append_hashes(req, block_hashes)
+        if block_ids is not None:
+            if len(block_ids) != len(self.layout):
+                raise ValueError(
+                    f"block_ids has {len(block_ids)} groups, layout has {len(self.layout)}"
+                )
+            for gs, new_ids in zip(req.groups, block_ids):
+                gs.block_ids.extend(new_ids)
+        if num_tokens is not None:
+            _check_count("num_tokens", num_tokens)
+            req.num_tokens = max(req.num_tokens, num_tokens)
+
+    def release_blocks(self, req_id: str, group_pos: int, positions: Iterable[int]) -> None:
+        """Mark block slots the engine freed (e.g. left the window) as null.
+
+        A chunk with a released block is never stored from stale ids.
+        """
+        ids = self._get(req_id).groups[group_pos].block_ids
+        for p in positions:
+            if 0 <= p < len(ids):
+                ids[p] = NULL_BLOCK
+
+    def preempt(self, req_id: str) -> None:
+        """The engine preempted the request: its GPU blocks are gone.
+
+        Block ids are cleared; stored chunks stay stored. Chunks passed as
+        never storable are reconsidered, since recomputation may make them
+        whole. Refused chunks stay below the cursor.
+        """
+        for gs in self._get(req_id).groups:
+            gs.block_ids.clear()
+            if gs.first_dead is not None:
+                gs.scan = min(gs.scan, gs.first_dead)
+                gs.first_dead = None
+
+    def finish_request(
+        self, req_id: str, *, num_computed_tokens: int, aborted: bool = False
+    ) -> StorePlan:
+        """The request ended; return its final store plan.
+
+        A finished request offers every token whose KV exists (the final
+        sampled token has none); an aborted one only its computed tokens. Every
+        chunk that is not whole now never will be. The request is dropped after
+        the plan's :meth:`complete_store` (or at once if the plan is empty).
+        """
+        req = self._get(req_id)
+        _check_count("num_computed_tokens", num_computed_tokens)
+        req.finished = True
+        if aborted:
+            frontier = num_computed_tokens
+        else:
+            frontier = max(num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1)
+        plan = self._plan(req, frontier, final=True)
+        if not plan:
+            del self._reqs[req_id]
+        return plan
+
+    def remove_request(self, req_id: str) -> None:
+        """Forget a request (no-op if unknown)."""
+        self._reqs.pop(req_id, None)
+
+    def reset(self) -> None:
+        """The store was emptied: every live request re-offers from chunk 0.
+
+        Finished requests awaiting their final outcome are dropped; outcomes of
+        plans made before the reset are ignored.
+        """
+        for req_id in [r.req_id for r in self._reqs.values() if r.finished]:
+            del self._reqs[req_id]
+        for req in self._reqs.values():
+            req.pending = {}
+            for gs in req.groups:
+                gs.status = bytearray()
+                gs.scan = 0
+                gs.waiting.clear()
+                gs.first_dead = None
+
+    # ------------------------------------------------------------- store
+
+    def plan_store(
+        self, req_id: str, *, num_computed_tokens: int, num_scheduled_tokens: int = 0
+    ) -> StorePlan:
+        """Plan the whole chunks to store after this step.
+
+        Args:
+            req_id: A running request.
+            num_computed_tokens: Tokens computed before this step.
+            num_scheduled_tokens: Tokens this step computes.
+
+        Returns:
+            Per group, every chunk that is whole now and not yet stored,
+            including chunks refused earlier. It replaces any earlier plan of
+            this request that was not completed.
+        """
+        req = self._get(req_id)
+        if req.finished:
+            raise ValueError(f"request {req_id!r} has finished; use finish_request")
+        _check_count("num_computed_tokens", num_computed_tokens)
+        _check_count("num_scheduled_tokens", num_scheduled_tokens)
+        return self._plan(req, num_computed_tokens + num_scheduled_tokens, final=False)
+
+    def complete_store(self, req_id: str, outcome: StoreOutcome) -> None:
+        """Record what the store side did with the request's latest plan.
+
+        Accepted and present chunks are done; refused (or unmentioned) ones
+        are offered again by the next plan. Unknown requests and keys that are
+        not in the latest plan (stale outcomes) are ignored.
+        """
+        req = self._reqs.get(req_id)
+        if req is None:
+            return
+        for key in outcome.accepted | outcome.present:
+            where = req.pending.get(key)
+            if where is not None:
+                req.groups[where[0]].set_status(where[1], _DONE)
+        req.pending = {}
+        if req.finished:
+            del self._reqs[req_id]
+
+    def _offloadable(self, req: _Request, frontier: int) -> int:
+        num = min(frontier, req.num_tokens)
+        if req.max_offload_tokens is not None:
+            num = min(num, req.max_offload_tokens)
+        if self.offload_prompt_only:
+            num = min(num, req.num_prompt_tokens)
+        return num
+
+    def _plan(self, req: _Request, frontier: int, *, final: bool) -> StorePlan:
+        offloadable = self._offloadable(req, frontier)
+        plans: list[GroupStorePlan] = []
+        pending: dict[bytes, tuple[int, int]] = {}
+        for pos, (spec, gs) in enumerate(zip(self.layout.groups, req.groups)):
+            chunks = self._plan_group(spec, gs, offloadable, frontier, final)
+            for chunk in chunks:
+                pending[chunk.key] = (pos, chunk.chunk_index)
+            plans.append(GroupStorePlan(spec.index, tuple(chunks)))
+        req.pending = pending
+        return StorePlan(req.req_id, offloadable, tuple(plans))
+
+    def _plan_group(
+        self, spec: GroupSpec, gs: _GroupState, offloadable: int, frontier: int, final: bool
+    ) -> list[ChunkToStore]:
+        """Visit waiting chunks, then new chunks from the scan position."""
+        bpc = spec.blocks_per_chunk
+        limit = min(offloadable // spec.tokens_per_chunk, len(gs.block_ids) // bpc, len(gs.keys))
+        out: list[ChunkToStore] = []
+        if gs.waiting:
+            for k in sorted(gs.waiting):
+                if k >= limit:
+                    break
+                self._visit(spec, gs, k, frontier, final, out)
+        for k in range(gs.scan, limit):
+            if gs.status_of(k) in (_UNSEEN, _DEAD):
+                self._visit(spec, gs, k, frontier, final, out)
+        gs.scan = max(gs.scan, limit)
+        while gs.status_of(gs.scan) == _DONE:  # e.g. loaded chunks, or stored before a rewind
+            gs.scan += 1
+        out.sort(key=lambda c: c.chunk_index)
+        return out
+
+    def _visit(
+        self,
+        spec: GroupSpec,
+        gs: _GroupState,
+        k: int,
+        frontier: int,
+        final: bool,
+        out: list[ChunkToStore],
+    ) -> None:
+        """Classify chunk ``k``: whole (offer it), waiting, or never storable."""
+        bpc = spec.blocks_per_chunk
+        blocks = gs.block_ids[k * bpc : (k + 1) * bpc]
+        if NULL_BLOCK not in blocks:
+            gs.set_status(k, _WAITING)
+            out.append(ChunkToStore(gs.keys[k], k, tuple(blocks)))
+            return
+        reach = spec.reach_tokens
+        out_of_reach = reach is not None and (k + 1) * spec.tokens_per_chunk + reach <= frontier
+        gs.set_status(k, _DEAD if final or out_of_reach else _WAITING)
+
+    # ------------------------------------------------------------ lookup
+
+    def plan_lookup(
+        self,
+        req_id: str,
+        *,
+        num_computed_tokens: int,
+        is_stored: Callable[[bytes], bool] | Container[bytes],
+        max_load_tokens: int | None = None,
+    ) -> LookupPlan:
+        """Find the longest hit that is whole chunks in every group.
+
+        Full-attention groups need every chunk from the local prefix to the
+        boundary; sliding-window groups the window's chunks before it; mamba
+        groups the chunk ending at it. Groups are re-checked until they agree.
+
+        Args:
+            req_id: The request (its prompt hashes must be known).
+            num_computed_tokens: The local (GPU prefix cache) hit in tokens.
+            is_stored: Answers whether a key is readable in the store.
+            max_load_tokens: Optional cap on the tokens loaded beyond the prefix.
+
+        Returns:
+            The hit; ``num_hit_tokens`` is 0 unless every group gains whole chunks.
+        """
+        req = self._get(req_id)
+        _check_count("num_computed_tokens", num_computed_tokens)
+        computed = num_computed_tokens
+        probe = _Probe(is_stored)
+        bound = req.num_tokens - 1  # the last known token is always recomputed
+        if max_load_tokens is not None:
+            bound = min(bound, computed + max_load_tokens)
+        for spec, gs in zip(self.layout.groups, req.groups):
+            bound = min(bound, len(gs.keys) * spec.tokens_per_chunk)
+        full_prefix: dict[int, int] = {}
+        while bound > computed:
+            new = bound
+            for pos, (spec, gs) in enumerate(zip(self.layout.groups, req.groups)):
+                new = self._group_boundary(spec, gs, computed, new, probe, full_prefix, pos)
+                if new <= computed:
+                    break
+            if new == bound:
+                return self._lookup_plan(req, computed, bound)
+            bound = new
+        return LookupPlan(computed, computed, 0)
+
+    def _group_boundary(
+        self,
+        spec: GroupSpec,
+        gs: _GroupState,
+        computed: int,
+        bound: int,
+        probe: _Probe,
+        full_prefix: dict[int, int],
+        pos: int,
+    ) -> int:
+        """Largest boundary <= ``bound`` this group can serve (<= computed: none)."""
+        tpc = spec.tokens_per_chunk
+        first, end = computed // tpc, bound // tpc
+        wc = spec.window_chunks
+        if wc is None:
+            if pos not in full_prefix:  # scanned once per lookup; bound only shrinks
+                k = first
+                while k < end and probe(gs.keys[k]):
+                    k += 1
+                full_prefix[pos] = k
+            return min(full_prefix[pos], end) * tpc
+        while end > first:
+            low = max(end - wc, first)
+            k = end - 1
+            while k >= low and probe(gs.keys[k]):
+                k -= 1
+            if k < low:
+                return end * tpc
+            end = k  # chunk k is missing: a valid end is at most k
+        return 0
+
+    def _lookup_plan(self, req: _Request, computed: int, boundary: int) -> LookupPlan:
+        groups = []
+        for spec, gs in zip(self.layout.groups, req.groups):
+            first, end = self._hit_chunks(spec, computed, boundary)
+            groups.append(GroupLookup(spec.index, first, end, tuple(gs.keys[first:end])))
+        return LookupPlan(computed, boundary, boundary - computed, tuple(groups))
+
+    @staticmethod
+    def _hit_chunks(spec: GroupSpec, computed: int, boundary: int) -> tuple[int, int]:
+        tpc = spec.tokens_per_chunk
+        end = boundary // tpc
+        wc = spec.window_chunks
+        first = computed // tpc
+        return (first if wc is None else max(first, end - wc)), end
+
+    # -------------------------------------------------------------- load
+
+    def plan_load(
+        self, req_id: str, *, num_computed_tokens: int, num_external_tokens: int
+    ) -> LoadPlan:
+        """Plan the load of an accepted hit into the request's allocated blocks.
+
+        Call after the engine appended block ids covering the boundary. Loaded
+        chunks count as present (they are not stored again) and become the
+        group's hits.
+
+        Args:
+            req_id: The request.
+            num_computed_tokens: Local prefix in tokens (whole GPU blocks).
+            num_external_tokens: The accepted hit from :meth:`plan_lookup`.
+        """
+        req = self._get(req_id)
+        _check_count("num_computed_tokens", num_computed_tokens)
+        _check_count("num_external_tokens", num_external_tokens)
+        boundary = num_computed_tokens + num_external_tokens
+        groups = []
+        for spec, gs in zip(self.layout.groups, req.groups):
+            if num_external_tokens == 0:
+                groups.append(GroupLoadPlan(spec.index))
+                continue
+            self._check_load(spec, gs, num_computed_tokens, boundary)
+            groups.append(self._plan_group_load(spec, gs, num_computed_tokens, boundary))
+        return LoadPlan(req_id, num_computed_tokens, boundary, tuple(groups))
+
+    @staticmethod
+    def _check_load(spec: GroupSpec, gs: _GroupState, computed: int, boundary: int) -> None:
+        name = f"group {spec.index}"
+        if computed % spec.tokens_per_block:
+            raise ValueError(
+                f"{name}: num_computed_tokens={computed} is not whole GPU blocks "
+                f"of {spec.tokens_per_block} tokens"
+            )
+        if boundary % spec.tokens_per_chunk:
+            raise ValueError(
+                f"{name}: hit boundary {boundary} is not whole chunks of "
+                f"{spec.tokens_per_chunk} tokens; use plan_lookup's answer"
+            )
+        if boundary // spec.tokens_per_chunk > len(gs.keys):
+            raise ValueError(f"{name}: no keys up to token {boundary}")
+        if len(gs.block_ids) < boundary // spec.tokens_per_block:
+            raise ValueError(f"{name}: blocks not allocated up to token {boundary}")
+
+    def _plan_group_load(
+        self, spec: GroupSpec, gs: _GroupState, computed: int, boundary: int
+    ) -> GroupLoadPlan:
+        bpc = spec.blocks_per_chunk
+        first_chunk, end_chunk = self._hit_chunks(spec, computed, boundary)
+        first_block = max(computed // spec.tokens_per_block, first_chunk * bpc)
+        dst: list[int] = []
+        positions: list[int] = []
+        for b in range(first_block, end_chunk * bpc):
+            if gs.block_ids[b] != NULL_BLOCK:
+                dst.append(gs.block_ids[b])
+                positions.append(b)
+        chunks = sorted({p // bpc for p in positions})
+        for k in range(first_chunk, end_chunk):
+            gs.set_status(k, _DONE)
+        while gs.status_of(gs.scan) == _DONE:
+            gs.scan += 1
+        gs.hits = end_chunk
+        return GroupLoadPlan(
+            group=spec.index,
+            keys=tuple(gs.keys[k] for k in chunks),
+            chunk_indices=tuple(chunks),
+            dst_block_ids=tuple(dst),
+            block_positions=tuple(positions),
+            start_offset=positions[0] - chunks[0] * bpc if positions else 0,
+        )
+
+    # --------------------------------------------------------- accessors
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._reqs
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def cursor(self, req_id: str, group_pos: int) -> int:
+        """The store cursor: every chunk below it is stored, present or never storable."""
+        return self._get(req_id).groups[group_pos].cursor
+
+    def offload_keys(self, req_id: str, group_pos: int) -> tuple[bytes, ...]:
+        """The group's chunk keys known so far (a copy)."""
+        return tuple(self._get(req_id).groups[group_pos].keys)
+
+    def progress(self, req_id: str) -> tuple[GroupProgress, ...]:
+        """A per-group snapshot of the request's bookkeeping."""
+        return tuple(
+            GroupProgress(
+                spec.index, len(gs.keys), len(gs.block_ids), gs.cursor, len(gs.waiting), gs.hits
+            )
+            for spec, gs in zip(self.layout.groups, self._get(req_id).groups)
+        )
+
+    # ----------------------------------------------------------- helpers
+
+    def _get(self, req_id: str) -> _Request:
+        try:
+            return self._reqs[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request {req_id!r}") from None
+
+    def _append_hashes(self, req: _Request, block_hashes: Sequence[bytes]) -> None:
+        for h in block_hashes:
+            if not isinstance(h, bytes):
+                raise TypeError(f"block hashes must be bytes, got {type(h).__name__}")
+        req.hashes.extend(block_hashes)
+        req.num_tokens = max(req.num_tokens, len(req.hashes) * self.layout.tokens_per_hash)
+        n = len(req.hashes)
+        for spec, gs, hpc in zip(self.layout.groups, req.groups, self._hpc):
+            k = len(gs.keys)
+            while (k + 1) * hpc <= n:
+                gs.keys.append(_chunk_key(req.hashes[(k + 1) * hpc - 1], spec.index))
+                k += 1
+
+
+class _Probe:
+    """Memoizes ``is_stored`` so a lookup asks about each key at most once."""
+
+    __slots__ = ("_ask", "_seen")
+
+    def __init__(self, is_stored: Callable[[bytes], bool] | Container[bytes]) -> None:
+        self._ask: Callable[[bytes], bool] = (
+            is_stored if callable(is_stored) else is_stored.__contains__
+        )
+        self._seen: dict[bytes, bool] = {}
+
+    def __call__(self, key: bytes) -> bool:
+        hit = self._seen.get(key)
+        if hit is None:
+            hit = self._seen[key] = bool(self._ask(key))
+        return hit
+

@@ -102,6 +102,8 @@ class JobResult:
     """Store: keys refused or dropped (offer them again later). Load: keys not found."""
     tiers: dict[str, int] = field(default_factory=dict)
     """Store: chunks written per tier. Load: chunks read per tier."""
+    finished_at: float = 0.0
+    """``time.perf_counter()`` when the job finished."""
 
 
 class KeyState(str, Enum):
@@ -340,16 +342,15 @@ class Pipeline:
 
     def submit_store(self, job: StoreJob) -> bool:
         """Queue a store; returns at once whether it was admitted. Back-pressure (staging full)
-        or a closed pipeline refuses it: False, and its (failed) result is polled like any other."""
+        or a closed pipeline refuses it: False (counted), and no result will be polled for it."""
         grp = self._group(job.group)
         nbytes = len(job.chunks) * grp.chunk_bytes
-        if self._refuse_if_closed(job, "store", nbytes):
+        if self._refused(job, "store"):
             return False
         buf = self.staging.try_acquire(nbytes) if job.chunks else None
         if buf is None:
             self.counters["store_backpressure"] += 1
-            self._finish(JobResult(job.job_id, "store", False, 0, 0.0, "back-pressure: staging pool full",
-                                   failed=tuple(c.key for c in job.chunks)))
+            self.group_counters[job.group]["store_refused"] += len(job.chunks)
             return False
         ready = self.copier.record_ready(grp.tensors)
         with self._lock:
@@ -360,16 +361,15 @@ class Pipeline:
         return True
 
     def submit_load(self, job: LoadJob) -> bool:
-        """Queue a load; returns at once whether it was admitted. Its result says which keys loaded."""
+        """Queue a load; returns at once whether it was admitted (False: back-pressure or closed,
+        no result will come). The result says which keys were loaded."""
         grp = self._group(job.group)
         nbytes = len(job.chunks) * grp.chunk_bytes
-        if self._refuse_if_closed(job, "load", nbytes):
+        if self._refused(job, "load"):
             return False
         buf = self.staging.try_acquire(nbytes) if job.chunks else None
         if buf is None:
             self.counters["load_backpressure"] += 1
-            self._finish(JobResult(job.job_id, "load", False, 0, 0.0, "back-pressure: staging pool full",
-                                   failed=tuple(c.key for c in job.chunks)))
             return False
         with self._lock:
             self._inflight += 1
@@ -568,14 +568,14 @@ class Pipeline:
         else:
             self._pending.pop(key, None)
 
-    def _refuse_if_closed(self, job: Any, kind: str, nbytes: int) -> bool:
+    def _refused(self, job: Any, kind: str) -> bool:
         if not self._closed and self._loop is not None:
             return False
-        self._finish(JobResult(job.job_id, kind, False, 0, 0.0, "pipeline is closed" if self._closed else "not started",
-                               failed=tuple(c.key for c in job.chunks)))
+        self.counters[f"{kind}_refused_closed"] += 1
         return True
 
     def _finish(self, res: JobResult, counted: bool = False) -> None:
+        object.__setattr__(res, "finished_at", time.perf_counter())
         self._finished.append(res)
         self.counters[f"{res.kind}_{'ok' if res.ok else 'failed'}"] += 1
         if res.ok:

@@ -101,19 +101,22 @@ class TieredStore:
         """Per key: ``(HIT, tier)``, ``(PENDING, None)`` while a store is in flight, or ``(MISS, None)``."""
         return self.pipeline.lookup(keys, timeout)
 
-    def store(self, group: int, chunks: Iterable[ChunkArg]) -> int:
-        """Submit whole chunks ``(key, block_ids)`` of ``group`` for storing; returns the job id at once."""
+    def store(self, group: int, chunks: Iterable[ChunkArg]) -> int | None:
+        """Submit whole chunks ``(key, block_ids)`` of ``group`` for storing. Returns the job id at
+        once, or None when refused (staging full: back-pressure; offer the chunks again later)."""
         job_id = next(self._ids)
+        if not self.pipeline.submit_store(StoreJob(job_id, group, _refs(chunks))):
+            return None
         self._open_jobs.add(job_id)
-        self.pipeline.submit_store(StoreJob(job_id, group, _refs(chunks)))
         return job_id
 
-    def load(self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0) -> int:
-        """Submit a load of whole chunks into ``block_ids``; the first chunk's first ``skip_blocks``
-        blocks are not copied. Returns the job id at once."""
+    def load(self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0) -> int | None:
+        """Submit a load of whole chunks into their blocks (see :class:`~tieredkv.pipeline.LoadJob`).
+        Returns the job id at once, or None when refused (back-pressure)."""
         job_id = next(self._ids)
+        if not self.pipeline.submit_load(LoadJob(job_id, group, _refs(chunks), skip_blocks)):
+            return None
         self._open_jobs.add(job_id)
-        self.pipeline.submit_load(LoadJob(job_id, group, _refs(chunks), skip_blocks))
         return job_id
 
     def pin(self, keys: Sequence[bytes]) -> None:

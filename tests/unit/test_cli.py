@@ -50,21 +50,28 @@ def test_config_show_masks_secrets_and_applies_env(tmp_path: Path) -> None:
     assert "hunter2" not in r.stdout
 
 
-def test_demo_round_trips_and_second_run_finds_first_runs_chunks(tmp_path: Path) -> None:
-    first = run("demo", "--chunks", "8", "--data-dir", str(tmp_path), "--json")
+def test_demo_replays_trace_verifies_bytes_and_second_run_hits_first_runs_lmdb(tmp_path: Path) -> None:
+    args = ("demo", "--conversations", "4", "--turns", "2", "--data-dir", str(tmp_path), "--json")
+    first = run(*args)
     assert first.returncode == 0, first.stderr
     s1 = json.loads(first.stdout)
-    assert s1["mismatches"] == 0
-    assert [t["kind"] for t in s1["tiers"]] == ["cpu", "lmdb"]
-    assert all(t["records"] == 16 and t["found_from_earlier_run"] == 0 for t in s1["tiers"])
-    second = json.loads(run("demo", "--chunks", "8", "--data-dir", str(tmp_path), "--json").stdout)
-    lmdb = [t for t in second["tiers"] if t["kind"] == "lmdb"][0]
-    assert lmdb["found_from_earlier_run"] == 16  # persisted on disk
-    assert [t for t in second["tiers"] if t["kind"] == "cpu"][0]["found_from_earlier_run"] == 0
+    assert s1["requests"] == 8 and s1["mismatches"] == 0 and s1["verified_blocks"] > 0
+    full, swa = s1["groups"]
+    assert full["kind"] == "full" and swa["kind"] == "sliding_window"
+    assert full["tokens_from_cache"] > 0, "turn 2 must hit turn 1's prefix"
+    assert s1["tiers"]["lmdb"]["records"] > 0 and s1["tiers"]["lmdb"]["hits"] == 0
+    assert s1["store"]["failed"] == 0 and s1["load"]["failed"] == 0
+    second = run(*args)
+    assert second.returncode == 0, second.stderr
+    s2 = json.loads(second.stdout)
+    assert s2["mismatches"] == 0
+    assert s2["tiers"]["lmdb"]["hits"] > 0, "a second run on the same LMDB directory hits the first run's chunks"
+    assert s2["groups"][0]["tokens_from_cache"] > full["tokens_from_cache"]
 
 
 def test_demo_human_summary() -> None:
-    r = run("demo", "--chunks", "4")
+    r = run("demo", "--conversations", "3", "--turns", "2")
     assert r.returncode == 0, r.stderr
-    assert "every chunk read back equals what was stored" in r.stdout
-    assert "lmdb" in r.stdout and "cpu" in r.stdout
+    assert "loaded blocks equal what was stored" in r.stdout
+    assert "sliding_window" in r.stdout.replace("\n", "") or "slidin" in r.stdout
+    assert "lmdb" in r.stdout and "cpu" in r.stdout and "p99 ms" in r.stdout

@@ -1,0 +1,383 @@
+"""``tieredkv demo``: a synthetic hybrid-model serving trace through adapter, pipeline and tiers.
+
+The trace: a few long system prompts shared by many multi-turn conversations; each turn's
+prompt is the previous prompt, the model's answer and a new user message, so later turns
+and other conversations hit cached prefixes. The "model" has a full-attention group and a
+sliding-window group (optionally a mamba group) with different block sizes per chunk.
+
+A small engine loop stands in for vLLM: it admits requests, asks the adapter
+(:class:`~tieredkv.scheduler.OffloadScheduler`) for the longest hit that is whole chunks in
+every group, loads it through the pipeline into "GPU" blocks (CPU tensors here; CUDA tensors
+when present), computes the rest in prefill steps, and stores whole chunks after every step.
+A block's bytes are a function of the token prefix it ends (as real KV is), so every loaded
+block is checked against what computing it would have produced.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
+from tieredkv.keys import GroupGeometry, Namespace
+from tieredkv.pipeline import JobResult, KeyState
+from tieredkv.scheduler import LoadPlan, OffloadScheduler, StoreOutcome, StorePlan
+from tieredkv.store import TieredStore
+
+__all__ = ["DemoOptions", "run_demo"]
+
+TOKENS_PER_HASH = 16
+
+
+@dataclass
+class DemoOptions:
+    system_prompts: int = 6
+    conversations: int = 24
+    turns: int = 4
+    system_tokens: tuple[int, int] = (512, 1536)
+    user_tokens: tuple[int, int] = (48, 256)
+    output_tokens: tuple[int, int] = (32, 160)
+    concurrency: int = 8
+    prefill_tokens: int = 512
+    mamba: bool = False
+    seed: int = 0
+
+
+def demo_layout(mamba: bool = False) -> GroupLayout:
+    """Full attention (16-token blocks, 4 per chunk, 32 KiB/block) and sliding window
+    (16-token blocks, 2 per chunk, window 256 tokens, 16 KiB/block); optionally mamba."""
+    groups = [
+        GroupSpec(0, GroupKind.FULL, tokens_per_block=16, blocks_per_chunk=4, bytes_per_block=32 << 10),
+        GroupSpec(1, GroupKind.SLIDING_WINDOW, tokens_per_block=16, blocks_per_chunk=2, bytes_per_block=16 << 10,
+                  window_tokens=256),
+    ]
+    if mamba:
+        groups.append(GroupSpec(2, GroupKind.MAMBA, tokens_per_block=64, blocks_per_chunk=1, bytes_per_block=64 << 10))
+    return GroupLayout(tuple(groups), TOKENS_PER_HASH)
+
+
+# ---- the synthetic model ----------------------------------------------------------------
+
+
+def chain_hashes(tokens: list[int], parent: bytes = b"\0" * 16) -> list[bytes]:
+    """vLLM-style chained block hashes, one per TOKENS_PER_HASH full tokens."""
+    out = []
+    h = parent
+    for i in range(len(tokens) // TOKENS_PER_HASH):
+        blk = tokens[i * TOKENS_PER_HASH : (i + 1) * TOKENS_PER_HASH]
+        h = xxhash.xxh3_128_digest(h + b"".join(t.to_bytes(4, "little") for t in blk))
+        out.append(h)
+    return out
+
+
+def block_content(prefix_hash: bytes, group: int, pos: int, nbytes: int) -> torch.Tensor:
+    """The KV bytes of block ``pos`` of ``group`` ending at ``prefix_hash``."""
+    pattern = prefix_hash + group.to_bytes(4, "little") + pos.to_bytes(4, "little") + b"\xa5" * 8
+    return torch.frombuffer(bytearray(pattern), dtype=torch.uint8).repeat(nbytes // 32)
+
+
+class FakeGPU:
+    """Per group: a pool of KV blocks (block 0 is the null block) and a free list."""
+
+    def __init__(self, layout: GroupLayout, blocks: int, device: str) -> None:
+        self.kv = [torch.zeros(blocks, g.bytes_per_block, dtype=torch.uint8, device=device) for g in layout.groups]
+        self.free = [deque(range(1, blocks)) for _ in layout.groups]
+
+    def alloc(self, pos: int, n: int) -> list[int]:
+        if len(self.free[pos]) < n:
+            raise RuntimeError("demo GPU out of blocks; lower --concurrency")
+        return [self.free[pos].popleft() for _ in range(n)]
+
+    def release(self, pos: int, ids: list[int]) -> None:
+        self.free[pos].extend(i for i in ids if i)
+
+
+# ---- the trace ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Req:
+    rid: str
+    conv: int
+    turn: int
+    tokens: list[int]
+    output: list[int]
+    hashes: list[bytes] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)
+    computed: int = 0
+    hit: int = 0
+    store_jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+class _Trace:
+    def __init__(self, o: DemoOptions) -> None:
+        self.o = o
+        self.rng = random.Random(o.seed)
+        self.systems = [self._toks(*o.system_tokens) for _ in range(o.system_prompts)]
+        self.history: dict[int, list[int]] = {}
+        self.conv_sys = [self.rng.randrange(o.system_prompts) for _ in range(o.conversations)]
+
+    def _toks(self, lo: int, hi: int) -> list[int]:
+        return [self.rng.randrange(32000) for _ in range(self.rng.randint(lo, hi))]
+
+    def turn(self, conv: int, turn: int) -> _Req:
+        prompt = self.history.get(conv, self.systems[self.conv_sys[conv]]) + self._toks(*self.o.user_tokens)
+        out = self._toks(*self.o.output_tokens)
+        self.history[conv] = prompt + out
+        return _Req(f"c{conv}t{turn}", conv, turn, prompt, out)
+
+
+# ---- the engine loop -------------------------------------------------------------------------
+
+
+class _Engine:
+    def __init__(self, store: TieredStore, layout: GroupLayout, o: DemoOptions, device: str) -> None:
+        self.store, self.layout, self.o = store, layout, o
+        self.sched = OffloadScheduler(layout)
+        self.gpu = FakeGPU(layout, blocks=o.concurrency * 400 + 64, device=device)
+        self.fp = store.namespace.fingerprint
+        for pos, g in enumerate(layout.groups):
+            store.register_group(g.index, [self.gpu.kv[pos]], blocks_per_chunk=g.blocks_per_chunk, kind=g.kind.value)
+        self.served = [0] * len(layout.groups)
+        self.recomputed = [0] * len(layout.groups)
+        self.verified = 0
+        self.mismatches = 0
+        self.deferred = 0
+        self.results: list[JobResult] = []
+
+    # keys: the adapter speaks chunk keys (hash + group); tiers store fingerprint + chunk key
+    def skey(self, chunk_key: bytes) -> bytes:
+        return self.fp + chunk_key
+
+    def admit(self, r: _Req) -> bool:
+        if r.rid not in self.sched:
+            r.hashes = chain_hashes(r.tokens)
+            self.sched.add_request(r.rid, len(r.tokens), block_hashes=r.hashes)
+        keys = [k for pos in range(len(self.layout.groups)) for k in self.sched.offload_keys(r.rid, pos)]
+        states = self.store.lookup([self.skey(k) for k in keys])
+        hit = {k for k, (s, _) in zip(keys, states) if s is KeyState.HIT}
+        pend = {k for k, (s, _) in zip(keys, states) if s is KeyState.PENDING}
+        plan = self.sched.plan_lookup(r.rid, num_computed_tokens=0, is_stored=hit)
+        if pend and self.sched.plan_lookup(r.rid, num_computed_tokens=0, is_stored=hit | pend).num_hit_tokens > plan.num_hit_tokens:
+            self.deferred += 1
+            return False  # a longer hit is being written: wait for it (vLLM's HIT_PENDING)
+        r.hit = plan.num_hit_tokens
+        r.blocks = [self._allocate(g, pos, len(r.tokens), r.hit) for pos, g in enumerate(self.layout.groups)]
+        self.sched.update_request(r.rid, block_ids=r.blocks)
+        if r.hit:
+            self._load(r, self.sched.plan_load(r.rid, num_computed_tokens=0, num_external_tokens=r.hit))
+        r.computed = r.hit
+        return True
+
+    def _allocate(self, g: GroupSpec, pos: int, n_tokens: int, hit: int) -> list[int]:
+        """Block ids for a new request, as a KV cache manager hands them out: a sliding-window
+        group gets the null block for positions already out of the window at the hit boundary."""
+        n = -(-n_tokens // g.tokens_per_block)
+        skip = 0
+        if g.kind is GroupKind.SLIDING_WINDOW and g.window_tokens is not None:
+            skip = max(0, hit - g.window_tokens) // g.tokens_per_block
+        return [0] * skip + self.gpu.alloc(pos, n - skip)
+
+    def _load(self, r: _Req, plan: LoadPlan) -> None:
+        keys = [self.skey(k) for k in plan.keys]
+        self.store.pin(keys)
+        jobs = {}
+        for pos, (g, gl) in enumerate(zip(self.layout.groups, plan.groups)):
+            if not gl.keys:
+                continue
+            bpc = g.blocks_per_chunk
+            ids = {k: [0] * bpc for k in gl.chunk_indices}
+            for b, p in zip(gl.dst_block_ids, gl.block_positions):
+                ids[p // bpc][p % bpc] = b
+            chunks = [(self.skey(key), ids[k]) for key, k in zip(gl.keys, gl.chunk_indices)]
+            job = self.store.load(g.index, chunks)
+            if job is None:
+                raise RuntimeError("demo: staging pool too small for one request's hit")
+            jobs[job] = (pos, gl)
+        results = self.store.wait(jobs)
+        self.store.unpin(keys)
+        for job_id, res in results.items():
+            self.results.append(res)
+            pos, gl = jobs[job_id]
+            g = self.layout.groups[pos]
+            if not res.ok:
+                raise RuntimeError(f"demo: load of an accepted hit failed: {res.error}")
+            for b, p in zip(gl.dst_block_ids, gl.block_positions):
+                self._check(r, pos, p, b)
+            self.served[pos] += len(gl.block_positions) * g.tokens_per_block
+
+    def _check(self, r: _Req, pos: int, p: int, block_id: int) -> None:
+        g = self.layout.groups[pos]
+        h = r.hashes[(p + 1) * g.tokens_per_block // TOKENS_PER_HASH - 1]
+        want = block_content(h, g.index, p, g.bytes_per_block)
+        if torch.equal(self.gpu.kv[pos][block_id].cpu(), want):
+            self.verified += 1
+        else:
+            self.mismatches += 1
+
+    def prefill(self, r: _Req) -> None:
+        n = min(self.o.prefill_tokens, len(r.tokens) - r.computed)
+        start, end = r.computed, r.computed + n
+        for pos, g in enumerate(self.layout.groups):
+            tpb = g.tokens_per_block
+            first = start // tpb if start % tpb == 0 else start // tpb + 1
+            for p in range(first, end // tpb):  # blocks completed in this step
+                h = r.hashes[(p + 1) * tpb // TOKENS_PER_HASH - 1]
+                self.gpu.kv[pos][r.blocks[pos][p]].copy_(block_content(h, g.index, p, g.bytes_per_block))
+            self.recomputed[pos] += n
+        plan = self.sched.plan_store(r.rid, num_computed_tokens=start, num_scheduled_tokens=n)
+        self._store(r, plan)
+        r.computed = end
+        self._slide_window(r)
+        if r.computed >= len(r.tokens):
+            self._store(r, self.sched.finish_request(r.rid, num_computed_tokens=r.computed))
+            r.finished = True
+
+    def _slide_window(self, r: _Req) -> None:
+        for pos, g in enumerate(self.layout.groups):
+            if g.kind is not GroupKind.SLIDING_WINDOW or g.window_tokens is None:
+                continue
+            gone = [p for p in range(max(0, r.computed - g.window_tokens) // g.tokens_per_block) if r.blocks[pos][p]]
+            if gone:
+                self.sched.release_blocks(r.rid, pos, gone)
+                # the engine would free them once in-flight stores finish; keep them until the request ends
+
+    def _store(self, r: _Req, plan: StorePlan) -> None:
+        if not plan:
+            return
+        accepted: set[bytes] = set()
+        refused: set[bytes] = set()
+        for gp in plan.groups:
+            if not gp.chunks:
+                continue
+            job = self.store.store(gp.group, [(self.skey(c.key), c.block_ids) for c in gp.chunks])
+            if job is None:  # back-pressure: the adapter offers these chunks again later
+                refused.update(gp.keys)
+                continue
+            r.store_jobs.add(job)
+            accepted.update(gp.keys)
+        self.sched.complete_store(r.rid, StoreOutcome(accepted=accepted, refused=refused))
+
+    def collect(self, running: dict[str, _Req]) -> None:
+        for res in self.store.poll():
+            self.results.append(res)
+            for r in running.values():
+                r.store_jobs.discard(res.job_id)
+
+
+def run_demo(
+    cfg: TieredKVConfig,
+    o: DemoOptions | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Replay the trace against the tiers of ``cfg``; return the summary dict."""
+    o = o or DemoOptions()
+    layout = demo_layout(o.mamba)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ns = cfg.namespace
+    namespace = Namespace(
+        model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
+        groups=tuple(GroupGeometry(g.kind.value, g.tokens_per_block, g.blocks_per_chunk, g.bytes_per_block,
+                                   g.window_tokens or 0) for g in layout.groups),
+    )
+    t_start = time.perf_counter()
+    store = TieredStore(cfg, namespace=namespace).start()
+    try:
+        eng = _Engine(store, layout, o, device)
+        trace = _Trace(o)
+        total = o.conversations * o.turns
+        waiting: deque[_Req] = deque(trace.turn(c, 0) for c in range(o.conversations))
+        running: dict[str, _Req] = {}
+        done = 0
+        tokens = 0
+        while waiting or running:
+            for _ in range(len(waiting)):
+                if len(running) >= o.concurrency:
+                    break
+                r = waiting.popleft()
+                if eng.admit(r):
+                    running[r.rid] = r
+                else:
+                    waiting.append(r)
+            for r in list(running.values()):
+                if not r.finished:
+                    eng.prefill(r)
+            eng.collect(running)
+            if not running and waiting:
+                time.sleep(0.001)  # everything waits on pending stores
+            for rid, r in list(running.items()):
+                if r.finished and not r.store_jobs:
+                    del running[rid]
+                    for pos, ids in enumerate(r.blocks):
+                        eng.gpu.release(pos, ids)
+                    tokens += len(r.tokens)
+                    done += 1
+                    if progress:
+                        progress(done, total)
+                    if r.turn + 1 < o.turns:
+                        waiting.append(trace.turn(r.conv, r.turn + 1))
+        store.pipeline.drain(30)
+        eng.collect(running)
+        wall = time.perf_counter() - t_start
+        summary = _summary(eng, store, layout, done, tokens, wall)
+    finally:
+        store.close()
+    return summary
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _summary(eng: _Engine, store: TieredStore, layout: GroupLayout, requests: int, tokens: int,
+             wall: float) -> dict[str, Any]:
+    stores = [r for r in eng.results if r.kind == "store"]
+    loads = [r for r in eng.results if r.kind == "load"]
+    st = store.stats()
+
+    def rate(rs: list[JobResult]) -> float:
+        """Bytes over the span from the first job's start to the last one's end."""
+        if not rs:
+            return 0.0
+        span = max(r.finished_at for r in rs) - min(r.finished_at - r.seconds for r in rs)
+        return sum(r.nbytes for r in rs) / span / 1e9 if span > 0 else 0.0
+
+    tiers = {}
+    for tier in store.tiers:
+        s = store.pipeline._call(tier.stats(), timeout=10)
+        tiers[tier.name] = {"kind": tier.kind, "records": s.records, "used_bytes": s.used_bytes,
+                            "hits": s.counters.get("hits", 0), "put_bytes": s.counters.get("put_bytes", 0),
+                            "dropped_stores": st["dropped"].get(tier.name, 0), "breaker": st["breakers"][tier.name]}
+    groups = []
+    for pos, g in enumerate(layout.groups):
+        served, recomputed = eng.served[pos], eng.recomputed[pos]
+        groups.append({"group": g.index, "kind": g.kind.value, "tokens_per_chunk": g.tokens_per_chunk,
+                       "tokens_from_cache": served, "tokens_recomputed": recomputed,
+                       "stored_chunks": st["groups"].get(g.index, {}).get("store_chunks", 0),
+                       "loaded_chunks": st["groups"].get(g.index, {}).get("load_chunks", 0)})
+    ms = [1e3 * r.seconds for r in stores if r.ok]
+    ml = [1e3 * r.seconds for r in loads if r.ok]
+    return {
+        "requests": requests, "prompt_tokens": tokens, "wall_s": round(wall, 2),
+        "deferred_for_pending": eng.deferred,
+        "groups": groups, "tiers": tiers,
+        "store": {"jobs": len(stores), "failed": sum(not r.ok for r in stores), "bytes": sum(r.nbytes for r in stores),
+                  "gbps": round(rate(stores), 3), "p50_ms": round(_pct(ms, 0.5), 3), "p99_ms": round(_pct(ms, 0.99), 3)},
+        "load": {"jobs": len(loads), "failed": sum(not r.ok for r in loads), "bytes": sum(r.nbytes for r in loads),
+                 "gbps": round(rate(loads), 3), "p50_ms": round(_pct(ml, 0.5), 3), "p99_ms": round(_pct(ml, 0.99), 3)},
+        "drops": {"staging_backpressure": st["counters"].get("store_backpressure", 0), **st["dropped"]},
+        "verified_blocks": eng.verified, "mismatches": eng.mismatches,
+    }

@@ -91,7 +91,7 @@ class LoadJob:
 @dataclass(frozen=True, slots=True)
 class JobResult:
     job_id: int
-    kind: str  # "store" | "load"
+    kind: str  # "store" | "load" (KV tensors) or "put" | "get" (host buffers)
     ok: bool
     nbytes: int
     seconds: float
@@ -238,10 +238,9 @@ class Pipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.latencies: dict[str, collections.deque[float]] = {
-            "store": collections.deque(maxlen=100_000),
-            "load": collections.deque(maxlen=100_000),
-        }
+        self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=100_000)
+        )
         self.counters: collections.Counter[str] = collections.Counter()
         #: Per KV group: stored/loaded chunks and bytes, chunks refused or missing.
         self.group_counters: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -436,6 +435,49 @@ class Pipeline:
 
     # ---- loop side -------------------------------------------------------------------------
 
+    async def _write_items(self, route: GroupRoute, keys: list[bytes], views: list[Any]) -> tuple[list[bytes], dict[str, int]]:
+        """Write every item to the route's write tiers; keys held by at least one tier, and per-tier counts."""
+        lanes = [self._lanes[n] for n in route.write_tiers]
+        futs = [[lane.write(k, v) for k, v in zip(keys, views)] for lane in lanes]
+        results = [await asyncio.gather(*f) for f in futs]
+        written = {lane.tier.name: sum(r is _Outcome.OK for r in res) for lane, res in zip(lanes, results)}
+        done = [k for i, k in enumerate(keys) if any(res[i] is _Outcome.OK for res in results)]
+        return done, written
+
+    async def _read_items(self, route: GroupRoute, keys: list[bytes], views: list[Any], nbytes: int | None
+                          ) -> dict[int, str]:
+        """Read items tier by tier along the route; ``{index: tier}`` of those found (of ``nbytes`` when given)."""
+        found_in: dict[int, str] = {}
+        todo = list(range(len(keys)))
+        for name in route.tiers:
+            if not todo:
+                break
+            got = await self._lanes[name].read([keys[i] for i in todo], [views[i] for i in todo])
+            if got is None:
+                continue
+            for i, n in zip(todo, got):
+                if n is not None and (nbytes is None or n == nbytes):
+                    found_in[i] = name
+            todo = [i for i in todo if i not in found_in]
+        return found_in
+
+    async def _promote(self, route: GroupRoute, keys: list[bytes], views: list[Any], found_in: dict[int, str]) -> None:
+        """Copy items found below the route's first tier into it (waits, since ``views`` are reused after)."""
+        first = route.tiers[0]
+        if not route.promote:
+            return
+        lane = self._lanes[first]
+        futs = [lane.write(keys[i], views[i]) for i, n in found_in.items() if n != first]
+        if futs:
+            await asyncio.gather(*futs)
+            self.counters["promotions"] += len(futs)
+
+    def _job_error(self, e: BaseException, kind: str, job_id: int) -> str:
+        if isinstance(e, TimeoutError):
+            return f"{kind} job ran past job_timeout_s={self.cfg.job_timeout_s}"
+        log.error("%s job %s failed", kind, job_id, exc_info=e)
+        return f"{type(e).__name__}: {e}"
+
     async def _store(self, job: StoreJob, grp: _Group, buf: StagingBuffer, ready: Any, t0: float) -> None:
         cb = grp.chunk_bytes
         keys = [c.key for c in job.chunks]
@@ -449,22 +491,14 @@ class Pipeline:
                     ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(i * cb, cb), after=ready if i == 0 else None)
                 await _wait_event(ev)
                 views = [memoryview(buf.view(i * cb, cb).numpy()) for i in range(len(keys))]
-                lanes = [self._lanes[n] for n in grp.route.write_tiers]
-                futs = [[lane.write(k, v) for k, v in zip(keys, views)] for lane in lanes]
-                results = [await asyncio.gather(*f) for f in futs]
-                for lane, res in zip(lanes, results):
-                    written[lane.tier.name] = sum(r is _Outcome.OK for r in res)
-                done = [k for i, k in enumerate(keys) if any(res[i] is _Outcome.OK for res in results)]
+                done, written = await self._write_items(grp.route, keys, views)
                 if len(done) < len(keys):
                     error = "some chunks were refused or dropped by every tier"
-        except TimeoutError:
-            error = f"store job ran past job_timeout_s={self.cfg.job_timeout_s}"
         except asyncio.CancelledError:
             error = "cancelled at close"
             raise
         except Exception as e:  # noqa: BLE001 - never into the engine
-            log.exception("store job %s failed", job.job_id)
-            error = f"{type(e).__name__}: {e}"
+            error = self._job_error(e, "store", job.job_id)
         finally:
             self.staging.release(buf)
             with self._lock:
@@ -484,55 +518,129 @@ class Pipeline:
         views = [buf.view(i * cb, cb) for i in range(len(keys))]
         found_in: dict[int, str] = {}
         error = None
-        promote: list[asyncio.Future[_Outcome]] = []
         try:
             async with asyncio.timeout(self.cfg.job_timeout_s):
-                todo = list(range(len(keys)))
-                for name in grp.route.tiers:
-                    if not todo:
-                        break
-                    got = await self._lanes[name].read([keys[i] for i in todo], [views[i] for i in todo])
-                    if got is None:
-                        continue
-                    hit = [i for i, n in zip(todo, got) if n == cb]
-                    for i in hit:
-                        found_in[i] = name
-                    todo = [i for i in todo if i not in found_in]
-                if todo:
-                    error = f"{len(todo)} of {len(keys)} chunks not found in any tier"
+                found_in = await self._read_items(grp.route, keys, views, cb)
+                if len(found_in) < len(keys):
+                    error = f"{len(keys) - len(found_in)} of {len(keys)} chunks not found in any tier"
                 else:
                     ev = None
                     for i in range(len(job.chunks)):
                         ev = self.copier.scatter(grp.tensors, job.placements(i, grp.blocks_per_chunk), views[i],
                                                  grp.blocks_per_chunk)
                     await _wait_event(ev)
-                    first = grp.route.tiers[0]
-                    if grp.route.promote:
-                        lane = self._lanes[first]
-                        promote = [lane.write(keys[i], memoryview(views[i].numpy())) for i, n in found_in.items()
-                                   if n != first]
-                    if promote:
-                        await asyncio.gather(*promote)
-                        self.counters["promotions"] += len(promote)
-        except TimeoutError:
-            error = f"load job ran past job_timeout_s={self.cfg.job_timeout_s}"
+                    await self._promote(grp.route, keys, [memoryview(v.numpy()) for v in views], found_in)
         except asyncio.CancelledError:
             error = "cancelled at close"
             raise
         except Exception as e:  # noqa: BLE001
-            log.exception("load job %s failed", job.job_id)
-            error = f"{type(e).__name__}: {e}"
+            error = self._job_error(e, "load", job.job_id)
         finally:
             self.staging.release(buf)
-            per_tier = collections.Counter(found_in.values())
             ok_keys = tuple(keys) if not error else ()
             gc = self.group_counters[job.group]
             gc["load_chunks"] += len(ok_keys)
             gc["load_bytes"] += len(ok_keys) * cb
             gc["load_missing"] += len(keys) - len(found_in)
             self._finish(JobResult(job.job_id, "load", not error, len(ok_keys) * cb, time.perf_counter() - t0, error,
-                                   ok_keys, tuple(k for i, k in enumerate(keys) if i not in found_in), dict(per_tier)),
-                         counted=True)
+                                   ok_keys, tuple(k for i, k in enumerate(keys) if i not in found_in),
+                                   dict(collections.Counter(found_in.values()))), counted=True)
+
+    # ---- host-buffer jobs (a caller that already holds the bytes in host memory) ---------------
+
+    def submit_put(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
+        """Store ``(key, host buffer)`` items, each routed by its key's group. Returns at once;
+        the caller keeps the buffers unchanged until the job's result is polled (kind "put")."""
+        if self._refused_buffers("put"):
+            return False
+        items = list(items)
+        with self._lock:
+            self._inflight += 1
+            for k, _ in items:
+                self._pending[k] += 1
+        self._spawn(self._put_buffers(job_id, items, time.perf_counter()))
+        return True
+
+    def submit_get(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
+        """Read ``(key, writable host buffer)`` items, each buffer filled completely by its record
+        (result kind "get": ``done`` found and copied, ``failed`` missing)."""
+        if self._refused_buffers("get"):
+            return False
+        with self._lock:
+            self._inflight += 1
+        self._spawn(self._get_buffers(job_id, list(items), time.perf_counter()))
+        return True
+
+    def _refused_buffers(self, kind: str) -> bool:
+        if not self._closed and self._loop is not None:
+            return False
+        self.counters[f"{kind}_refused_closed"] += 1
+        return True
+
+    def lookup_future(self, keys: Sequence[bytes]) -> Any:
+        """Like :meth:`lookup` but returns a ``concurrent.futures.Future`` at once (never blocks)."""
+        loop = self._loop
+        if loop is None:
+            raise TierClosedError("pipeline is not running")
+        return asyncio.run_coroutine_threadsafe(self._lookup(list(keys)), loop)
+
+    async def _put_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
+        done: list[bytes] = []
+        written: collections.Counter[str] = collections.Counter()
+        error = None
+        try:
+            async with asyncio.timeout(self.cfg.job_timeout_s):
+                for group, idx in _by_group(items).items():
+                    keys = [items[i][0] for i in idx]
+                    got, w = await self._write_items(self.policy.get(group), keys, [items[i][1] for i in idx])
+                    done += got
+                    written.update(w)
+                    gc = self.group_counters[group]
+                    gc["store_chunks"] += len(got)
+                    gc["store_bytes"] += sum(len(memoryview(items[i][1]).cast("B")) for i in idx)
+            if len(done) < len(items):
+                error = "some items were refused or dropped by every tier"
+        except asyncio.CancelledError:
+            error = "cancelled at close"
+            raise
+        except Exception as e:  # noqa: BLE001
+            error = self._job_error(e, "put", job_id)
+        finally:
+            with self._lock:
+                for k, _ in items:
+                    self._unpend(k)
+            done_set = set(done)
+            nbytes = sum(len(memoryview(b).cast("B")) for k, b in items if k in done_set)
+            self._finish(JobResult(job_id, "put", not error, nbytes, time.perf_counter() - t0, error, tuple(done),
+                                   tuple(k for k, _ in items if k not in done_set), dict(written)), counted=True)
+
+    async def _get_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
+        found: dict[int, str] = {}
+        error = None
+        try:
+            async with asyncio.timeout(self.cfg.job_timeout_s):
+                for group, idx in _by_group(items).items():
+                    route = self.policy.get(group)
+                    keys = [items[i][0] for i in idx]
+                    views = [items[i][1] for i in idx]
+                    sizes = {len(memoryview(v).cast("B")) for v in views}
+                    got = await self._read_items(route, keys, views, sizes.pop() if len(sizes) == 1 else None)
+                    found.update({idx[j]: t for j, t in got.items()})
+                    await self._promote(route, keys, views, got)
+                    self.group_counters[group]["load_chunks"] += len(got)
+            if len(found) < len(items):
+                error = f"{len(items) - len(found)} of {len(items)} items not found in any tier"
+        except asyncio.CancelledError:
+            error = "cancelled at close"
+            raise
+        except Exception as e:  # noqa: BLE001
+            error = self._job_error(e, "get", job_id)
+        finally:
+            nbytes = sum(len(memoryview(items[i][1]).cast("B")) for i in found)
+            self._finish(JobResult(job_id, "get", not error, nbytes, time.perf_counter() - t0, error,
+                                   tuple(items[i][0] for i in sorted(found)),
+                                   tuple(k for i, (k, _) in enumerate(items) if i not in found),
+                                   dict(collections.Counter(found.values()))), counted=True)
 
     def _on_evict(self, key: bytes, payload: bytes) -> None:
         """CPU tier eviction (loop thread): write-back groups send the chunk one tier down."""
@@ -610,6 +718,13 @@ class Pipeline:
 
 def _group_of(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
+
+
+def _by_group(items: list[tuple[bytes, Any]]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    for i, (k, _) in enumerate(items):
+        out[_group_of(k)].append(i)
+    return out
 
 
 async def _wait_event(ev: Any) -> None:

@@ -220,3 +220,31 @@ def test_load_with_null_placeholders_inside_a_chunk(tmp_path: Path) -> None:
         p.submit_load(bad)
         res = wait_results(p, 1)[3]
         assert not res.ok and "block ids" in (res.error or "")
+
+
+def test_host_buffer_put_get_route_by_group_and_promote(tmp_path: Path) -> None:
+    rules = [PolicyRule(max_chunk_bytes=4096, tiers=["cpu"]), PolicyRule(tiers=["cpu", "lmdb"])]
+    with make([cpu(), lmdb(tmp_path)], rules) as p:
+        p.policy.route(0, 1024)  # small chunks: cpu only
+        p.policy.route(1, 65536)  # large chunks: cpu + lmdb
+        small = [(NS.key(bytes([i]) * 32, 0), bytes([i]) * 1024) for i in range(3)]
+        large = [(NS.key(bytes([i]) * 32, 1), bytes([i]) * 65536) for i in range(2)]
+        assert p.submit_put(1, small + large)
+        res = wait_results(p, 1)[1]
+        assert res.kind == "put" and res.ok and res.tiers == {"cpu": 5, "lmdb": 2}
+        fut = p.lookup_future([k for k, _ in large])
+        assert fut.result(5) == [(KeyState.HIT, "cpu")] * 2
+        dst = [bytearray(65536) for _ in large] + [bytearray(1024)]
+        missing = NS.key(b"\xee" * 32, 0)
+        assert p.submit_get(2, [(large[0][0], dst[0]), (large[1][0], dst[1]), (missing, dst[2])])
+        res = wait_results(p, 1)[2]
+        assert not res.ok and res.failed == (missing,) and res.done == (large[0][0], large[1][0])
+        assert bytes(dst[0]) == large[0][1] and bytes(dst[1]) == large[1][1]
+    # a new pipeline over the same LMDB: large items come back from LMDB and are promoted
+    with make([cpu(), lmdb(tmp_path)], rules) as p:
+        p.policy.route(1, 65536)
+        out = bytearray(65536)
+        assert p.submit_get(3, [(large[1][0], out)])
+        res = wait_results(p, 1)[3]
+        assert res.ok and res.tiers == {"lmdb": 1} and bytes(out) == large[1][1]
+        assert p.lookup([large[1][0]]) == [(KeyState.HIT, "cpu")]

@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any
 
 from tieredkv.backends.base import Tier
+from tieredkv.backends.cpu import CPUTier
 from tieredkv.config import PipelineConfig
 from tieredkv.errors import TierClosedError, TieredKVError, TierFullError
 from tieredkv.policy import CircuitBreaker, GroupRoute, TierPolicy
@@ -444,12 +445,13 @@ class Pipeline:
         done = [k for i, k in enumerate(keys) if any(res[i] is _Outcome.OK for res in results)]
         return done, written
 
-    async def _read_items(self, route: GroupRoute, keys: list[bytes], views: list[Any], nbytes: int | None
-                          ) -> dict[int, str]:
-        """Read items tier by tier along the route; ``{index: tier}`` of those found (of ``nbytes`` when given)."""
+    async def _read_items(self, tiers: Sequence[str], keys: list[bytes], views: list[Any], nbytes: int | None,
+                          todo: list[int] | None = None) -> dict[int, str]:
+        """Read items (all, or indices ``todo``) tier by tier; ``{index: tier}`` of those found
+        (of exactly ``nbytes`` when given)."""
         found_in: dict[int, str] = {}
-        todo = list(range(len(keys)))
-        for name in route.tiers:
+        todo = list(range(len(keys))) if todo is None else todo
+        for name in tiers:
             if not todo:
                 break
             got = await self._lanes[name].read([keys[i] for i in todo], [views[i] for i in todo])
@@ -478,6 +480,11 @@ class Pipeline:
         log.error("%s job %s failed", kind, job_id, exc_info=e)
         return f"{type(e).__name__}: {e}"
 
+    def _cpu_first(self, tiers: Sequence[str]) -> CPUTier | None:
+        """The route's first tier when it is a CPU slab whose breaker lets work through."""
+        lane = self._lanes[tiers[0]]
+        return lane.tier if isinstance(lane.tier, CPUTier) and lane.breaker.allow() else None
+
     async def _store(self, job: StoreJob, grp: _Group, buf: StagingBuffer, ready: Any, t0: float) -> None:
         cb = grp.chunk_bytes
         keys = [c.key for c in job.chunks]
@@ -486,12 +493,17 @@ class Pipeline:
         error = None
         try:
             async with asyncio.timeout(self.cfg.job_timeout_s):
-                ev = None
-                for i, c in enumerate(job.chunks):
-                    ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(i * cb, cb), after=ready if i == 0 else None)
-                await _wait_event(ev)
-                views = [memoryview(buf.view(i * cb, cb).numpy()) for i in range(len(keys))]
-                done, written = await self._write_items(grp.route, keys, views)
+                cpu = self._cpu_first(grp.route.write_tiers) if len(grp.route.write_tiers) == 1 else None
+                if cpu is not None:
+                    done, written = await self._store_into_slots(cpu, job, grp, ready)
+                else:
+                    ev = None
+                    for i, c in enumerate(job.chunks):
+                        ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(i * cb, cb),
+                                                after=ready if i == 0 else None)
+                    await _wait_event(ev)
+                    views = [memoryview(buf.view(i * cb, cb).numpy()) for i in range(len(keys))]
+                    done, written = await self._write_items(grp.route, keys, views)
                 if len(done) < len(keys):
                     error = "some chunks were refused or dropped by every tier"
         except asyncio.CancelledError:
@@ -512,21 +524,51 @@ class Pipeline:
             self._finish(JobResult(job.job_id, "store", not error, len(done) * cb, time.perf_counter() - t0, error,
                                    tuple(done), tuple(k for k in keys if k not in done_set), written), counted=True)
 
+    async def _store_into_slots(self, cpu: CPUTier, job: StoreJob, grp: _Group, ready: Any
+                                ) -> tuple[list[bytes], dict[str, int]]:
+        """Device blocks straight into CPU-tier slots (one copy), then publish them."""
+        keys = [c.key for c in job.chunks]
+        try:
+            slots = cpu.reserve([(k, grp.chunk_bytes) for k in keys])
+        except TierFullError:
+            return [], {cpu.name: 0}
+        try:
+            ev = None
+            for i, c in enumerate(job.chunks):
+                ev = self.copier.gather(grp.tensors, c.block_ids, cpu.slot_view(slots[i]), after=ready if i == 0 else None)
+            await _wait_event(ev)
+        except BaseException:
+            cpu.abort(slots)
+            raise
+        cpu.commit(list(zip(keys, slots)))
+        return keys, {cpu.name: len(keys)}
+
     async def _load(self, job: LoadJob, grp: _Group, buf: StagingBuffer, t0: float) -> None:
         cb = grp.chunk_bytes
         keys = [c.key for c in job.chunks]
         views = [buf.view(i * cb, cb) for i in range(len(keys))]
         found_in: dict[int, str] = {}
         error = None
+        cpu = self._cpu_first(grp.route.tiers)
+        borrowed: dict[int, Any] = {}
         try:
             async with asyncio.timeout(self.cfg.job_timeout_s):
-                found_in = await self._read_items(grp.route, keys, views, cb)
+                if cpu is not None:  # CPU hits are copied straight from their slots
+                    for i, slot in enumerate(cpu.borrow(keys)):
+                        if slot is not None:
+                            borrowed[i] = slot
+                            found_in[i] = cpu.name
+                rest = [i for i in range(len(keys)) if i not in found_in]
+                lower = grp.route.tiers[1:] if cpu is not None else grp.route.tiers
+                if rest:
+                    found_in.update(await self._read_items(lower, keys, views, cb, rest))
                 if len(found_in) < len(keys):
                     error = f"{len(keys) - len(found_in)} of {len(keys)} chunks not found in any tier"
                 else:
                     ev = None
                     for i in range(len(job.chunks)):
-                        ev = self.copier.scatter(grp.tensors, job.placements(i, grp.blocks_per_chunk), views[i],
+                        src = cpu.slot_view(borrowed[i]) if i in borrowed else views[i]  # type: ignore[union-attr]
+                        ev = self.copier.scatter(grp.tensors, job.placements(i, grp.blocks_per_chunk), src,
                                                  grp.blocks_per_chunk)
                     await _wait_event(ev)
                     await self._promote(grp.route, keys, [memoryview(v.numpy()) for v in views], found_in)
@@ -536,6 +578,8 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001
             error = self._job_error(e, "load", job.job_id)
         finally:
+            if borrowed:
+                cpu.give_back([keys[i] for i in borrowed])  # type: ignore[union-attr]
             self.staging.release(buf)
             ok_keys = tuple(keys) if not error else ()
             gc = self.group_counters[job.group]
@@ -624,7 +668,7 @@ class Pipeline:
                     keys = [items[i][0] for i in idx]
                     views = [items[i][1] for i in idx]
                     sizes = {len(memoryview(v).cast("B")) for v in views}
-                    got = await self._read_items(route, keys, views, sizes.pop() if len(sizes) == 1 else None)
+                    got = await self._read_items(route.tiers, keys, views, sizes.pop() if len(sizes) == 1 else None)
                     found.update({idx[j]: t for j, t in got.items()})
                     await self._promote(route, keys, views, got)
                     self.group_counters[group]["load_chunks"] += len(got)

@@ -143,3 +143,27 @@ async def test_lmdb_runs_on_its_own_thread_and_leaves_none_behind(tmp_path: Path
     assert any(th.name.startswith("tieredkv-lmdb-") for th in threading.enumerate())
     await tier.close()
     assert not any(th.name.startswith("tieredkv-lmdb-") for th in threading.enumerate())
+
+
+async def test_cpu_reserve_commit_borrow_path() -> None:
+    async with CPUTier(CPUTierConfig(capacity_bytes=2 * MiB, segment_bytes=1 * MiB)) as tier:
+        # a reserved slot is invisible until committed, and its segment cannot be reclaimed
+        (slot,) = tier.reserve([(k(1), 512 * KiB)])
+        tier.slot_view(slot).copy_(payload(512 * KiB, 1))
+        assert await tier.contains_many([k(1)]) == [False]
+        await tier.put_many([(k(2), payload(64 * KiB, 2))])  # takes the other segment
+        await tier.put_many([(k(3), payload(1 * MiB, 3))])  # reclaims k2's segment, never the reserved one
+        assert await tier.contains_many([k(2), k(3)]) == [False, True]
+        tier.commit([(k(1), slot)])
+        (got,) = tier.borrow([k(1)])
+        assert got is not None and tier.is_pinned(k(1))
+        assert torch.equal(tier.slot_view(got), payload(512 * KiB, 1))
+        tier.give_back([k(1)])
+        assert not tier.is_pinned(k(1))
+        # a flipped byte in the slab is caught by borrow: miss, dropped, counted
+        tier.slab[got.offset + 7] ^= 0xFF
+        assert tier.borrow([k(1)]) == [None] and tier.counters["corrupt"] == 1
+        assert await tier.contains_many([k(1)]) == [False]
+        (s2,) = tier.reserve([(k(4), 1000)])
+        tier.abort([s2])
+        assert await tier.contains_many([k(4)]) == [False]

@@ -248,3 +248,23 @@ def test_host_buffer_put_get_route_by_group_and_promote(tmp_path: Path) -> None:
         res = wait_results(p, 1)[3]
         assert res.ok and res.tiers == {"lmdb": 1} and bytes(out) == large[1][1]
         assert p.lookup([large[1][0]]) == [(KeyState.HIT, "cpu")]
+
+
+def test_cpu_only_route_copies_straight_into_and_out_of_slots(tmp_path: Path) -> None:
+    src, dst = kv(13), kv(14)
+    top = cpu()
+    with make([top, lmdb(tmp_path)], [PolicyRule(tiers=["cpu"])]) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.register_group(1, dst, blocks_per_chunk=BPC)
+        cs = chunks(6)
+        assert p.submit_store(StoreJob(1, 0, cs))
+        res = wait_results(p, 1)[1]
+        assert res.ok and res.tiers == {"cpu": 6} and p.staging.in_use == 0
+        assert top.counters["puts"] == 6
+        moved = tuple(ChunkRef(c.key, tuple(b + 32 for b in c.block_ids)) for c in cs)
+        assert p.submit_load(LoadJob(2, 1, moved))
+        res = wait_results(p, 1)[2]
+        assert res.ok and res.tiers == {"cpu": 6}
+        for s, d in zip(src, dst):
+            assert torch.equal(d[32:56], s[0:24])
+        assert top.counters["hits"] == 6 and not any(top.is_pinned(c.key) for c in cs)

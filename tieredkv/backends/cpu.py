@@ -27,7 +27,7 @@ from typing import Any
 
 from tieredkv.backends.base import RecordInfo, Tier, TierStats
 from tieredkv.config import CPUTierConfig
-from tieredkv.errors import ConfigError, CorruptRecordError, TierFullError
+from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
 from tieredkv.format import HEADER_SIZE, make_header, verify_parts
 
 __all__ = ["CPUTier"]
@@ -87,6 +87,7 @@ class CPUTier(Tier):
         self._lru: list[OrderedDict[bytes, _Slot]] = [OrderedDict() for _ in self._class_sizes]
         self._index: dict[bytes, _Slot] = {}
         self._used = 0
+        self._seg_reserved: dict[int, int] = {}  # segment -> slots reserved, not yet committed
 
     async def _close(self) -> None:
         self._mv = None
@@ -110,26 +111,10 @@ class CPUTier(Tier):
     async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         mv = self._mv
         assert mv is not None
-        plan: list[tuple[bytes, memoryview, _Slot]] = []
-        reserved: set[bytes] = set()
-        segs: set[int] = set()
-        now = time.time()
-        try:
-            for key, payload in items:
-                cls = self._class_for(len(payload))
-                off, seg = self._allocate(cls, reserved, segs)
-                plan.append((key, payload, _Slot(off, cls, seg, len(payload), b"", now)))
-                reserved.add(key)
-                segs.add(seg)
-        except TierFullError:
-            for _, _, slot in plan:
-                self._release(slot)
-            raise
-        for key, payload, slot in plan:
-            dst = mv[slot.offset : slot.offset + slot.length]
-            dst[:] = payload
-            slot.header = make_header(key, dst)
-            self._install(key, slot)
+        slots = self.reserve([(key, len(payload)) for key, payload in items])
+        for (_, payload), slot in zip(items, slots):
+            mv[slot.offset : slot.offset + slot.length] = payload
+        self.commit([(key, slot) for (key, _), slot in zip(items, slots)], count=False)
 
     async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
         mv = self._mv
@@ -213,6 +198,95 @@ class CPUTier(Tier):
         self._seg_keys[slot.seg].add(key)
         self._used += self._class_sizes[slot.cls]
 
+    # ---- zero-extra-copy path for the pipeline (loop thread only) -------------------------
+    #
+    # A store reserves slots, lets the device copy land in them, then commits (the header is
+    # computed over the slot's bytes); a load borrows verified slot views (pinned) and copies
+    # from them straight to the device. Each saves one memcpy through a staging buffer.
+
+    def reserve(self, items: list[tuple[bytes, int]]) -> list[_Slot]:
+        """Allocate a slot per ``(key, nbytes)``, all or nothing (TierFullError). Slots stay
+        invisible to readers until :meth:`commit`."""
+        if self._mv is None:
+            raise TierClosedError(f"tier {self.name!r} is not open")
+        plan: list[_Slot] = []
+        reserved: set[bytes] = set()
+        segs: set[int] = set()
+        now = time.time()
+        try:
+            for key, n in items:
+                cls = self._class_for(n)
+                off, seg = self._allocate(cls, reserved, segs)
+                plan.append(_Slot(off, cls, seg, n, b"", now))
+                reserved.add(key)
+                segs.add(seg)
+                self._seg_reserved[seg] = self._seg_reserved.get(seg, 0) + 1
+        except TierFullError:
+            self.abort(plan)
+            raise
+        return plan
+
+    def slot_view(self, slot: _Slot) -> Any:
+        """``uint8`` tensor view of a reserved or borrowed slot's payload bytes."""
+        return self._slab[slot.offset : slot.offset + slot.length]
+
+    def commit(self, items: list[tuple[bytes, _Slot]], *, count: bool = True) -> None:
+        """Publish reserved slots whose bytes are written (``count``: as puts, for callers
+        outside :meth:`put_many`)."""
+        mv = self._mv
+        assert mv is not None
+        for key, slot in items:
+            slot.header = make_header(key, mv[slot.offset : slot.offset + slot.length])
+            self._unreserve(slot)
+            self._install(key, slot)
+        if count:
+            self._count("puts", len(items))
+            self._count("put_bytes", sum(s.length for _, s in items))
+
+    def abort(self, slots: list[_Slot]) -> None:
+        for slot in slots:
+            self._unreserve(slot)
+            self._release(slot)
+
+    def _unreserve(self, slot: _Slot) -> None:
+        n = self._seg_reserved.get(slot.seg, 0) - 1
+        if n > 0:
+            self._seg_reserved[slot.seg] = n
+        else:
+            self._seg_reserved.pop(slot.seg, None)
+
+    def borrow(self, keys: list[bytes]) -> list[_Slot | None]:
+        """Verified slots of ``keys`` (None: a miss), pinned until :meth:`give_back`."""
+        mv = self._mv
+        if mv is None:
+            raise TierClosedError(f"tier {self.name!r} is not open")
+        out: list[_Slot | None] = []
+        now = time.time()
+        for key in keys:
+            slot = self._index.get(key)
+            if slot is not None:
+                try:
+                    verify_parts(slot.header, mv[slot.offset : slot.offset + slot.length], key)
+                except CorruptRecordError as e:
+                    self._on_corrupt(key, e)
+                    self._drop(key, slot)
+                    slot = None
+            if slot is None:
+                out.append(None)
+                continue
+            slot.stamp = now
+            self._lru[slot.cls].move_to_end(key)
+            out.append(slot)
+        found = [k for k, s in zip(keys, out) if s is not None]
+        self.pin_many(found)
+        self._count("hits", len(found))
+        self._count("misses", len(keys) - len(found))
+        self._count("get_bytes", sum(s.length for s in out if s is not None))
+        return out
+
+    def give_back(self, keys: list[bytes]) -> None:
+        self.unpin_many(keys)
+
     # ---- allocation --------------------------------------------------------------------
 
     def _class_for(self, length: int) -> int:
@@ -256,7 +330,7 @@ class CPUTier(Tier):
         """Evict a whole segment of another class (all unpinned) and carve it for ``cls``."""
         best: int | None = None
         for seg, owner in self._seg_cls.items():
-            if owner == cls or seg in segs:  # segs: slots handed to this batch, not yet indexed
+            if owner == cls or seg in segs or seg in self._seg_reserved:  # slots handed out, not yet indexed
                 continue
             keys = self._seg_keys[seg]
             if any(k in reserved or self.is_pinned(k) for k in keys):

@@ -211,6 +211,17 @@ class _Group:
     def chunk_bytes(self) -> int:
         return self.tensors.chunk_bytes(self.blocks_per_chunk)
 
+    def direct_view(self, placements: Sequence[tuple[int, int]]) -> Any:
+        """The device bytes of a whole chunk when they already are its payload — one CPU tensor and
+        consecutive blocks — so tiers can read and write them with no staging copy; else None."""
+        t = self.tensors
+        if len(t.tensors) != 1 or t.device.type != "cpu" or len(placements) != self.blocks_per_chunk:
+            return None
+        first = placements[0][1]
+        if any(pos != j or b != first + j for j, (pos, b) in enumerate(placements)):
+            return None
+        return t.tensors[0][first : first + self.blocks_per_chunk].view(-1)
+
 
 class Pipeline:
     """Moves chunks between KV tensors and tiers on a private event loop thread."""
@@ -498,11 +509,14 @@ class Pipeline:
                     done, written = await self._store_into_slots(cpu, job, grp, ready)
                 else:
                     ev = None
+                    views = []
                     for i, c in enumerate(job.chunks):
-                        ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(i * cb, cb),
-                                                after=ready if i == 0 else None)
+                        direct = grp.direct_view(list(enumerate(c.block_ids)))
+                        if direct is None:
+                            direct = buf.view(i * cb, cb)
+                            ev = self.copier.gather(grp.tensors, c.block_ids, direct, after=ready)
+                        views.append(memoryview(direct.numpy()))
                     await _wait_event(ev)
-                    views = [memoryview(buf.view(i * cb, cb).numpy()) for i in range(len(keys))]
                     done, written = await self._write_items(grp.route, keys, views)
                 if len(done) < len(keys):
                     error = "some chunks were refused or dropped by every tier"
@@ -546,12 +560,14 @@ class Pipeline:
     async def _load(self, job: LoadJob, grp: _Group, buf: StagingBuffer, t0: float) -> None:
         cb = grp.chunk_bytes
         keys = [c.key for c in job.chunks]
-        views = [buf.view(i * cb, cb) for i in range(len(keys))]
         found_in: dict[int, str] = {}
         error = None
         cpu = self._cpu_first(grp.route.tiers)
         borrowed: dict[int, Any] = {}
         try:
+            places = [job.placements(i, grp.blocks_per_chunk) for i in range(len(keys))]
+            direct = [grp.direct_view(pl) for pl in places]
+            views = [buf.view(i * cb, cb) if d is None else d for i, d in enumerate(direct)]
             async with asyncio.timeout(self.cfg.job_timeout_s):
                 if cpu is not None:  # CPU hits are copied straight from their slots
                     for i, slot in enumerate(cpu.borrow(keys)):
@@ -567,9 +583,11 @@ class Pipeline:
                 else:
                     ev = None
                     for i in range(len(job.chunks)):
-                        src = cpu.slot_view(borrowed[i]) if i in borrowed else views[i]  # type: ignore[union-attr]
-                        ev = self.copier.scatter(grp.tensors, job.placements(i, grp.blocks_per_chunk), src,
-                                                 grp.blocks_per_chunk)
+                        if i in borrowed:
+                            ev = self.copier.scatter(grp.tensors, places[i], cpu.slot_view(borrowed[i]),  # type: ignore[union-attr]
+                                                     grp.blocks_per_chunk)
+                        elif direct[i] is None:
+                            ev = self.copier.scatter(grp.tensors, places[i], views[i], grp.blocks_per_chunk)
                     await _wait_event(ev)
                     await self._promote(grp.route, keys, [memoryview(v.numpy()) for v in views], found_in)
         except asyncio.CancelledError:

@@ -268,3 +268,21 @@ def test_cpu_only_route_copies_straight_into_and_out_of_slots(tmp_path: Path) ->
         for s, d in zip(src, dst):
             assert torch.equal(d[32:56], s[0:24])
         assert top.counters["hits"] == 6 and not any(top.is_pinned(c.key) for c in cs)
+
+
+def test_single_tensor_cpu_group_moves_chunks_without_staging(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(15)
+    src = torch.randint(0, 256, (33, 4096), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    with make([lmdb(tmp_path)]) as p:
+        p.register_group(0, [src], blocks_per_chunk=2)
+        p.register_group(1, [dst], blocks_per_chunk=2)
+        cs = tuple(ChunkRef(NS.key(bytes([i]) * 32, 0), (1 + 2 * i, 2 + 2 * i)) for i in range(8))
+        assert p.submit_store(StoreJob(1, 0, cs))
+        assert wait_results(p, 1)[1].ok
+        # contiguous destinations read straight into the tensor; a scattered one goes via staging
+        loads = cs[:7] + (ChunkRef(cs[7].key, (30, 17)),)
+        assert p.submit_load(LoadJob(2, 1, loads))
+        assert wait_results(p, 1)[2].ok
+        assert torch.equal(dst[1:15], src[1:15])
+        assert torch.equal(dst[30], src[15]) and torch.equal(dst[17], src[16])

@@ -1,0 +1,322 @@
+"""Throughput of each tier through the real pipeline, next to its medium's raw limit in the same run.
+
+Used by ``benchmarks/bench_tiers.py`` and ``tieredkv bench``. For each chunk size it measures:
+
+* through tieredkv (``Pipeline`` with one tier, a KV "device" tensor of CPU memory, bytes verified):
+  store GB/s (device blocks → tier) and load GB/s (tier → device blocks);
+* the raw limit of the same medium on the same bytes: ``torch`` ``copy_`` into a preallocated
+  tensor (CPU memory), ``os.pwrite``/``os.preadv`` of a file (page cache, and with ``fdatasync``),
+  py-lmdb put/get (same map flags as the tier), redis-py pipelined SET/GET and ``redis-benchmark``.
+
+Each figure is the median of ``reps`` runs; every tier run starts from an empty store, as does
+each raw run (first-touch costs are paid by both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tieredkv.backends.base import Tier
+from tieredkv.config import CPUTierConfig, LMDBTierConfig, PipelineConfig, PolicyRule, RedisTierConfig
+from tieredkv.keys import Namespace
+from tieredkv.pipeline import ChunkRef, LoadJob, Pipeline, StoreJob
+from tieredkv.policy import TierPolicy
+from tieredkv.staging import StagingPool
+
+__all__ = ["BenchResult", "SIZES", "run_tier_bench"]
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
+BATCH_BYTES = 16 * MiB
+
+
+@dataclass
+class BenchResult:
+    size: int
+    chunks: int
+    gbps: dict[str, float] = field(default_factory=dict)  # "<what>.<store|load>" -> GB/s
+    reps: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, samples: list[float]) -> None:
+        self.reps[name] = [round(x, 3) for x in samples]
+        self.gbps[name] = round(statistics.median(samples), 3)
+
+
+def _median_rate(nbytes: int, fn: Callable[[], float], reps: int) -> list[float]:
+    return [nbytes / fn() / 1e9 for _ in range(reps)]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- raw limits ------------------------------------------------------------------------------
+
+
+def raw_memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
+    def run() -> None:
+        for i in range(src.shape[0]):
+            dst[i].copy_(src[i])
+
+    return _timed(run)
+
+
+def raw_file(src: torch.Tensor, dst: torch.Tensor, workdir: str, durable: bool) -> tuple[float, float]:
+    """(write seconds, warm read seconds) of the chunks as one file."""
+    path = os.path.join(workdir, "raw.bin")
+    size = src.shape[1]
+    fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for i in range(src.shape[0]):
+            os.pwrite(fd, memoryview(src[i].numpy()), i * size)
+        if durable:
+            os.fdatasync(fd)
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(src.shape[0]):
+            os.preadv(fd, [memoryview(dst[i].numpy())], i * size)
+        tr = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return tw, tr
+
+
+def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str) -> tuple[float, float]:
+    import lmdb
+
+    path = tempfile.mkdtemp(dir=workdir)
+    n, size = src.shape
+    env = lmdb.open(path, map_size=max(4 * n * size, 64 * MiB), writemap=True, sync=False, metasync=False,
+                    readahead=False, meminit=False, max_dbs=2)
+    db = env.open_db(b"records")
+    per = max(1, BATCH_BYTES // size)
+    keys = [i.to_bytes(8, "big") for i in range(n)]
+    try:
+        t0 = time.perf_counter()
+        for b in range(0, n, per):
+            with env.begin(write=True, db=db) as txn:
+                for i in range(b, min(n, b + per)):
+                    txn.put(keys[i], memoryview(src[i].numpy()))
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with env.begin(db=db, buffers=True) as txn:
+            for i in range(n):
+                memoryview(dst[i].numpy())[:] = txn.get(keys[i])
+        tr = time.perf_counter() - t0
+    finally:
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return tw, tr
+
+
+def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str) -> tuple[float, float]:
+    """redis-py (uvloop when installed) pipelined SET/GET in batches of about BATCH_BYTES."""
+    import redis.asyncio as aioredis
+
+    n, size = src.shape
+    per = max(1, min(64, (8 * MiB) // size))
+
+    async def run() -> tuple[float, float]:
+        r = aioredis.Redis.from_url(url)
+        try:
+            await r.flushall()
+            t0 = time.perf_counter()
+            for b in range(0, n, per):
+                p = r.pipeline(transaction=False)
+                for i in range(b, min(n, b + per)):
+                    p.set(f"raw:{i}", memoryview(src[i].numpy()))
+                await p.execute()
+            tw = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for b in range(0, n, per):
+                p = r.pipeline(transaction=False)
+                for i in range(b, min(n, b + per)):
+                    p.get(f"raw:{i}")
+                for i, v in zip(range(b, min(n, b + per)), await p.execute()):
+                    memoryview(dst[i].numpy())[:] = v
+            tr = time.perf_counter() - t0
+            await r.flushall()
+            return tw, tr
+        finally:
+            await r.aclose()
+
+    return _run_loop(run())
+
+
+def redis_benchmark(port: int, size: int, n: int) -> tuple[float, float] | None:
+    """GB/s of SET and GET from ``redis-benchmark`` (-P1 -c1: the best setting for big values here)."""
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return None
+    out = subprocess.run(
+        [exe, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n), "-P", "1",
+         "-c", "1", "-r", str(max(n, 1000)), "-q"],
+        capture_output=True, text=True, timeout=300, check=False,
+    ).stdout
+    rps = {m.group(1).lower(): float(m.group(2)) for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)}
+    if "set" not in rps or "get" not in rps:
+        return None
+    return rps["set"] * size / 1e9, rps["get"] * size / 1e9
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---- through the pipeline -----------------------------------------------------------------------
+
+
+def pipeline_store_load(tier: Tier, src: torch.Tensor, dst: torch.Tensor, ns: Namespace) -> tuple[float, float]:
+    """(store seconds, load seconds) of every chunk of ``src`` through a one-tier pipeline; bytes verified.
+
+    Row ``i`` of ``src`` is device block ``i + 1`` (block 0 is the engine's null block)."""
+    n, size = src.shape
+    null = torch.zeros(1, size, dtype=torch.uint8)
+    src_blocks, dst_blocks = torch.cat([null, src]), torch.cat([null, torch.zeros_like(src)])
+    per = max(1, BATCH_BYTES // size)
+    cfg = PipelineConfig(max_batch_bytes=BATCH_BYTES, max_batch_items=max(per, 1), job_timeout_s=600)
+    p = Pipeline([tier], TierPolicy([PolicyRule(tiers=[tier.name])], [tier.name]), cfg,
+                 staging=StagingPool(min(n * size, 512 * MiB) + BATCH_BYTES))
+    keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
+    with p:
+        p.register_group(0, [src_blocks])
+        p.register_group(1, [dst_blocks])
+
+        def run(make: Callable[[int, tuple[ChunkRef, ...]], Any], submit: Callable[[Any], bool]) -> float:
+            t0 = time.perf_counter()
+            for j, b in enumerate(range(0, n, per)):
+                refs = tuple(ChunkRef(keys[i], (i + 1,)) for i in range(b, min(n, b + per)))
+                while not submit(make(j, refs)):  # staging full: wait for room (back-pressure)
+                    time.sleep(0.0005)
+            if not p.drain(600):
+                raise RuntimeError("pipeline did not drain")
+            dt = time.perf_counter() - t0
+            bad = [r for r in p.poll_finished() if not r.ok]
+            if bad:
+                raise RuntimeError(f"{len(bad)} jobs failed: {bad[0].error}")
+            return dt
+
+        ts = run(lambda j, refs: StoreJob(j, 0, refs), p.submit_store)
+        tl = run(lambda j, refs: LoadJob(j, 1, refs), p.submit_load)
+    if not torch.equal(src_blocks, dst_blocks):
+        raise RuntimeError(f"{tier.kind} tier: loaded bytes differ from stored bytes")
+    return ts, tl
+
+
+def make_tier(kind: str, size: int, n: int, workdir: str, redis_url: str | None) -> Tier:
+    from tieredkv.backends.registry import build_tier
+
+    total = n * size
+    if kind == "cpu":
+        cfg: Any = CPUTierConfig(capacity_bytes=total + 8 * MiB, segment_bytes=max(8 * MiB, size), prefault=True)
+    elif kind == "lmdb":
+        cfg = LMDBTierConfig(path=tempfile.mkdtemp(dir=workdir), map_size_bytes=4 * total + 64 * MiB,
+                             size_cap_bytes=2 * total + 32 * MiB, max_map_size_bytes=8 * total + 128 * MiB)
+    else:
+        cfg = RedisTierConfig(url=redis_url or "redis://127.0.0.1:6379/0", op_timeout_s=120, socket_timeout_s=30)
+    return build_tier(cfg)
+
+
+def run_tier_bench(
+    sizes: list[int] = SIZES,
+    total_bytes: int = 256 * MiB,
+    reps: int = 3,
+    kinds: tuple[str, ...] = ("cpu", "lmdb", "redis"),
+    redis_url: str | None = None,
+    redis_port: int | None = None,
+    workdir: str | None = None,
+    log: Callable[[str], None] = print,
+) -> list[BenchResult]:
+    """Run the whole comparison; returns one :class:`BenchResult` per size."""
+    torch.set_num_threads(1)  # the copy path runs single-threaded (machine-limits finding 3)
+    work = workdir or tempfile.mkdtemp(prefix="tieredkv-bench-")
+    ns = Namespace(model="bench")
+    out = []
+    for size in sizes:
+        n = max(4, total_bytes // size)
+        src = torch.randint(0, 256, (n, size), dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        res = BenchResult(size, n)
+        nbytes = n * size
+        res.add("memcpy", _median_rate(nbytes, lambda: raw_memcpy(src, dst), reps))
+        if "lmdb" in kinds:
+            files = [raw_file(src, dst, work, durable=False) for _ in range(reps)]
+            res.add("file_pagecache.store", [nbytes / w / 1e9 for w, _ in files])
+            res.add("file.load", [nbytes / r / 1e9 for _, r in files])
+            res.add("file_durable.store", [nbytes / raw_file(src, dst, work, durable=True)[0] / 1e9 for _ in range(reps)])
+            lm = [raw_lmdb(src, dst, work) for _ in range(reps)]
+            res.add("lmdb_raw.store", [nbytes / w / 1e9 for w, _ in lm])
+            res.add("lmdb_raw.load", [nbytes / r / 1e9 for _, r in lm])
+        if "redis" in kinds and redis_url:
+            rr = [raw_redis(src, dst, redis_url) for _ in range(reps)]
+            res.add("redis_py.store", [nbytes / w / 1e9 for w, _ in rr])
+            res.add("redis_py.load", [nbytes / r / 1e9 for _, r in rr])
+            if redis_port:
+                rb = [x for x in (redis_benchmark(redis_port, size, min(n, 2000)) for _ in range(reps)) if x]
+                if rb:
+                    res.add("redis_benchmark.store", [s for s, _ in rb])
+                    res.add("redis_benchmark.load", [g for _, g in rb])
+        for kind in kinds:
+            if kind == "redis" and not redis_url:
+                continue
+            samples = []
+            for _ in range(reps):
+                tier = make_tier(kind, size, n, work, redis_url)
+                if kind == "redis":
+                    _flush(redis_url)
+                samples.append(pipeline_store_load(tier, src, dst, ns))
+            res.add(f"{kind}.store", [nbytes / s / 1e9 for s, _ in samples])
+            res.add(f"{kind}.load", [nbytes / lo / 1e9 for _, lo in samples])
+        if "redis" in kinds and redis_url:
+            _flush(redis_url)
+        log(f"{size // KiB:>5} KiB: " + ", ".join(f"{k}={v:.2f}" for k, v in res.gbps.items()))
+        out.append(res)
+        del src, dst
+    if workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _flush(url: str | None) -> None:
+    import redis
+
+    if url:
+        c = redis.Redis.from_url(url)
+        c.flushall()
+        c.close()
+
+
+#: Which raw figure each tier is judged against (tier figure / raw figure).
+BASELINES = {
+    "cpu.store": "memcpy",
+    "cpu.load": "memcpy",
+    "lmdb.store": "lmdb_raw.store",
+    "lmdb.load": "lmdb_raw.load",
+    "redis.store": "redis_py.store",
+    "redis.load": "redis_py.load",
+}
+
+
+def ratios(res: BenchResult) -> dict[str, float]:
+    return {k: round(res.gbps[k] / res.gbps[b], 2) for k, b in BASELINES.items() if k in res.gbps and b in res.gbps}

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +136,6 @@ def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str) -> tuple[float, fl
     async def run() -> tuple[float, float]:
         r = aioredis.Redis.from_url(url)
         try:
-            await r.flushall()
             t0 = time.perf_counter()
             for b in range(0, n, per):
                 p = r.pipeline(transaction=False)
@@ -151,7 +151,8 @@ def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str) -> tuple[float, fl
                 for i, v in zip(range(b, min(n, b + per)), await p.execute()):
                     memoryview(dst[i].numpy())[:] = v
             tr = time.perf_counter() - t0
-            await r.flushall()
+            for b in range(0, n, 1000):  # only the keys this run wrote, never the whole database
+                await r.delete(*[f"raw:{i}" for i in range(b, min(n, b + 1000))])
             return tw, tr
         finally:
             await r.aclose()
@@ -166,7 +167,7 @@ def redis_benchmark(port: int, size: int, n: int) -> tuple[float, float] | None:
         return None
     out = subprocess.run(
         [exe, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n), "-P", "1",
-         "-c", "1", "-r", str(max(n, 1000)), "-q"],
+         "-c", "1", "-q"],  # one key: every GET hits a value of the full size
         capture_output=True, text=True, timeout=300, check=False,
     ).stdout
     rps = {m.group(1).lower(): float(m.group(2)) for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)}
@@ -219,6 +220,7 @@ def pipeline_store_load(tier: Tier, src: torch.Tensor, dst: torch.Tensor, ns: Na
 
         ts = run(lambda j, refs: StoreJob(j, 0, refs), p.submit_store)
         tl = run(lambda j, refs: LoadJob(j, 1, refs), p.submit_load)
+        p._call(tier.delete_many(keys), timeout=120)  # leave a shared tier as we found it
     if not torch.equal(src_blocks, dst_blocks):
         raise RuntimeError(f"{tier.kind} tier: loaded bytes differ from stored bytes")
     return ts, tl
@@ -251,7 +253,7 @@ def run_tier_bench(
     """Run the whole comparison; returns one :class:`BenchResult` per size."""
     torch.set_num_threads(1)  # the copy path runs single-threaded (machine-limits finding 3)
     work = workdir or tempfile.mkdtemp(prefix="tieredkv-bench-")
-    ns = Namespace(model="bench")
+    ns = Namespace(model="tieredkv-bench", tenant_salt=uuid.uuid4().hex)
     out = []
     for size in sizes:
         n = max(4, total_bytes // size)
@@ -283,28 +285,15 @@ def run_tier_bench(
             samples = []
             for _ in range(reps):
                 tier = make_tier(kind, size, n, work, redis_url)
-                if kind == "redis":
-                    _flush(redis_url)
                 samples.append(pipeline_store_load(tier, src, dst, ns))
             res.add(f"{kind}.store", [nbytes / s / 1e9 for s, _ in samples])
             res.add(f"{kind}.load", [nbytes / lo / 1e9 for _, lo in samples])
-        if "redis" in kinds and redis_url:
-            _flush(redis_url)
         log(f"{size // KiB:>5} KiB: " + ", ".join(f"{k}={v:.2f}" for k, v in res.gbps.items()))
         out.append(res)
         del src, dst
     if workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return out
-
-
-def _flush(url: str | None) -> None:
-    import redis
-
-    if url:
-        c = redis.Redis.from_url(url)
-        c.flushall()
-        c.close()
 
 
 #: Which raw figure each tier is judged against (tier figure / raw figure).
@@ -320,3 +309,58 @@ BASELINES = {
 
 def ratios(res: BenchResult) -> dict[str, float]:
     return {k: round(res.gbps[k] / res.gbps[b], 2) for k, b in BASELINES.items() if k in res.gbps and b in res.gbps}
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import platform
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) * 1024
+    except (OSError, StopIteration):
+        pass
+    redis_v = ""
+    if shutil.which("redis-server"):
+        redis_v = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    import tieredkv
+
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
+        "python": platform.python_version(), "torch": torch.__version__, "tieredkv": tieredkv.__version__,
+        "redis_server": redis_v, "loadavg": os.getloadavg(),
+    }
+
+
+def plot(results: list[BenchResult], path: str) -> None:
+    """Bar chart per chunk size: each tier's store/load GB/s next to its raw limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, op in zip(axes, ("store", "load")):
+        pairs = [(f"{k.split('.')[0]}", f"{k}", BASELINES[k]) for k in BASELINES if k.endswith(op)]
+        width = 0.8 / (2 * len(pairs))
+        for j, (label, key, base) in enumerate(pairs):
+            xs = [i + (2 * j) * width for i in range(len(results))]
+            ax.bar(xs, [r.gbps.get(key, 0) for r in results], width, label=f"tieredkv {label}")
+            ax.bar([x + width for x in xs], [r.gbps.get(base, 0) for r in results], width, alpha=0.45,
+                   label=f"raw {base.split('.')[0]}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
+        ax.set_xticklabels([f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB" for r in results])
+        ax.set_title(f"{op} GB/s (median of reps)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -493,3 +493,105 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
             continue
         return None
     return model
+
+
+# ---------------------------------------------------------------------------------------
+# provenance (for `tieredkv config show`)
+
+#: Fields whose values are masked wherever a config is shown.
+SECRET_FIELDS = frozenset({"password"})
+
+
+def config_provenance(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> tuple[TieredKVConfig, dict[str, str]]:
+    """Load a config like :func:`load_config` and say where each leaf value came from.
+
+    Returns the config and ``{dotted.path: origin}`` for every leaf of
+    ``config.model_dump(mode="json")`` (list items by index: ``tiers.1.path``), where origin is
+    ``"default"``, ``"file"`` (or ``"mapping"`` for a dict source) or ``"env:TIEREDKV_..."``
+    (the variable that set it, or an enclosing mapping).
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    environ = os.environ if env is None else env
+    cfg = load_config(source, env=environ)
+    raw_file = _read_source(source)
+    env_paths = _env_override_paths(raw_file, environ)
+    file_origin = "mapping" if isinstance(source, Mapping) else "file"
+    out: dict[str, str] = {}
+    for path in _leaf_paths(cfg.model_dump(mode="json")):
+        origin = "default"
+        for var, parts in env_paths:  # later variables win, as in apply_env_overrides
+            if path[: len(parts)] == parts and _env_sets(environ[var], path[len(parts) :]):
+                origin = f"env:{var}"
+        if origin == "default" and _has_path(raw_file, path):
+            origin = file_origin
+        out[".".join(str(p) for p in path)] = origin
+    return cfg, out
+
+
+def _env_override_paths(raw: dict[str, Any], env: Mapping[str, str]) -> list[tuple[str, tuple[Any, ...]]]:
+    """``(variable, resolved path)`` of each override, applied in order to a copy of ``raw``."""
+    work = _plain(raw)
+    out: list[tuple[str, tuple[Any, ...]]] = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in _NOT_OVERRIDES:
+            continue
+        parts = [p for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not parts:
+            continue
+        resolved: list[Any] = []
+        node: Any = work
+        for part in parts:
+            if isinstance(node, list):
+                idx = _list_index(node, part, name)
+                resolved.append(idx)
+                node = node[idx]
+            elif isinstance(node, dict):
+                key = part.lower()
+                if key == "tiers" and "tiers" not in node:
+                    node["tiers"] = [_plain(t) for t in _default_tiers()]
+                resolved.append(key)
+                node = node.get(key, {})
+            else:
+                break
+        out.append((name, tuple(resolved)))
+        work = apply_env_overrides(work, {name: env[name]})
+    return out
+
+
+def _env_sets(text: str, rest: tuple[Any, ...]) -> bool:
+    """Whether an override's value (YAML) sets the sub-path ``rest`` of where it points."""
+    if not rest:
+        return True
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return _has_path(value, rest)
+
+
+def _leaf_paths(data: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(data, dict) and data:
+        return [p for k, v in data.items() for p in _leaf_paths(v, (*prefix, k))]
+    if isinstance(data, list) and data:
+        return [p for i, v in enumerate(data) for p in _leaf_paths(v, (*prefix, i))]
+    return [prefix]
+
+
+def _has_path(raw: Any, path: tuple[Any, ...]) -> bool:
+    node = raw
+    for part in path:
+        in_dict = isinstance(node, dict) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and part < len(node)
+        if not (in_dict or in_list):
+            return False
+        node = node[part]
+    return True
+
+
+__all__ += ["SECRET_FIELDS", "config_provenance"]

@@ -1,0 +1,190 @@
+"""docker-compose.yml: valid for `docker-compose config` (offline, no engine needed) and in
+agreement with the files it mounts from config/ (ports, cluster nodes, paths, metric names)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+
+from tieredkv.config import RedisTierConfig, load_config
+from tieredkv.metrics import TieredKVMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+@cache
+def normalized() -> dict[str, Any]:
+    """``docker-compose config`` output: interpolated, with bind sources made absolute."""
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.fail(
+            "docker-compose is not on PATH: install it with `apt-get install docker-compose`"
+            " (scripts/test does this); it validates docker-compose.yml offline, no Docker engine needed"
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "VLLM_", "DOCKER_"))}
+    r = subprocess.run(
+        [exe, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
+    return dict(yaml.safe_load(r.stdout))
+
+
+def services() -> dict[str, Any]:
+    return dict(normalized()["services"])
+
+
+def redis_nodes() -> dict[str, int]:
+    """Service name -> port of every Redis Cluster node (services running redis-server)."""
+    nodes = {}
+    for name, svc in services().items():
+        cmd = [str(c) for c in svc.get("command") or []]
+        if cmd[:1] == ["redis-server"]:
+            nodes[name] = int(cmd[cmd.index("--port") + 1])
+    return nodes
+
+
+def binds(svc: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts."""
+    out = {}
+    for v in svc.get("volumes", []):
+        src, _, rest = str(v).partition(":")
+        if src.startswith("/"):
+            out[rest.split(":")[0]] = Path(src)
+    return out
+
+
+def kv_transfer_config() -> dict[str, Any]:
+    cmd = [str(c) for c in services()["vllm"]["command"]]
+    return dict(json.loads(cmd[cmd.index("--kv-transfer-config") + 1]))
+
+
+def tieredkv_config_path() -> Path:
+    """The host file mounted where the vLLM kv-transfer-config says the tieredkv config is."""
+    inside = kv_transfer_config()["kv_connector_extra_config"]["tieredkv_config"]
+    mounts = binds(services()["vllm"])
+    assert inside in mounts, f"{inside} is not mounted into the vllm service: {sorted(mounts)}"
+    return mounts[inside]
+
+
+def test_compose_file_is_valid_and_has_every_service() -> None:
+    svcs = services()
+    for name in ("redis-cluster-init", "vllm", "prometheus", "grafana"):
+        assert name in svcs
+    assert len(redis_nodes()) >= 3
+
+
+def test_every_bind_mount_exists_in_the_repository() -> None:
+    for name, svc in services().items():
+        for inside, host in binds(svc).items():
+            assert host.exists(), f"service {name}: {host} (mounted at {inside}) does not exist"
+            assert ROOT in host.parents, f"service {name}: {host} is outside the repository"
+    assert services()["vllm"]["build"]["dockerfile"] == "Dockerfile.vllm" and (ROOT / "Dockerfile.vllm").exists()
+
+
+def test_cluster_nodes_agree_with_the_init_service_and_the_tieredkv_config() -> None:
+    nodes = redis_nodes()
+    assert len(set(nodes.values())) == len(nodes), "node ports must differ (bus port = port + 10000)"
+    for name in nodes:
+        svc = services()[name]
+        cmd = [str(c) for c in svc["command"]]
+        assert cmd[cmd.index("--cluster-announce-hostname") + 1] == svc["hostname"] == name
+        conf = binds(svc)[cmd[1]].read_text()
+        assert re.search(r"^cluster-enabled yes", conf, re.M) and "cluster-preferred-endpoint-type hostname" in conf
+    init = " ".join(str(c) for c in services()["redis-cluster-init"]["command"])
+    created = re.findall(r"getent hosts ([\w-]+) .*?\):(\d+)", init)
+    assert {(n, int(p)) for n, p in created} == set(nodes.items()), init
+    assert "--cluster-replicas 0" in init and "--cluster-yes" in init
+    assert set(services()["redis-cluster-init"]["depends_on"]) == set(nodes)
+
+    cfg = load_config(tieredkv_config_path())
+    (redis,) = [t for t in cfg.tiers if isinstance(t, RedisTierConfig)]
+    m = re.match(r"redis://([\w.-]+):(\d+)", redis.url)
+    assert m and redis.cluster is True
+    assert (m.group(1), int(m.group(2))) in nodes.items(), f"{redis.url} is not a cluster node of the compose file"
+
+
+def test_vllm_service_runs_tieredkv_with_a_gpu_and_the_cluster_config() -> None:
+    vllm = services()["vllm"]
+    ktc = kv_transfer_config()
+    assert ktc["kv_connector"] == "OffloadingConnector" and ktc["kv_role"] == "kv_both"
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieredKVOffloadingSpec" and extra["spec_module_path"] == "tieredkv.integrations.vllm"
+    assert tieredkv_config_path() == ROOT / "config" / "tieredkv-redis-cluster.yaml"
+    assert vllm["environment"]["TIEREDKV_CONFIG"] == extra["tieredkv_config"]
+    (dev,) = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in dev["capabilities"] and dev["count"] == 1
+    assert "redis-cluster-init" in vllm["depends_on"]
+    dockerfile = (ROOT / "Dockerfile.vllm").read_text()
+    assert "FROM vllm/vllm-openai" in dockerfile and "[redis]" in dockerfile
+    cfg = load_config(tieredkv_config_path())
+    cmd = [str(c) for c in vllm["command"]]
+    assert cmd[0] == cfg.namespace.model  # the namespace names the model vLLM serves
+
+
+def test_prometheus_scrapes_the_tieredkv_metrics_port_and_vllm() -> None:
+    prom_svc = services()["prometheus"]
+    prom_cfg_path = binds(prom_svc)["/etc/prometheus/prometheus.yml"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom_svc["command"]
+    prom = yaml.safe_load(prom_cfg_path.read_text())
+    targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in prom["scrape_configs"]}
+    cfg = load_config(tieredkv_config_path())
+    assert cfg.metrics.port is not None and cfg.metrics.addr == "0.0.0.0"  # reachable from another container
+    assert targets["tieredkv"] == [f"vllm:{cfg.metrics.port}"]
+    vllm_port = next(a.split("=")[1] for a in map(str, services()["vllm"]["command"]) if a.startswith("--port="))
+    assert targets["vllm"] == [f"vllm:{vllm_port}"]
+    published = {int(p["target"]) for p in services()["vllm"]["ports"]}
+    assert {cfg.metrics.port, int(vllm_port)} <= published
+
+
+def test_grafana_provisions_prometheus_and_a_dashboard_of_real_metric_names() -> None:
+    graf = services()["grafana"]
+    mounts = binds(graf)
+    prov = mounts["/etc/grafana/provisioning"]
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    prom_port = services()["prometheus"]["ports"][0]["target"]
+    assert ds["type"] == "prometheus" and ds["url"] == f"http://prometheus:{prom_port}"
+    provider = yaml.safe_load((prov / "dashboards" / "tieredkv.yml").read_text())["providers"][0]
+    dash_dir = mounts[provider["options"]["path"]]
+    dash = json.loads((dash_dir / "tieredkv.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert all(p["datasource"]["uid"] == ds["uid"] for p in dash["panels"])
+    used = {n for e in exprs for n in re.findall(r"\btieredkv_\w+", e)}
+    assert len(used) >= 10
+
+    class Pipe:  # every optional source present, so every family is exported
+        group_counters = {0: {"hits": 1, "misses": 1, "store_bytes": 1, "load_bytes": 1}}
+
+        def stats(self) -> dict[str, Any]:
+            return {"dropped": {"t": 0}, "breakers": {"t": "closed"}, "breaker_opens": {"t": 0}}
+
+    class Tier:
+        name, counters = "t", {}
+
+        def add_observer(self, fn: Any) -> None:
+            fn("t", "get_many", 1, 0, 0.001, "ok")
+
+    m = TieredKVMetrics([Tier()], pipeline=Pipe())
+    from tieredkv.backends.base import TierStats
+
+    m.collector.set_stats("t", TierStats("t", "lmdb", 1, 1, 1))
+    exported = {line.split("{")[0].split(" ")[0] for line in generate_latest(m.registry).decode().splitlines()
+                if line and not line.startswith("#")}  # fmt: skip
+    missing = used - exported
+    assert not missing, f"dashboard queries metrics tieredkv does not export: {sorted(missing)}"
+
+
+def test_readme_names_the_compose_file_and_the_loopback_cluster() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "docker compose up" in readme or "docker-compose up" in readme
+    assert "tieredkv cluster up" in readme and "tieredkv cluster down" in readme

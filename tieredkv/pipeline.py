@@ -352,17 +352,13 @@ class Pipeline:
     # ---- submit (engine thread) ------------------------------------------------------------
 
     def submit_store(self, job: StoreJob) -> bool:
-        """Queue a store; returns at once whether it was admitted. Back-pressure (staging full)
-        or a closed pipeline refuses it: False (counted), and no result will be polled for it."""
-        grp = self._group(job.group)
-        nbytes = len(job.chunks) * grp.chunk_bytes
-        if self._refused(job, "store"):
-            return False
-        buf = self.staging.try_acquire(nbytes) if job.chunks else None
-        if buf is None:
-            self.counters["store_backpressure"] += 1
+        """Queue a store; returns at once whether it was admitted. Back-pressure (staging full),
+        a closed pipeline or an empty job refuses it: False (counted), and no result will come."""
+        admitted = self._admit(job, "store")
+        if admitted is None:
             self.group_counters[job.group]["store_refused"] += len(job.chunks)
             return False
+        grp, buf = admitted
         ready = self.copier.record_ready(grp.tensors)
         with self._lock:
             self._inflight += 1
@@ -372,20 +368,26 @@ class Pipeline:
         return True
 
     def submit_load(self, job: LoadJob) -> bool:
-        """Queue a load; returns at once whether it was admitted (False: back-pressure or closed,
-        no result will come). The result says which keys were loaded."""
-        grp = self._group(job.group)
-        nbytes = len(job.chunks) * grp.chunk_bytes
-        if self._refused(job, "load"):
+        """Queue a load; returns at once whether it was admitted (False: back-pressure, closed or
+        empty; no result will come). The result says which keys were loaded."""
+        admitted = self._admit(job, "load")
+        if admitted is None:
             return False
-        buf = self.staging.try_acquire(nbytes) if job.chunks else None
-        if buf is None:
-            self.counters["load_backpressure"] += 1
-            return False
+        grp, buf = admitted
         with self._lock:
             self._inflight += 1
         self._spawn(self._load(job, grp, buf, time.perf_counter()))
         return True
+
+    def _admit(self, job: StoreJob | LoadJob, kind: str) -> tuple[_Group, StagingBuffer] | None:
+        """Staging for a job's chunks (it also bounds the bytes in flight), or None when refused."""
+        grp = self._group(job.group)
+        if not job.chunks or self._refused(job, kind):
+            return None
+        buf = self.staging.try_acquire(len(job.chunks) * grp.chunk_bytes)
+        if buf is None:
+            self.counters[f"{kind}_backpressure"] += 1
+        return None if buf is None else (grp, buf)
 
     def poll_finished(self) -> list[JobResult]:
         """Every job finished since the last call (never blocks)."""

@@ -164,7 +164,7 @@ def _print_demo(s: dict[str, Any], data_dir: Optional[Path]) -> None:
     for col in ("tier", "kind", "records", "MiB held", "MiB written", "hits", "dropped", "breaker"):
         t.add_column(col, justify="left" if col in ("tier", "kind", "breaker") else "right")
     for name, row in s["tiers"].items():
-        t.add_row(name, row["kind"], str(row["records"]), f"{row['used_bytes'] / 2**20:.1f}",
+        t.add_row(name, row["kind"], "-" if row["records"] is None else str(row["records"]), f"{row['used_bytes'] / 2**20:.1f}",
                   f"{row['put_bytes'] / 2**20:.1f}", str(row["hits"]), str(row["dropped_stores"]), row["breaker"])
     out.print(t)
     j = Table(title="pipeline jobs", title_justify="left")

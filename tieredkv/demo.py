@@ -26,6 +26,7 @@ import torch
 import xxhash
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.errors import TieredKVError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 from tieredkv.keys import GroupGeometry, Namespace
 from tieredkv.pipeline import JobResult, KeyState
@@ -357,9 +358,13 @@ def _summary(eng: _Engine, store: TieredStore, layout: GroupLayout, requests: in
 
     tiers = {}
     for tier in store.tiers:
-        s = store.pipeline._call(tier.stats(), timeout=10)
-        tiers[tier.name] = {"kind": tier.kind, "records": s.records, "used_bytes": s.used_bytes,
-                            "hits": s.counters.get("hits", 0), "put_bytes": s.counters.get("put_bytes", 0),
+        try:
+            s = store.pipeline._call(tier.stats(), timeout=10)
+            held: dict[str, Any] = {"records": s.records, "used_bytes": s.used_bytes}
+        except TieredKVError:  # unreachable now: report what the pipeline saw
+            held = {"records": None, "used_bytes": 0}
+        tiers[tier.name] = {"kind": tier.kind, **held, "hits": tier.counters.get("hits", 0),
+                            "put_bytes": tier.counters.get("put_bytes", 0),
                             "dropped_stores": st["dropped"].get(tier.name, 0), "breaker": st["breakers"][tier.name]}
     groups = []
     for pos, g in enumerate(layout.groups):

@@ -35,7 +35,7 @@ from typing import Any
 from tieredkv.backends.base import Tier
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.config import PipelineConfig
-from tieredkv.errors import TierClosedError, TieredKVError, TierFullError
+from tieredkv.errors import TierClosedError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.policy import CircuitBreaker, GroupRoute, TierPolicy
 from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, StagingPool
 
@@ -270,14 +270,23 @@ class Pipeline:
         try:
             self._call(self._open(), timeout=60)
         except BaseException:
+            try:  # cancel the writers already started and close the tiers already open
+                self._call(self._shutdown(), timeout=10)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.debug("cleanup after a failed start failed", exc_info=True)
             self._stop_loop()
             raise
         return self
 
     async def _open(self) -> None:
         for tier in self.tiers.values():
-            await tier.open()
             lane = _TierLane(tier, self.cfg)
+            try:
+                await tier.open()
+            except TierUnavailableError as e:  # a dead tier at start is a tier with an open breaker
+                log.warning("tier %s unavailable at start (misses and dropped stores until it heals): %s",
+                            tier.name, e)
+                lane.breaker.trip()
             lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
             self._lanes[tier.name] = lane
             hook = getattr(tier, "set_evict_listener", None)
@@ -388,6 +397,10 @@ class Pipeline:
         if buf is None:
             self.counters[f"{kind}_backpressure"] += 1
         return None if buf is None else (grp, buf)
+
+    def run_background(self, coro: Any) -> None:
+        """Run ``coro`` on the pipeline loop until it ends or the pipeline closes (then cancelled)."""
+        self._spawn(coro)
 
     def poll_finished(self) -> list[JobResult]:
         """Every job finished since the last call (never blocks)."""

@@ -106,6 +106,11 @@ class CircuitBreaker:
         self._probing = False
         self.state = BreakerState.CLOSED
 
+    def trip(self) -> None:
+        """Open now (e.g. the tier could not even be opened)."""
+        self._consecutive = self.failures
+        self.failure()
+
     def failure(self) -> None:
         self._consecutive += 1
         self._probing = False

@@ -20,6 +20,7 @@ used together.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import time
@@ -31,6 +32,7 @@ from tieredkv.backends.registry import build_tier
 from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import TierTimeoutError
 from tieredkv.keys import GroupGeometry, Namespace
+from tieredkv.metrics import MetricsServer, TieredKVMetrics, start_metrics_server
 from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, StoreJob
 from tieredkv.policy import GroupRoute, TierPolicy
 
@@ -57,19 +59,34 @@ class TieredStore:
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
         self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])
         self.pipeline = Pipeline(self.tiers, self.policy, config.pipeline)
+        self.metrics = TieredKVMetrics(self.tiers, pipeline=self.pipeline)
+        self.metrics_server: MetricsServer | None = None
         self._ids = itertools.count(1)
         self._results: dict[int, JobResult] = {}
         self._open_jobs: set[int] = set()
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    def start(self) -> TieredStore:
+    def start(self, *, stats_interval_s: float = 5.0) -> TieredStore:
+        """Start the pipeline (opening the tiers) and, when ``metrics.port`` is set, ``/metrics``."""
         self.pipeline.start()
+        self.metrics_server = start_metrics_server(self.config.metrics, self.metrics.registry)
+        if self.metrics_server is not None:
+            self.pipeline.run_background(self._refresh_stats(stats_interval_s))
         return self
 
+    async def _refresh_stats(self, interval: float) -> None:
+        while True:  # capacity / usage gauges; counters are read live at scrape time
+            await self.metrics.refresh_stats()
+            await asyncio.sleep(interval)
+
     def close(self, timeout: float = 10.0) -> None:
-        """Finish (or cancel after ``timeout``) every job and close the tiers. Idempotent."""
+        """Finish (or cancel after ``timeout``) every job, close the tiers and the metrics endpoint.
+        Idempotent."""
         self.pipeline.close(timeout)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def __enter__(self) -> TieredStore:
         return self

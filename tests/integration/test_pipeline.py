@@ -286,3 +286,28 @@ def test_single_tensor_cpu_group_moves_chunks_without_staging(tmp_path: Path) ->
         assert wait_results(p, 1)[2].ok
         assert torch.equal(dst[1:15], src[1:15])
         assert torch.equal(dst[30], src[15]) and torch.equal(dst[17], src[16])
+
+
+def test_tier_dead_at_start_is_an_open_breaker_that_heals() -> None:
+    srv = RedisServer().start()
+    try:
+        srv.stop()
+        red = RedisTier(RedisTierConfig(url=srv.url, socket_timeout_s=0.5, connect_timeout_s=0.2))
+        with make([cpu(), red], breaker_reset_s=0.2) as p:  # starting must not raise
+            assert p.stats()["breakers"]["redis"] == "open"
+            p.register_group(0, kv(16), blocks_per_chunk=BPC)
+            assert p.submit_store(StoreJob(1, 0, chunks(1)))
+            r = wait_results(p, 1)[1]
+            assert r.ok and r.tiers == {"cpu": 1, "redis": 0}
+            srv.restart()
+            deadline = time.monotonic() + 5
+            i = 2
+            while time.monotonic() < deadline:
+                time.sleep(0.25)
+                p.submit_store(StoreJob(i, 0, chunks(1, start=i)))
+                if wait_results(p, 1)[i].tiers.get("redis") == 1:
+                    break
+                i += 1
+            assert p.stats()["breakers"]["redis"] == "closed"
+    finally:
+        srv.stop()

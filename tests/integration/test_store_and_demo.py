@@ -68,3 +68,24 @@ def test_demo_with_a_mamba_group_verifies_every_block(tmp_path: Path) -> None:
     assert kinds == ["full", "sliding_window", "mamba"]
     assert all(g["stored_chunks"] > 0 for g in s["groups"])
     assert s["store"]["failed"] == 0 and s["load"]["failed"] == 0
+
+
+def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> None:
+    import urllib.request
+
+    with tieredkv.open_store(cfg(tmp_path, metrics={"port": 0})) as store:
+        assert store.metrics_server is not None
+        t = torch.randint(0, 256, (8, 4096), dtype=torch.uint8)
+        store.register_group(3, [t], blocks_per_chunk=2)
+        key = store.key(b"m" * 32, 3)
+        store.wait([store.store(3, [(key, (1, 2))])])
+        store.wait([store.load(3, [(key, (5, 6))])])
+        text = ""
+        deadline = __import__("time").monotonic() + 10
+        while "tieredkv_tier_used_bytes" not in text and __import__("time").monotonic() < deadline:
+            text = urllib.request.urlopen(store.metrics_server.url, timeout=5).read().decode()
+        assert 'tieredkv_tier_stored_bytes_total{tier="cpu"} 8192.0' in text
+        assert 'tieredkv_tier_used_bytes{tier="lmdb"}' in text
+        assert 'tieredkv_breaker_open{tier="lmdb"} 0.0' in text
+        assert 'group="3"' in text
+    assert store.metrics_server is None

@@ -167,3 +167,16 @@ async def test_cpu_reserve_commit_borrow_path() -> None:
         (s2,) = tier.reserve([(k(4), 1000)])
         tier.abort([s2])
         assert await tier.contains_many([k(4)]) == [False]
+
+
+async def test_lmdb_raw_records_respect_the_size_cap(tmp_path: Path) -> None:
+    rec_bytes = 64 * KiB + 64
+    async with LMDBTier(lmdb_cfg(tmp_path, size_cap_bytes=4 * rec_bytes)) as tier:
+        await tier.put_many([(k(0), payload(64 * KiB, 0))])
+        (rec,) = await tier.raw_get_many([k(0)])
+        # a migration writes already-encoded records; they must not overflow the cap
+        for i in range(1, 8):
+            await tier.raw_put_many([(k(i), rec)])
+        st = await tier.stats()
+        assert st.used_bytes <= 4 * rec_bytes and st.records == 4
+        assert tier.counters["evictions"] == 4

@@ -263,8 +263,8 @@ class Tier(ABC):
         return await self._guard("raw_get_many", len(keys), self._raw_get_many(keys))
 
     async def raw_put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
-        """Store records exactly as given (no encoding, no capacity planning) — for migration
-        of already-encoded records and for fault injection. Reads still verify them."""
+        """Store records exactly as given (no encoding; capacity and eviction as in ``put_many``) —
+        for migration of already-encoded records and for fault injection. Reads still verify them."""
         batch = [(k, as_readable(r)) for k, r in items]
         for k, _ in batch:
             _check_key(k)

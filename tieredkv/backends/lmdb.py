@@ -140,10 +140,12 @@ class LMDBTier(Tier):
     # ---- writes ------------------------------------------------------------------------
 
     async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
-        await self._run(self._put_sync, items)
+        await self._run(self._put_sync, items, False)
 
-    def _put_sync(self, items: list[tuple[bytes, memoryview]]) -> None:
-        sizes = {k: HEADER_SIZE + len(p) for k, p in items}
+    def _put_sync(self, items: list[tuple[bytes, memoryview]], raw: bool) -> None:
+        """One write transaction: evict to fit under the cap (all or nothing), then write every
+        item — encoded as a record, or (``raw``) already a record."""
+        sizes = {k: len(p) if raw else HEADER_SIZE + len(p) for k, p in items}
         need = sum(sizes.values()) - sum(self._lru.get(k, 0) for k in sizes)
         if sum(sizes.values()) > self._cap:
             raise TierFullError(
@@ -151,16 +153,18 @@ class LMDBTier(Tier):
             )
         victims = self._pick_victims(self._used + need - self._cap, sizes)
         now = time.time()
-
-        scratch = self._scratch_for(max(sizes.values()))
+        scratch = self._scratch_for(0 if raw else max(sizes.values()))
 
         def body(txn: Any) -> None:
             for k in victims:
                 txn.delete(k, db=self._rec)
                 txn.delete(k, db=self._acc)
             for k, payload in items:
-                n = encode_record_into(scratch, k, payload)
-                txn.put(k, scratch[:n], db=self._rec)
+                if raw:
+                    txn.put(k, payload, db=self._rec)
+                else:
+                    n = encode_record_into(scratch, k, payload)
+                    txn.put(k, scratch[:n], db=self._rec)
                 txn.put(k, _ACCESS.pack(now, sizes[k]), db=self._acc)
 
         victims = self._write(body, victims, sizes)
@@ -358,15 +362,4 @@ class LMDBTier(Tier):
         return await self._run(read)
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
-        def write() -> None:
-            def body(txn: Any) -> None:
-                for k, rec in items:
-                    txn.put(k, rec, db=self._rec)
-                    txn.put(k, _ACCESS.pack(time.time(), len(rec)), db=self._acc)
-
-            self._write(body)
-            for k, rec in items:
-                self._used += len(rec) - self._lru.pop(k, 0)
-                self._lru[k] = len(rec)
-
-        await self._run(write)
+        await self._run(self._put_sync, items, True)  # same cap and eviction as put_many

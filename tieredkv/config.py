@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "TIEREDKV_"
-_NOT_OVERRIDES = {"TIEREDKV_CONFIG"}
+_NOT_OVERRIDES = {"TIEREDKV_CONFIG", "TIEREDKV_VENV"}
 
 
 class _Model(BaseModel):

@@ -1,0 +1,263 @@
+"""tieredkv behind vLLM 0.33's real Scheduler + OffloadingConnector, bytes checked end to end.
+
+For both modes (the whole ``TieredKVOffloadingSpec`` and ``TieredKVSecondaryTier`` under vLLM's
+``TieringOffloadingSpec``) and for LMDB, Redis and a per-group mix (full-attention group → LMDB,
+sliding-window group → Redis): request A stores its prompt; the engine's prefix cache, vLLM's
+primary tier (tiering mode) and the "GPU" KV tensors are wiped; request B shares A's prefix, hits
+in tieredkv, loads, and every loaded token slot of both groups must hold exactly A's KV bytes.
+The ``--kv-transfer-config`` JSON comes from README.md ("Use with vLLM").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.harness import Runner
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+README_CONFIG_PATH = "/etc/tieredkv/tiers.yaml"
+BLOCK = 16
+WINDOW = 32
+
+
+def readme_kv_transfer_configs() -> dict[str, dict[str, Any]]:
+    """The two ``--kv-transfer-config`` JSONs of README.md's "Use with vLLM", by spec_name."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for raw in re.findall(r"--kv-transfer-config '([^']+)'", section):
+        cfg = json.loads(raw)
+        out[cfg["kv_connector_extra_config"]["spec_name"]] = cfg
+    assert set(out) == {"TieredKVOffloadingSpec", "TieringOffloadingSpec"}, out.keys()
+    return out
+
+
+def extra_config(mode: str, tiers_yaml: Path) -> dict[str, Any]:
+    """README's extra config for ``mode`` with only the YAML path (and a test-sized primary) swapped."""
+    cfg = readme_kv_transfer_configs()[mode]
+    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    raw = json.dumps(cfg["kv_connector_extra_config"])
+    assert README_CONFIG_PATH in raw
+    extra = json.loads(raw.replace(README_CONFIG_PATH, str(tiers_yaml)))
+    if "cpu_bytes_to_use" in extra:
+        extra["cpu_bytes_to_use"] = 4 << 20  # README: 8 GiB; the test's primary tier is 4 MiB
+    return extra
+
+
+def write_tiers(path: Path, backend: str, redis_url: str | None) -> Path:
+    tiers, policy = [], []
+    if backend in ("lmdb", "mixed"):
+        tiers.append({"kind": "lmdb", "name": "nvme", "path": str(path.parent / "lmdb"),
+                      "map_size_bytes": "64MiB", "size_cap_bytes": "32MiB"})
+    if backend in ("redis", "mixed"):
+        tiers.append({"kind": "redis", "name": "redis", "url": redis_url,
+                      "key_prefix": f"tkv-vllm-{path.parent.name}"})
+    if backend == "mixed":
+        policy = [{"kinds": ["sliding_window"], "tiers": ["redis"]}, {"tiers": ["nvme"]}]
+    cfg = {"version": 1, "namespace": {"model": "unused-vllm-names-the-model"}, "tiers": tiers,
+           "pipeline": {"staging_bytes": "8MiB"}}
+    if policy:
+        cfg["policy"] = policy
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(params=["lmdb", "redis", "mixed"])
+def tiers_yaml(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
+    url = None
+    if request.param != "lmdb":
+        url = request.getfixturevalue("redis_server").url
+    return request.param, write_tiers(tmp_path / "tiers.yaml", request.param, url)
+
+
+def _tiering_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from tests.vllm.cpu_worker import cpu_get_worker
+
+    monkeypatch.setattr(TieringOffloadingSpec, "get_worker", cpu_get_worker)
+
+
+def roundtrip(runner: Runner) -> dict[str, Any]:
+    """A stores 160 tokens; everything but tieredkv is wiped; B (same prefix + 12) must load and match."""
+    prompt = [100 + (i * 37) % 800 for i in range(160)]
+    a = runner.new_request(prompt)
+    runner.run_until_done()
+    stores = [k for _, _, acc in runner.recorded.prepare_store if acc for k in acc]
+    assert stores, "vLLM's connector stored nothing"
+    # Wipe every other copy: the engine's prefix cache, vLLM's primary tier (reset_connector) and
+    # the "GPU" KV tensors. Only tieredkv's tiers still hold A's bytes.
+    assert runner.scheduler.reset_prefix_cache(reset_connector=True)
+    for t in runner.kv.values():
+        t.zero_()
+    b = runner.new_request(prompt + [5] * 12)
+    runner.run_until_done()
+    loads = [k for _, keys in runner.recorded.prepare_load for k in keys]
+    assert loads, "no hit was loaded"
+    # Loaded chunks: full group from 0, sliding-window group within the window before the boundary.
+    full_keys = [k for k in loads if k[-4:] == b"\x00\x00\x00\x00"]
+    swa_keys = [k for k in loads if k[-4:] == b"\x00\x00\x00\x01"]
+    tokens_per_chunk = BLOCK * runner.connector_scheduler.config.blocks_per_chunk
+    boundary = len(full_keys) * tokens_per_chunk
+    assert boundary >= 128 and swa_keys, (boundary, len(swa_keys))
+    checked = runner.check_kv(b, 0, boundary, groups=(0,))
+    checked_swa = runner.check_kv(b, boundary - WINDOW, boundary, groups=(1,))
+    assert checked == boundary and checked_swa == WINDOW
+    return {"a": a, "b": b, "boundary": boundary, "full_keys": full_keys,
+            "swa_keys": swa_keys}
+
+
+def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
+    backend, path = tiers_yaml
+    runner = Runner(extra_config("TieredKVOffloadingSpec", path))
+    try:
+        from tieredkv.integrations.vllm.spec import TieredKVManager
+
+        assert isinstance(runner.manager_obj, TieredKVManager)
+        res = roundtrip(runner)
+        store = runner.manager_obj.store
+        groups = store.stats()["groups"]
+        assert groups[0]["load_chunks"] == len(res["full_keys"]) and groups[1]["load_chunks"] == len(res["swa_keys"])
+        _assert_routes(store, backend)
+        # HIT_PENDING/RETRY appear, never a blocking call: lookups of unknown keys answered RETRY first
+        states = {s for _, _, s in runner.recorded.lookups}
+        assert "RETRY" in states and "HIT" in states
+    finally:
+        runner.shutdown()
+
+
+def test_secondary_tier_roundtrip_bytes(tiers_yaml: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, path = tiers_yaml
+    _tiering_on_cpu(monkeypatch)
+    runner = Runner(extra_config("TieringOffloadingSpec", path))
+    try:
+        from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+        from tieredkv.integrations.vllm import TieredKVSecondaryTier
+
+        assert isinstance(runner.manager_obj, TieringOffloadingManager)
+        (tier,) = runner.manager_obj.secondary_tiers
+        assert isinstance(tier, TieredKVSecondaryTier)
+        res = roundtrip(runner)
+        assert tier.counters["stored_chunks"] >= len(res["full_keys"]) + len(res["swa_keys"])
+        # vLLM's tiering manager promotes every key a lookup finds here, also ones the connector's
+        # cross-group boundary then leaves out of the load: at least the loaded ones came from tieredkv.
+        assert tier.counters["loaded_chunks"] >= len(res["full_keys"]) + len(res["swa_keys"])
+        _assert_routes(tier.store, backend)
+    finally:
+        runner.shutdown()
+
+
+def _assert_routes(store: Any, backend: str) -> None:
+    """tieredkv's per-group policy decided the tiers: each group's chunks are where its route says."""
+    routes = {g: store.policy.get(g).tiers for g in (0, 1)}
+    want = {"lmdb": {0: ("nvme",), 1: ("nvme",)}, "redis": {0: ("redis",), 1: ("redis",)},
+            "mixed": {0: ("nvme",), 1: ("redis",)}}[backend]
+    assert routes == want
+
+
+def test_readme_json_is_valid_for_vllm() -> None:
+    """Both README JSONs parse into vLLM's KVTransferConfig and name loadable classes."""
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from tieredkv.integrations.vllm import TieredKVOffloadingSpec, TieredKVSecondaryTier
+
+    cfgs = readme_kv_transfer_configs()
+    for cfg in cfgs.values():
+        KVTransferConfig(**cfg)
+    spec_cls = OffloadingSpecFactory.get_spec_cls(cfgs["TieredKVOffloadingSpec"]["kv_connector_extra_config"])
+    assert spec_cls is TieredKVOffloadingSpec
+    (tier_cfg,) = cfgs["TieringOffloadingSpec"]["kv_connector_extra_config"]["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(tier_cfg) is TieredKVSecondaryTier
+
+
+def test_import_tieredkv_does_not_import_vllm() -> None:
+    code = ("import sys, tieredkv, tieredkv.integrations.vllm as v; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; v.TieredKVSecondaryTier; "
+            "assert 'vllm' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_spec_manager_contract(tmp_path: Path) -> None:
+    """prepare_store all-or-nothing (None = retry the same range; nothing dropped), written keys
+    HIT_PENDING until complete_store, unknown keys RETRY until the batched tier lookup answers,
+    loads pin their chunks in every tier until complete_load."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+    runner = Runner(extra_config("TieredKVOffloadingSpec", write_tiers(tmp_path / "t.yaml", "lmdb", None)))
+    try:
+        m = runner.manager_obj
+        m._cap = 2
+        ctx = ReqContext(req_id="x")
+        k = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
+        out = m.prepare_store(k[:2], ctx)
+        assert out is not None and out.keys_to_store == k[:2] and out.evicted_keys == []
+        assert m.prepare_store(k[2:], ctx) is None  # over budget: all or nothing, retried later
+        assert m.lookup(k[0], ctx) is LookupResult.HIT_PENDING
+        m.complete_store(k[:2], ctx)
+        out = m.prepare_store(k[1:], ctx)  # k[1] is stored: not offered again; the rest accepted whole
+        assert out is not None and out.keys_to_store == k[2:]
+        m.complete_store(k[2:], ctx)
+        assert m.lookup(k[3], ctx) is LookupResult.RETRY  # asked the tiers, never waited
+        m.on_schedule_end(None)
+        fp = m.spec.namespace.fingerprint
+        spec = m.prepare_load([k[0]], ctx)
+        assert spec.keys == [k[0]]
+        m.store.pipeline.drain(5)
+        tier = m.store.tiers[0]
+        import time as _t
+
+        deadline = _t.monotonic() + 5
+        while fp + k[0] not in tier._pins and _t.monotonic() < deadline:
+            _t.sleep(0.01)
+        assert tier._pins[fp + k[0]] == 1
+        m.complete_load([k[0]], ctx)
+        while fp + k[0] in tier._pins and _t.monotonic() < deadline:
+            _t.sleep(0.01)
+        assert fp + k[0] not in tier._pins
+    finally:
+        runner.shutdown()
+
+
+def test_namespace_from_offloading_config() -> None:
+    """The fingerprint follows model, dtype, tokens per block, blocks per chunk, window and layout."""
+    import dataclasses
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from tieredkv.integrations.vllm import namespace_from_offloading_config
+
+    base = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("a",), 0), OffloadingGroupConfig(16, ("b",), 1, 2)),
+        worker_kv_bytes_per_block=2048, enable_kv_cache_events=False, extra_config={}, engine_id="e",
+        model=OffloadingModelConfig("m", "float16"), cache=OffloadingCacheConfig(16, 2),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False))
+    ns = namespace_from_offloading_config(base)
+    assert ns.model == "m" and ns.dtype == "float16"
+    assert [g.kind for g in ns.groups] == ["full", "sliding_window"] and ns.groups[1].window_tokens == 64
+    variants = [
+        dataclasses.replace(base, model=OffloadingModelConfig("m2", "float16")),
+        dataclasses.replace(base, model=OffloadingModelConfig("m", "bfloat16")),
+        dataclasses.replace(base, cache=OffloadingCacheConfig(16, 4)),
+        dataclasses.replace(base, groups=(OffloadingGroupConfig(32, ("a",), 0), base.groups[1])),
+        dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tp_size=2, world_size=2)),
+    ]
+    fps = {namespace_from_offloading_config(v).fingerprint for v in variants} | {ns.fingerprint}
+    assert len(fps) == len(variants) + 1

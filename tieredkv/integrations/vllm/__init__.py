@@ -1,0 +1,36 @@
+"""tieredkv as vLLM 0.33's KV offload backend.
+
+Two ways in, both configured through ``--kv-transfer-config`` (see the README, "Use with vLLM"):
+
+* :class:`TieredKVSecondaryTier` — a ``SecondaryTierManager`` under vLLM's own
+  ``TieringOffloadingSpec``: vLLM keeps its GPU↔CPU worker and shared primary region; tieredkv
+  receives each group's chunks (primary rows) and routes them to LMDB / Redis by its policy.
+* :class:`TieredKVOffloadingSpec` — a whole ``OffloadingSpec`` (``spec_module_path``): tieredkv's
+  own manager and worker (staging pool, copier, pipeline, CPU / LMDB / Redis tiers).
+
+vLLM is imported only when one of the two classes is first touched (vLLM's factories do
+``getattr(module, name)``), so ``import tieredkv.integrations.vllm`` stays cheap and
+``import tieredkv`` never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config
+
+__all__ = ["TieredKVOffloadingSpec", "TieredKVSecondaryTier", "namespace_from_offloading_config"]
+
+SUPPORTED_VLLM = ("0.33",)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TieredKVSecondaryTier":
+        from tieredkv.integrations.vllm.secondary import TieredKVSecondaryTier
+
+        return TieredKVSecondaryTier
+    if name in ("TieredKVOffloadingSpec", "TieredKVManager", "TieredKVWorker", "TieredKVLoadStoreSpec"):
+        from tieredkv.integrations.vllm import spec
+
+        return getattr(spec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

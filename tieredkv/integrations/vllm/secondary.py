@@ -1,0 +1,228 @@
+"""``TieredKVSecondaryTier``: tieredkv as a secondary tier under vLLM 0.33's ``TieringOffloadingSpec``.
+
+vLLM keeps the GPU↔CPU path and its shared primary region; every chunk confirmed in the primary
+is cascaded here (``submit_store``), and a primary miss that this tier answers HIT is promoted
+back (``submit_load``). Row ``i`` of vLLM's primary memoryview is primary slot ``i``: one chunk
+of one KV group (every worker's pages, padded to the largest group). Each row is handed, as a
+host buffer, to tieredkv's pipeline (``submit_put`` / ``submit_get``), which routes it by the
+key's group along that group's :class:`~tieredkv.policy.GroupRoute` (LMDB, Redis, ...).
+
+Every method runs on vLLM's scheduler thread and returns at once: I/O happens on the pipeline's
+loop thread; lookups go through ``Pipeline.lookup_future`` and answer RETRY until it resolves.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Collection, Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from tieredkv.config import load_config
+from tieredkv.integrations.vllm.lookups import AsyncLookups
+from tieredkv.integrations.vllm.namespace import group_kind, namespace_from_offloading_config
+from tieredkv.keys import FINGERPRINT_BYTES
+from tieredkv.store import TieredStore
+
+__all__ = ["TieredKVSecondaryTier"]
+
+log = logging.getLogger(__name__)
+
+
+class TieredKVSecondaryTier(SecondaryTierManager):
+    """tieredkv tiers (per-group policy) behind vLLM's CPU primary tier.
+
+    Tier kwargs (the ``secondary_tiers`` entry): ``config`` — path of a tieredkv YAML (or a
+    mapping); falls back to ``$TIEREDKV_CONFIG``, then tieredkv's defaults.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        config: str | dict[str, Any] | None = None,
+        backpressure_detector: Any = None,
+        **unknown: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        if unknown:
+            raise ValueError(
+                f"TieredKVSecondaryTier: unknown tier options {sorted(unknown)}; the only option is"
+                " 'config' (path of a tieredkv YAML)"
+            )
+        cfg = load_config(config if config is not None else os.environ.get("TIEREDKV_CONFIG"))
+        ocfg = offloading_spec.config
+        row_bytes = int(self.block_size_bytes)
+        # A primary row holds every worker's pages of one chunk: one namespace for all ranks.
+        self.namespace = namespace_from_offloading_config(ocfg, cfg, bytes_per_block=row_bytes, rank=0)
+        self._fp = self.namespace.fingerprint
+        self.store = TieredStore(cfg, namespace=self.namespace).start()
+        # Routes: tieredkv's policy by each group's kind and chunk (row) bytes.
+        self.routes = {
+            i: self.store.policy.route(i, row_bytes, group_kind(g)) for i, g in enumerate(ocfg.groups)
+        }
+        for i, r in self.routes.items():
+            log.info("tieredkv secondary tier: group %d -> %s (%s)", i, list(r.tiers), r.write)
+        self._rows = np.asarray(primary_kv_view) if primary_kv_view.nbytes else np.zeros((0, row_bytes), np.uint8)
+        self._lookups = AsyncLookups(self.store.pipeline)
+        self._writing: collections.Counter[bytes] = collections.Counter()  # stored keys in flight
+        self._present: dict[bytes, None] = {}  # stored keys this tier wrote or read (insertion order)
+        self._present_cap = 1 << 20
+        self._jobs: dict[int, tuple[str, tuple[bytes, ...]]] = {}
+        self._finished: list[JobResult] = []
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ---- keys -----------------------------------------------------------------------------
+
+    def _skey(self, key: bytes) -> bytes:
+        return self._fp + bytes(key)
+
+    def _vkey(self, skey: bytes) -> OffloadKey:
+        return OffloadKey(skey[FINGERPRINT_BYTES:])
+
+    def _row(self, chunk_id: int) -> memoryview:
+        return memoryview(self._rows[int(chunk_id)])
+
+    def _remember(self, skeys: Iterable[bytes]) -> None:
+        for k in skeys:
+            self._present[k] = None
+        while len(self._present) > self._present_cap:
+            self._present.pop(next(iter(self._present)))
+
+    # ---- SecondaryTierManager ------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        skey = self._skey(key)
+        if skey in self._writing:
+            return LookupResult.RETRY
+        if skey in self._present:
+            return LookupResult.HIT  # written or read here; a stale answer fails the promotion, not the engine
+        self._collect()
+        state = self._lookups.answer(skey)
+        if state is None:
+            return LookupResult.RETRY
+        if state == "hit":
+            return LookupResult.HIT
+        if state == "pending":
+            return LookupResult.RETRY
+        return LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        items = []
+        skipped = []
+        for key, chunk_id in zip(job_metadata.keys, job_metadata.chunk_ids):
+            skey = self._skey(key)
+            if skey in self._present or skey in self._writing:
+                skipped.append(skey)  # already held (or being written): nothing to copy
+                continue
+            items.append((skey, self._row(chunk_id)))
+        job_id = int(job_metadata.job_id)
+        if not items:
+            self._finished.append(JobResult(job_id=job_id, success=True, transfer_time=0.0, transfer_bytes=0))
+            return
+        for skey, _ in items:
+            self._writing[skey] += 1
+        self._jobs[job_id] = ("put", tuple(k for k, _ in items))
+        if not self.store.pipeline.submit_put(job_id, items):
+            self._end_put(job_id)
+            self.counters["store_refused"] += 1
+            self._finished.append(JobResult(job_id=job_id, success=False))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        items = [(self._skey(k), self._row(c)) for k, c in zip(job_metadata.keys, job_metadata.chunk_ids)]
+        job_id = int(job_metadata.job_id)
+        self._jobs[job_id] = ("get", tuple(k for k, _ in items))
+        if not self.store.pipeline.submit_get(job_id, items):
+            self._jobs.pop(job_id, None)
+            self._finished.append(JobResult(job_id=job_id, success=False, successful_keys=()))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._collect()
+        out, self._finished = self._finished, []
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._lookups.flush()
+        self._lookups.end_step()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or self._lookups.busy()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return  # the tiers keep their own LRU on access
+
+    def drain_jobs(self) -> None:
+        self.store.pipeline.drain()
+        self._collect()
+
+    def reset_cache_state(self) -> None:
+        self._present.clear()
+        self._lookups.clear()
+
+    def shutdown(self) -> None:
+        self._lookups.clear()
+        self.store.close()
+
+    def get_tier_stats(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters), "pipeline": self.store.stats()}
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _end_put(self, job_id: int) -> tuple[bytes, ...]:
+        _, skeys = self._jobs.pop(job_id, ("put", ()))
+        for k in skeys:
+            n = self._writing[k] - 1
+            if n > 0:
+                self._writing[k] = n
+            else:
+                self._writing.pop(k, None)
+        return skeys
+
+    def _collect(self) -> None:
+        for r in self.store.poll():
+            entry = self._jobs.get(r.job_id)
+            if entry is None:
+                continue
+            kind, _ = entry
+            if kind == "put":
+                self._end_put(r.job_id)
+                self._remember(r.done)
+                self._lookups.forget(r.done)
+                self.counters["stored_chunks"] += len(r.done)
+                self.counters["store_failed_chunks"] += len(r.failed)
+                self._finished.append(JobResult(job_id=r.job_id, success=r.ok, transfer_time=r.seconds,
+                                                transfer_bytes=r.nbytes))
+            else:
+                self._jobs.pop(r.job_id, None)
+                self._remember(r.done)
+                for k in r.failed:
+                    self._present.pop(k, None)
+                self._lookups.forget(r.failed)
+                self.counters["loaded_chunks"] += len(r.done)
+                self.counters["load_missing_chunks"] += len(r.failed)
+                self._finished.append(JobResult(
+                    job_id=r.job_id, success=r.ok,
+                    successful_keys=None if r.ok else [self._vkey(k) for k in r.done],
+                    transfer_time=r.seconds, transfer_bytes=r.nbytes))

@@ -334,12 +334,6 @@ async def test_foreign_garbage_under_our_prefix_is_a_miss(redis_server: RedisSer
            neighbours_served=len(good))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tieredkv/backends/redis.py RedisTier._get_many/_scan: a foreign NON-string value (list, hash, "
-    "set) under our key makes GET/STRLEN reply WRONGTYPE, pipe.execute() raises, and the WHOLE batch (and "
-    "scan) fails with TierUnavailableError (a breaker failure in the pipeline) instead of that key being a miss",
-)
 @pytest.mark.parametrize("kind", ["list", "hash"])
 async def test_foreign_non_string_value_is_a_miss_not_a_failed_batch(redis_server: RedisServer, kind: str) -> None:
     prefix = f"drill{uuid.uuid4().hex[:8]}"

@@ -272,12 +272,6 @@ def test_cluster_master_killed_other_slots_still_served() -> None:
     report("redis-cluster-master-kill", **counts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tieredkv/backends/redis.py RedisTier._get_many runs one cluster pipeline per batch and "
-    "raises for the whole batch when one master is down, so keys on live masters are not served when a "
-    "batch also holds a key of the dead master (and the pipeline's breaker opens for the whole cluster)",
-)
 def test_cluster_mixed_batch_serves_live_slots_when_a_master_is_down() -> None:
     async def run(c: RedisCluster) -> None:
         async with RedisTier(_redis_cfg(c.url, cluster=True, hash_tag_buckets=64)) as tier:

@@ -243,9 +243,12 @@ async def test_cluster_node_killed_fails_fast_then_recovers() -> None:
             victim = c.servers[1]
             victim.kill()
             t0 = time.perf_counter()
-            with pytest.raises(TierUnavailableError) as ei:
-                await tier.get_many(keys)
+            got = await tier.get_many(keys)  # the dead master's keys are misses, the others served
             assert time.perf_counter() - t0 < 3.0
+            assert 0 < got.count(None) < len(keys) and tier.counters["node_errors"] >= 1
+            with pytest.raises(TierUnavailableError) as ei:  # a write to the dead master fails fast
+                await tier.put_many([(k, b"w") for k in keys])
+            assert time.perf_counter() - t0 < 6.0
             assert isinstance(ei.value.__cause__, Exception)
             victim.restart()  # same port, same nodes.conf: rejoins with its slots
             deadline = time.monotonic() + 20

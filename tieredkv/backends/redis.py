@@ -24,6 +24,7 @@ after deleting the records of that call that were already written (best effort).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -212,6 +213,65 @@ class RedisTier(Tier):
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)
 
+    def _by_node(self, rkeys: list[bytes]) -> list[list[int]]:
+        """Indices of ``rkeys`` grouped by the cluster node owning their slot (one group on a
+        single node), so a dead master fails only its own keys."""
+        if not self.config.cluster:
+            return [list(range(len(rkeys)))]
+        groups: dict[str, list[int]] = {}
+        for i, rk in enumerate(rkeys):
+            try:
+                node = self._client.get_node_from_key(rk)
+                name = node.name if node is not None else "?"
+            except RedisClusterException:
+                name = "?"
+            groups.setdefault(name, []).append(i)
+        return list(groups.values())
+
+    async def _per_key(self, rkeys: list[bytes], add: Callable[[Any, bytes], Any]) -> list[Any]:
+        """One command per key (``add(pipe, rkey)``), a pipeline per node run concurrently.
+
+        Returns each key's reply — an exception object for a command the server refused (e.g.
+        WRONGTYPE) or for every key of a node that could not be reached. Raises only when every
+        node failed, so a dead master costs its own keys, never the batch."""
+        out = await self._per_key_once(rkeys, add)
+        # A node failing can make the client refresh its topology under the other pipelines: a
+        # key of a live node may then fail once. One retry of just those keys settles it.
+        again = [i for i, v in enumerate(out) if isinstance(v, BaseException) and not _wrongtype(v)]
+        if again and self.config.cluster and len(again) < len(rkeys):
+            for i, v in zip(again, await self._per_key_once([rkeys[i] for i in again], add, raise_if_all=False)):
+                out[i] = v
+        return out
+
+    async def _per_key_once(self, rkeys: list[bytes], add: Callable[[Any, bytes], Any], *,
+                            raise_if_all: bool = True) -> list[Any]:
+        groups = self._by_node(rkeys)
+
+        async def run(idx: list[int]) -> list[Any]:
+            pipe = self._pipeline()
+            for i in idx:
+                add(pipe, rkeys[i])
+            return await pipe.execute(raise_on_error=False)
+
+        results = await asyncio.gather(*(run(g) for g in groups), return_exceptions=True)
+        out: list[Any] = [None] * len(rkeys)
+        failed: list[BaseException] = []
+        for idx, res in zip(groups, results, strict=True):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, BaseException):
+                failed.append(res)
+                res = [res] * len(idx)
+            for i, v in zip(idx, res, strict=True):
+                out[i] = v
+        if failed and len(failed) == len(groups) and raise_if_all:
+            raise failed[0]
+        if failed:
+            self._count("node_errors", len(failed))
+            log.warning("tier %s: %d of %d nodes failed, their keys are misses: %s",
+                        self.name, len(failed), len(groups), failed[0])
+        return out
+
     def _note_size(self, record_len: int) -> None:
         # Running estimate of record size, used to split GET pipelines by bytes.
         self._record_guess = (self._record_guess * 7 + record_len) // 8
@@ -283,13 +343,14 @@ class RedisTier(Tier):
             return self._record_guess if dst is None else HEADER_SIZE + len(dst)
 
         for run in _chunks(range(len(keys)), size, self._max_batch):
-            pipe = self._pipeline()
             rkeys = [self.redis_key(keys[i]) for i in run]
-            for rk in rkeys:
-                pipe.get(rk)
-            values = await pipe.execute()
+            values = await self._per_key(rkeys, lambda pipe, rk: pipe.get(rk))
             for i, rk, value in zip(run, rkeys, values, strict=True):
                 if value is None:
+                    continue
+                if isinstance(value, BaseException):
+                    if _wrongtype(value):  # a foreign non-string value under our key: a miss
+                        self._on_corrupt(keys[i], value)
                     continue
                 try:
                     payload = verify_record(value, keys[i])
@@ -332,10 +393,8 @@ class RedisTier(Tier):
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
         for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
-            pipe = self._pipeline()
-            for k in run:
-                pipe.exists(self.redis_key(k))
-            out.extend(bool(r) for r in await pipe.execute())
+            replies = await self._per_key([self.redis_key(k) for k in run], lambda pipe, rk: pipe.exists(rk))
+            out.extend(r is True or (isinstance(r, int) and r > 0) for r in replies)
         return out
 
     async def _delete_many(self, keys: list[bytes]) -> int:
@@ -364,11 +423,10 @@ class RedisTier(Tier):
                 keyed = [(rk, sk) for rk, sk in keyed if sk[:FINGERPRINT_BYTES] == fingerprint]
             if not keyed:
                 continue
-            pipe = self._pipeline()
-            for rk, _ in keyed:
-                pipe.strlen(rk)
-            for (_, sk), n in zip(keyed, await pipe.execute(), strict=True):
-                if n >= HEADER_SIZE:  # 0: deleted since SCAN saw it
+            lengths = await self._per_key([rk for rk, _ in keyed], lambda pipe, rk: pipe.strlen(rk))
+            for (_, sk), n in zip(keyed, lengths, strict=True):
+                # 0: deleted since SCAN saw it; an error: a foreign non-string value (WRONGTYPE)
+                if isinstance(n, int) and n >= HEADER_SIZE:
                     yield RecordInfo(key=sk, size=int(n) - HEADER_SIZE, stamp=None)
 
     async def _scan_batches(self, match: bytes) -> AsyncIterator[list[bytes]]:
@@ -452,6 +510,10 @@ class RedisTier(Tier):
         if isinstance(exc, (ClusterError, RedisClusterException)):
             return TierUnavailableError(f"{where}: {op}: the cluster is unavailable ({detail})")
         return TierUnavailableError(f"{where}: {op} failed ({detail})")
+
+
+def _wrongtype(e: BaseException) -> bool:
+    return isinstance(e, ResponseError) and str(e).startswith("WRONGTYPE")
 
 
 def _scan_reply(reply: Any) -> tuple[int, list[bytes]]:

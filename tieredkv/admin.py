@@ -43,6 +43,7 @@ from rich.table import Table
 from tieredkv.backends.base import RecordInfo, Tier
 from tieredkv.config import (
     SECRET_FIELDS,
+    mask_secrets,
     LMDBTierConfig,
     TieredKVConfig,
     config_provenance,
@@ -702,20 +703,6 @@ def show_config(path: Path | None) -> dict[str, Any]:
         raise AdminError(EXIT_BAD_INPUT, str(e)) from None
     data = mask_secrets(cfg.model_dump(mode="json"))
     return {"config": data, "sources": origins, "file": str(path) if path else None}
-
-
-_URL_CREDS = re.compile(r"(?P<scheme>[a-z]+://)(?P<user>[^:@/]*):(?P<pw>[^@/]+)@")
-
-
-def mask_secrets(data: Any) -> Any:
-    """Replace secret fields and passwords inside URLs with ``***``."""
-    if isinstance(data, dict):
-        return {k: ("***" if k in SECRET_FIELDS and v else mask_secrets(v)) for k, v in data.items()}
-    if isinstance(data, list):
-        return [mask_secrets(v) for v in data]
-    if isinstance(data, str):
-        return _URL_CREDS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", data)
-    return data
 
 
 def _leaves(data: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:

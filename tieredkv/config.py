@@ -26,13 +26,14 @@ scalars. Examples::
 from __future__ import annotations
 
 import difflib
+import re
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tieredkv.errors import ConfigError
 
@@ -52,6 +53,19 @@ __all__ = [
 
 ENV_PREFIX = "TIEREDKV_"
 _NOT_OVERRIDES = {"TIEREDKV_CONFIG", "TIEREDKV_VENV"}
+
+
+def _positive_size(v: Any) -> Any:
+    negative = (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0) or (
+        isinstance(v, str) and v.strip().startswith(("-", "0 ")) or v == "0"
+    )
+    if negative:
+        raise ValueError("must be greater than 0: a size in bytes such as 1048576, '512MiB' or '8GiB'")
+    return v
+
+
+#: A byte size: an int or a string with a unit ('512MiB', '8GiB'), greater than 0.
+Size = Annotated[ByteSize, BeforeValidator(_positive_size)]
 
 
 class _Model(BaseModel):
@@ -81,15 +95,15 @@ class CPUTierConfig(_TierBase):
     """In-process slab of host memory (pinned when CUDA is available)."""
 
     kind: Literal["cpu"] = Field("cpu", description="Tier kind (selects the backend).")
-    capacity_bytes: ByteSize = Field(
+    capacity_bytes: Size = Field(
         ByteSize(1 << 30), gt=0, description="Size of the preallocated slab, e.g. '8GiB'."
     )
-    segment_bytes: ByteSize = Field(
+    segment_bytes: Size = Field(
         ByteSize(8 << 20),
         gt=0,
         description="Slab segment size; the largest chunk must fit in one segment.",
     )
-    min_slot_bytes: ByteSize = Field(
+    min_slot_bytes: Size = Field(
         ByteSize(4096), gt=0, description="Smallest slot size class; classes grow by x1.5 and x2 steps up to segment_bytes."
     )
     pin_memory: Literal["auto", "always", "never"] = Field(
@@ -115,13 +129,13 @@ class LMDBTierConfig(_TierBase):
 
     kind: Literal["lmdb"] = Field("lmdb", description="Tier kind (selects the backend).")
     path: str = Field("./tieredkv-data/lmdb", description="Directory of the LMDB environment (created if missing).")
-    map_size_bytes: ByteSize = Field(
+    map_size_bytes: Size = Field(
         ByteSize(4 << 30), gt=0, description="Initial LMDB map size; grown on demand up to max_map_size_bytes."
     )
-    max_map_size_bytes: ByteSize = Field(
+    max_map_size_bytes: Size = Field(
         ByteSize(64 << 30), gt=0, description="Upper bound for map growth after MapFullError."
     )
-    size_cap_bytes: ByteSize = Field(
+    size_cap_bytes: Size = Field(
         ByteSize(2 << 30),
         gt=0,
         description="Stored bytes allowed before LRU eviction; must be below map_size_bytes.",
@@ -168,7 +182,7 @@ class RedisTierConfig(_TierBase):
         le=4096,
         description="Hash-tag buckets per namespace: a batch of one namespace touches at most this many cluster slots.",
     )
-    max_batch_bytes: ByteSize = Field(
+    max_batch_bytes: Size = Field(
         ByteSize(8 << 20), gt=0, description="Split pipelines so one round trip carries at most this many bytes."
     )
 
@@ -202,7 +216,7 @@ class NamespaceConfig(_Model):
 class PolicyRule(_Model):
     """Which tiers a KV group's chunks go to, chosen by the group's chunk size (and kind)."""
 
-    max_chunk_bytes: ByteSize | None = Field(
+    max_chunk_bytes: Size | None = Field(
         None, description="The rule matches groups whose chunk is at most this many bytes (None: any size)."
     )
     kinds: list[Literal["full", "sliding_window", "mamba"]] | None = Field(
@@ -222,10 +236,10 @@ class PolicyRule(_Model):
 class PipelineConfig(_Model):
     """The asyncio store/load pipeline."""
 
-    staging_bytes: ByteSize = Field(
+    staging_bytes: Size = Field(
         ByteSize(256 << 20), gt=0, description="Host staging pool (pinned with CUDA); full means back-pressure."
     )
-    max_batch_bytes: ByteSize = Field(
+    max_batch_bytes: Size = Field(
         ByteSize(16 << 20), gt=0, description="A tier writer batches queued chunks up to this many bytes per call."
     )
     max_batch_items: int = Field(64, gt=0, description="A tier writer batches at most this many chunks per call.")
@@ -417,10 +431,16 @@ def format_validation_error(err: ValidationError, raw: Any = None, source: Any =
         value = e.get("input")
         problem = e["msg"]
         hint = _hint(e, raw)
+        if e["loc"] and str(e["loc"][-1]) in SECRET_FIELDS:
+            value = "***"
+        else:
+            value = mask_secrets(value)
         if e["type"] == "missing":
             got = "missing — "
         elif isinstance(value, dict):  # a rule across fields: the message names them
             got = ""
+        elif value == "***":
+            got = "got *** — "
         else:
             got = f"got {_short(value)} — "
         where_ = f"{loc}: " if e["loc"] else ""
@@ -500,6 +520,18 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
 
 #: Fields whose values are masked wherever a config is shown.
 SECRET_FIELDS = frozenset({"password"})
+_URL_CREDS = re.compile(r"(?P<scheme>[a-z]+://)(?P<user>[^:@/]*):(?P<pw>[^@/]+)@")
+
+
+def mask_secrets(data: Any) -> Any:
+    """Replace secret fields and passwords inside URLs with ``***``."""
+    if isinstance(data, dict):
+        return {k: ("***" if k in SECRET_FIELDS and v else mask_secrets(v)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [mask_secrets(v) for v in data]
+    if isinstance(data, str):
+        return _URL_CREDS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", data)
+    return data
 
 
 def config_provenance(
@@ -594,4 +626,4 @@ def _has_path(raw: Any, path: tuple[Any, ...]) -> bool:
     return True
 
 
-__all__ += ["SECRET_FIELDS", "config_provenance"]
+__all__ += ["SECRET_FIELDS", "config_provenance", "mask_secrets"]

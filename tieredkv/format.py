@@ -11,7 +11,7 @@ Header layout (little-endian, :data:`HEADER` ``struct``)::
     28     4    flags            (0; reserved)
     32     8    payload length
     40     8    checksum         xxh3_64 over (stored key, header bytes 0..32, payload)
-    48     16   reserved         (zero)
+    48     16   reserved         (zero; a record with anything else there is corrupt)
 
 The checksum covers the stored key as well as the payload, so a record copied or renamed
 under another key fails verification: a tier can never serve bytes that were not written
@@ -53,6 +53,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sHH16sIIQQ16x")
 HEADER_SIZE = HEADER.size
 _PREFIX = 32  # header bytes covered by the checksum (magic .. flags)
+_ZERO_RESERVED = bytes(16)  # bytes 48..63: must read back as zeros
 assert HEADER_SIZE == 64
 
 
@@ -170,6 +171,8 @@ def decode_header(record: memoryview | bytes, payload_len: int | None = None) ->
     present = len(record) - HEADER_SIZE if payload_len is None else payload_len
     if n != present:
         raise CorruptRecordError(f"payload length field {n} disagrees with the {present} payload bytes present")
+    if bytes(record[48:HEADER_SIZE]) != _ZERO_RESERVED:
+        raise CorruptRecordError("reserved header bytes 48..63 are not zero")
     return RecordHeader(version, fp, group, flags, n, csum)
 
 

@@ -100,8 +100,6 @@ def test_malformed_config_is_one_line_naming_field_value_and_fix(raw: dict[str, 
     assert "Traceback" not in line and "pydantic" not in line and "errors.pydantic.dev" not in line
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: tieredkv/config.py: a negative byte size (ByteSize field) says "
-                   "'could not parse value and unit from byte string' instead of naming the problem (must be > 0)")
 @pytest.mark.parametrize("field", ["capacity_bytes", "segment_bytes"])
 def test_negative_size_says_it_must_be_positive(field: str) -> None:
     with pytest.raises(ConfigError) as ei:

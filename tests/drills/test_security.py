@@ -221,12 +221,6 @@ def test_cli_never_prints_secrets(tmp_path: Path) -> None:
     report("security-cli-secrets", commands=len(runs), secrets=len(SECRETS), leaks=len(leaks))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tieredkv/config.py format_validation_error prints the offending value ('got ...') for every "
-    "field, secrets included: a non-string password or an invalid url with credentials is echoed by "
-    "`tieredkv config check` / any ConfigError; mask SECRET_FIELDS and url userinfo there too",
-)
 @pytest.mark.parametrize("tier", [
     {"kind": "redis", "password": 9_731_555},
     {"kind": "redis", "url": "http://app:9731555@127.0.0.1:6379"},

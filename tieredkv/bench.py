@@ -103,7 +103,7 @@ def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str) -> tuple[float,
 
     path = tempfile.mkdtemp(dir=workdir)
     n, size = src.shape
-    env = lmdb.open(path, map_size=max(4 * n * size, 64 * MiB), writemap=True, sync=False, metasync=False,
+    env = lmdb.open(path, map_size=max(4 * n * size, 64 * MiB), writemap=False, sync=False, metasync=False,
                     readahead=False, meminit=False, max_dbs=2)
     db = env.open_db(b"records")
     per = max(1, BATCH_BYTES // size)

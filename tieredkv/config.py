@@ -142,7 +142,7 @@ class LMDBTierConfig(_TierBase):
     )
     sync_mode: Literal["durable", "fast"] = Field(
         "fast",
-        description="'durable': fsync every write transaction; 'fast': writemap without sync (a crash may lose recent puts, never corrupt them).",
+        description="'durable': fsync every write transaction; 'fast': no fsync per commit (a power loss may lose recent puts, never corrupt older ones).",
     )
     max_readers: int = Field(126, gt=0, description="LMDB reader slots.")
 

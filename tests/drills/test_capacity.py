@@ -179,12 +179,6 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
            recovered_s=round(recovered_after, 2), records_verified=records, errors=sorted(errors)[:1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tieredkv/backends/lmdb.py LMDBTier._translate maps every lmdb.Error/OSError to "
-    "TierUnavailableError, so a full disk (ENOSPC) opens the pipeline breaker and turns every READ into a "
-    "miss until space is freed; ENOSPC/EDQUOT should be TierFullError (the tier is alive, just full)",
-)
 async def test_lmdb_disk_full_is_tier_full(tmp_path: Path) -> None:
     with small_fs(tmp_path) as (mnt, why):
         if mnt is None:
@@ -220,12 +214,6 @@ _FAST_WRITER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: tieredkv/backends/lmdb.py opens sync_mode='fast' (the default) with writemap=True; LMDB "
-    "ftruncates data.mdb to the map size (sparse), so on a full disk a write through the map faults and "
-    "the process dies of SIGBUS instead of getting TierFullError/TierUnavailableError",
-)
 def test_lmdb_fast_mode_disk_full_is_a_refusal_not_a_crash(tmp_path: Path) -> None:
     with small_fs(tmp_path) as (mnt, why):
         if mnt is None:

@@ -15,9 +15,11 @@ is read once to rebuild the in-memory LRU order and the byte count.
 * ``MapFullError`` grows the map (doubling, up to ``max_map_size_bytes``) and retries; at the
   limit it evicts further; it never crashes. ``MapResizedError`` (another process grew it)
   adopts the new size and retries.
-* ``sync_mode='durable'`` fsyncs every commit. ``'fast'`` uses ``writemap`` without per-commit
-  fsync and syncs on close: a process crash loses nothing committed; a power loss may lose
-  recent puts.
+* ``sync_mode='durable'`` fsyncs every commit. ``'fast'`` skips the per-commit fsync and syncs
+  on close: a process crash loses nothing committed; a power loss may lose recent puts (never
+  corrupts older ones). ``writemap`` is never used: with it, a full disk kills the process with
+  SIGBUS while writing through the map; without it the commit fails with ENOSPC, which this tier
+  reports as :class:`~tieredkv.errors.TierFullError`.
 
 The in-memory LRU assumes this process is the environment's only writer; other processes
 (the admin CLI) may read, and records they delete simply turn into misses here.
@@ -26,6 +28,7 @@ The in-memory LRU assumes this process is the environment's only writer; other p
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import struct
 import time
@@ -44,6 +47,13 @@ from tieredkv.format import HEADER_SIZE, as_readable, encode_record_into, verify
 __all__ = ["LMDBTier"]
 
 _ACCESS = struct.Struct("<dQ")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return True
+    return isinstance(exc, lmdb.Error) and any(os.strerror(e) in str(exc) for e in _DISK_FULL)
 _T = TypeVar("_T")
 _SCAN_PAGE = 1024
 
@@ -73,6 +83,9 @@ class LMDBTier(Tier):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _translate(self, exc: BaseException, op: str) -> TieredKVError:
+        if _disk_full(exc):
+            return TierFullError(f"tier {self.name!r}: the disk under {self.path} is full ({exc}); free space or"
+                                 " lower size_cap_bytes")
         if isinstance(exc, lmdb.MapFullError):
             return TierFullError(f"tier {self.name!r}: LMDB map is full at {self._max_map} bytes; raise max_map_size_bytes")
         if isinstance(exc, (lmdb.Error, OSError)):
@@ -99,7 +112,7 @@ class LMDBTier(Tier):
             map_size=int(cfg.map_size_bytes),
             max_dbs=2,
             max_readers=cfg.max_readers,
-            writemap=fast,
+            writemap=False,  # writes go through pwrite: a full disk is an error, never a SIGBUS
             sync=not fast,
             metasync=not fast,
             readahead=False,

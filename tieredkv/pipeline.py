@@ -318,6 +318,7 @@ class Pipeline:
             self._call(self._shutdown(), timeout=timeout + 5)
         finally:
             self._stop_loop()
+            self.staging.free()  # do not wait for the garbage collector to return the pool
 
     async def _shutdown(self) -> None:
         tasks = [*self._tasks, *(lane.task for lane in self._lanes.values() if lane.task)]

@@ -89,6 +89,13 @@ class StagingPool:
                     merged.append((off, size))
             self._free = merged
 
+    def free(self) -> None:
+        """Give the memory back (the pool refuses everything after)."""
+        with self._lock:
+            self._slab = torch.empty(0, dtype=torch.uint8)
+            self._free = []
+            self.capacity = 0
+
     @property
     def free_bytes(self) -> int:
         return self.capacity - self.in_use

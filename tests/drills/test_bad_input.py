@@ -230,33 +230,38 @@ def _lmdb_config(path: Path) -> dict[str, Any]:
     return {"tiers": [{"kind": "lmdb", "path": str(path), "map_size_bytes": "16MiB", "size_cap_bytes": "8MiB"}]}
 
 
-def _unwritable(path: Path, why: str, caplog: pytest.LogCaptureFixture) -> None:
+def _unwritable(path: Path, why: str) -> None:
+    """A path that can never hold the environment is a setup error: ConfigError naming the field and
+    the path, at tier open and at store start (which then closes what it opened), never an outage."""
     async def direct() -> str:
         tier = LMDBTier(load_config(_lmdb_config(path), env={}).tiers[0])
         t0 = time.perf_counter()
-        with pytest.raises(TierUnavailableError) as ei:
+        with pytest.raises(ConfigError) as ei:
             await tier.open()
         assert time.perf_counter() - t0 < 5
         await tier.close()
         return str(ei.value)
 
     msg = asyncio.run(direct())
-    assert str(path) in msg and "open failed" in msg and why in msg, msg
+    assert str(path) in msg and why in msg and ".path:" in msg and "writable directory" in msg, msg
     _no_threads_left()
-    _start_degraded(_lmdb_config(path), caplog, str(path))
+    store = TieredStore(load_config(_lmdb_config(path), env={}))
+    with pytest.raises(ConfigError, match="writable directory"):
+        store.start()
+    _no_threads_left()
 
 
 def test_lmdb_path_under_a_regular_file_is_a_clear_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a regular file")
-    _unwritable(blocker / "lmdb", "Not a directory", caplog)
+    _unwritable(blocker / "lmdb", "Not a directory")
 
 
 def test_lmdb_path_on_a_read_only_filesystem_is_a_clear_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with small_fs(tmp_path, "1m", "ro") as (mnt, why):
         if mnt is None:
             pytest.skip(f"needs a read-only mount: {why}")
-        _unwritable(mnt / "lmdb", "Read-only file system", caplog)
+        _unwritable(mnt / "lmdb", "Read-only file system")
 
 
 def test_failed_start_closes_the_tiers_it_already_opened(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ import lmdb
 
 from tieredkv.backends.base import RecordInfo, Tier, TierStats
 from tieredkv.config import LMDBTierConfig
-from tieredkv.errors import CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
+from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, encode_record_into, verify_record
 
 __all__ = ["LMDBTier"]
@@ -105,7 +105,17 @@ class LMDBTier(Tier):
 
     def _open_sync(self) -> None:
         cfg: LMDBTierConfig = self.config
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            probe = os.path.join(self.path, ".tieredkv-write-test")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as e:  # not a directory, no permission, read-only: a setup error, not an outage
+            raise ConfigError(
+                f"tiers.{self.name}.path: {self.path!r} cannot hold an LMDB environment ({e.strerror});"
+                " point it at a writable directory"
+            ) from e
         fast = cfg.sync_mode == "fast"
         self._env = lmdb.open(
             self.path,

@@ -428,7 +428,9 @@ class RedisCluster:
         return self
 
     def _node(self) -> RedisServer:
-        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        # A cache keeps serving the slots still covered when a master is gone.
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-require-full-coverage", "no"]
         args += ["--cluster-node-timeout", str(self.node_timeout_ms), *self.extra_args]
         srv = RedisServer(extra_args=args, startup_timeout=self.startup_timeout)
         srv._bus_offset = CLUSTER_BUS_OFFSET
@@ -616,7 +618,7 @@ def _start_daemon(
         exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
         "--dir", str(node_dir), "--logfile", str(log_path), "--pidfile", str(node_dir / "redis.pid"),
         "--daemonize", "yes", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-        "--cluster-node-timeout", str(node_timeout_ms),
+        "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
     ]  # fmt: skip
     res = subprocess.run(argv, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)  # noqa: S603
     if res.returncode != 0:

@@ -55,10 +55,6 @@ class BenchResult:
         self.gbps[name] = round(statistics.median(samples), 3)
 
 
-def _median_rate(nbytes: int, fn: Callable[[], float], reps: int) -> list[float]:
-    return [nbytes / fn() / 1e9 for _ in range(reps)]
-
-
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -261,33 +257,39 @@ def run_tier_bench(
         dst = torch.zeros_like(src)
         res = BenchResult(size, n)
         nbytes = n * size
-        res.add("memcpy", _median_rate(nbytes, lambda: raw_memcpy(src, dst), reps))
-        if "lmdb" in kinds:
-            files = [raw_file(src, dst, work, durable=False) for _ in range(reps)]
-            res.add("file_pagecache.store", [nbytes / w / 1e9 for w, _ in files])
-            res.add("file.load", [nbytes / r / 1e9 for _, r in files])
-            res.add("file_durable.store", [nbytes / raw_file(src, dst, work, durable=True)[0] / 1e9 for _ in range(reps)])
-            lm = [raw_lmdb(src, dst, work) for _ in range(reps)]
-            res.add("lmdb_raw.store", [nbytes / w / 1e9 for w, _ in lm])
-            res.add("lmdb_raw.load", [nbytes / r / 1e9 for _, r in lm])
-        if "redis" in kinds and redis_url:
-            rr = [raw_redis(src, dst, redis_url) for _ in range(reps)]
-            res.add("redis_py.store", [nbytes / w / 1e9 for w, _ in rr])
-            res.add("redis_py.load", [nbytes / r / 1e9 for _, r in rr])
-            if redis_port:
-                rb = [x for x in (redis_benchmark(redis_port, size, min(n, 2000)) for _ in range(reps)) if x]
+        samples: dict[str, list[float]] = {}
+
+        def add(name: str, seconds: float) -> None:
+            samples.setdefault(name, []).append(nbytes / seconds / 1e9)
+
+        # Each rep measures every figure once, raw limits and tiers interleaved, so both see the
+        # same machine (this box's disk and neighbours swing by 2x over a minute).
+        for _ in range(reps):
+            add("memcpy", raw_memcpy(src, dst))
+            if "lmdb" in kinds:
+                w, r = raw_file(src, dst, work, durable=False)
+                add("file_pagecache.store", w)
+                add("file.load", r)
+                add("file_durable.store", raw_file(src, dst, work, durable=True)[0])
+                w, r = raw_lmdb(src, dst, work)
+                add("lmdb_raw.store", w)
+                add("lmdb_raw.load", r)
+            if "redis" in kinds and redis_url:
+                w, r = raw_redis(src, dst, redis_url)
+                add("redis_py.store", w)
+                add("redis_py.load", r)
+                rb = redis_benchmark(redis_port, size, min(n, 2000)) if redis_port else None
                 if rb:
-                    res.add("redis_benchmark.store", [s for s, _ in rb])
-                    res.add("redis_benchmark.load", [g for _, g in rb])
-        for kind in kinds:
-            if kind == "redis" and not redis_url:
-                continue
-            samples = []
-            for _ in range(reps):
-                tier = make_tier(kind, size, n, work, redis_url)
-                samples.append(pipeline_store_load(tier, src, dst, ns))
-            res.add(f"{kind}.store", [nbytes / s / 1e9 for s, _ in samples])
-            res.add(f"{kind}.load", [nbytes / lo / 1e9 for _, lo in samples])
+                    samples.setdefault("redis_benchmark.store", []).append(rb[0])
+                    samples.setdefault("redis_benchmark.load", []).append(rb[1])
+            for kind in kinds:
+                if kind == "redis" and not redis_url:
+                    continue
+                ts, tl = pipeline_store_load(make_tier(kind, size, n, work, redis_url), src, dst, ns)
+                add(f"{kind}.store", ts)
+                add(f"{kind}.load", tl)
+        for name, xs in samples.items():
+            res.add(name, xs)
         log(f"{size // KiB:>5} KiB: " + ", ".join(f"{k}={v:.2f}" for k, v in res.gbps.items()))
         out.append(res)
         del src, dst

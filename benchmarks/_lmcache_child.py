@@ -1,0 +1,381 @@
+"""LMCache 0.5.6 side of ``benchmarks/bench_peers.py``; runs in ``.venv-lmcache`` (never imports tieredkv).
+
+    .venv-lmcache/bin/python benchmarks/_lmcache_child.py --backend cpu|disk|redis|resp \
+        --sizes 65536,262144 --total-bytes 134217728 --reps 3 --out result.json \
+        [--redis-url redis://127.0.0.1:PORT/0] [--workdir DIR] [--batch-bytes 16777216]
+
+(``redis``/``resp`` empty the Redis database after each round: give it a private server only, as
+``bench_peers.py`` does.)
+
+API used (the highest level that runs without vLLM and without a GPU): ``LMCacheEngineBuilder``
+builds an ``LMCacheEngine`` (``post_init()`` creates its ``StorageManager`` and backends from an
+``LMCacheEngineConfig``); each batch is ``engine.store(tokens, kvcaches=src)`` and
+``engine.retrieve(tokens, kvcaches=dst)``: token chunking and prefix hashing, allocation from
+LMCache's CPU pool, ``StorageManager.batched_put`` / ``batched_get`` into the backend, back.
+
+LMCache ships no connector for a CPU-only build: ``CreateGPUConnector`` with ``EngineType.VLLM``
+raises ``No supported cpu connector found.`` and ``EngineType.MOCK`` (its standalone mode) copies
+nothing, so no bytes could be verified. :class:`CPUCopyConnector` below is the stand-in for
+vLLM's GPU connector: one ``copy_`` between the caller's CPU KV tensor and each ``MemoryObj``
+(the same memcpy tieredkv's pipeline does between the "device" tensor and its tier).
+
+Backends (one engine per chunk size, ``chunk_size`` = 256 tokens, KV dtype uint8, shape
+``(1 layer, 2, 256, 1, chunk_bytes // 512)`` so one LMCache chunk is exactly ``chunk_bytes``):
+
+* ``cpu``: ``local_cpu: true`` (LocalCPUBackend hot cache), nothing else.
+* ``disk``: ``local_cpu: false`` (the CPU pool is then only LMCache's staging allocator, so a
+  retrieve really reads the files), ``local_disk: <dir>``, ``max_local_disk_size``.
+* ``redis``: ``local_cpu: false``, ``remote_url: redis://127.0.0.1:PORT`` (RemoteBackend with
+  LMCache's ``RedisConnector``, redis-py asyncio), ``remote_serde: naive``.
+* ``resp``: the same with ``remote_url: resp://127.0.0.1:PORT`` (RemoteBackend with LMCache's
+  ``RESPConnector``: its native multi-threaded RESP client, ``lmcache_redis``; batched SET/GET of
+  raw chunk bytes, no metadata key). Same Redis server, LMCache's other way to use it.
+
+Timing: a store is done when the backend holds every chunk: for ``disk`` when LocalDiskBackend's
+in-flight put list is empty (a key is published after its file is written), for ``redis``/``resp`` when
+the connector's put coroutines of every batch have returned (counted by wrapping them; LMCache's
+batched put path does not track them itself), for ``cpu`` when ``store()`` returns (synchronous).
+Each engine first does one untimed store + retrieve of ``total`` bytes (warms LMCache's CPU pool
+and code paths: in LMCache's favour), then ``reps`` timed rounds, each on new tokens (new keys).
+Every retrieved byte is compared with what was stored, and every token must be reported retrieved.
+After each round (untimed) its chunks are dropped (``engine.clear(tokens, locations=[backend])``;
+for Redis a FLUSHDB of the private server the parent started), as tieredkv starts every round on
+an empty tier.
+Prints nothing on stdout but LMCache's own logging; the results go to ``--out`` as JSON, rewritten
+after every size so a later failure keeps what was measured.
+
+A watchdog ends the process (exit 3, every thread's stack on stderr) when one round (store +
+retrieve of ``total`` bytes, or the engine's set-up or close) runs past ``--round-timeout``. Seen with ``resp``: ``RESPConnector.batched_contains`` (called by
+``retrieve``) uses ``ConnectorClientBase.batch_exists_sync``, which submits to the native client
+*before* registering the future that the event-loop thread completes; a completion drained in
+between is dropped (``_pending.pop`` finds nothing) and ``fut.result()`` waits forever. The parent
+runs the unfinished sizes again in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+import torch  # noqa: E402
+
+TOKENS_PER_CHUNK = 256
+BACKEND_CLASS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "redis": "RemoteBackend",
+                 "resp": "RemoteBackend"}
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _connector_class() -> type:
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    class CPUCopyConnector(GPUConnectorInterface):  # type: ignore[misc, valid-type]
+        """KV "device" tensor [2, layers, tokens, hidden] on CPU <-> LMCache MemoryObjs (KV_2LTD)."""
+
+        def __init__(self, kv_shape: tuple[int, int, int, int, int]) -> None:
+            self.kv_shape = kv_shape
+
+        def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+            memory_obj.tensor.copy_(kw["kvcaches"][:, :, start:end])
+
+        def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+            kw["kvcaches"][:, :, start:end].copy_(memory_obj.tensor)
+
+        def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for m, s, e in zip(memory_objs, starts, ends):
+                self.from_gpu(m, s, e, **kw)
+
+        def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for m, s, e in zip(memory_objs, starts, ends):
+                self.to_gpu(m, s, e, **kw)
+
+        def get_shape(self, num_tokens: int) -> torch.Size:
+            layers, kv, _, heads, head = self.kv_shape
+            return torch.Size([layers, kv, num_tokens, heads, head])
+
+    return CPUCopyConnector
+
+
+class _PutCounter:
+    """Counts chunks whose remote put coroutine has returned (wraps the connector's put methods)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.done = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+        for name, count in (("batched_put", lambda a, kw: len(kw.get("keys", a[0] if a else []))),
+                            ("put", lambda a, kw: 1)):
+            orig = getattr(conn, name, None)
+            if orig is not None:
+                setattr(conn, name, self._wrap(orig, count))
+
+    def _wrap(self, orig: Any, count: Any) -> Any:
+        async def wrapped(*a: Any, **kw: Any) -> Any:
+            ok = False
+            try:
+                r = await orig(*a, **kw)
+                ok = True
+                return r
+            finally:
+                with self._lock:
+                    if ok:
+                        self.done += count(a, kw)
+                    else:
+                        self.failed += count(a, kw)
+
+        return wrapped
+
+
+def _engine(backend: str, size: int, n: int, reps: int, workdir: str, redis_url: str | None, tag: str) -> Any:
+    from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    hidden = size // (2 * TOKENS_PER_CHUNK)
+    kv_shape = (1, 2, TOKENS_PER_CHUNK, 1, hidden)
+    total = n * size
+    # The CPU pool holds every round (warm-up + reps) for the cpu backend; for disk/redis it is
+    # only staging (chunks in flight), the same size keeps allocation out of the picture.
+    pool = ((reps + 1) * total + 64 * MiB) / GiB
+    cfg: dict[str, Any] = {"chunk_size": TOKENS_PER_CHUNK, "local_cpu": True, "max_local_cpu_size": pool,
+                           "lmcache_instance_id": tag}
+    if backend == "disk":
+        d = os.path.join(workdir, tag)
+        os.makedirs(d, exist_ok=True)
+        cfg.update(local_cpu=False, local_disk=d, max_local_disk_size=((reps + 1) * total + 64 * MiB) / GiB)
+    elif backend in ("redis", "resp"):
+        if not redis_url:
+            raise SystemExit(f"--redis-url is required for --backend {backend}")
+        url = redis_url if backend == "redis" else "resp://" + redis_url.split("://", 1)[1].split("/", 1)[0]
+        cfg.update(local_cpu=False, remote_url=url, remote_serde="naive")
+    config = LMCacheEngineConfig.from_defaults(**cfg)
+    md = LMCacheMetadata(model_name="tieredkv-peers", world_size=1, local_world_size=1, worker_id=0,
+                         local_worker_id=0, kv_dtype=torch.uint8, kv_shape=kv_shape, role="worker")
+    eng = LMCacheEngineBuilder.get_or_create(tag, config, md, _connector_class()(kv_shape),
+                                             mock_up_broadcast_fn, mock_up_broadcast_object_fn)
+    eng.post_init()
+    return eng, hidden
+
+
+def _backend_obj(eng: Any, backend: str) -> Any:
+    sb = eng.storage_manager.storage_backends
+    want = BACKEND_CLASS[backend]
+    if want not in sb:
+        raise RuntimeError(f"LMCache created backends {list(sb)}, not {want}")
+    return sb[want]
+
+
+def _wait(pred: Any, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def _destroy(builder: Any, tag: str, notes: list[str], timeout: float = 2.0) -> None:
+    """``LMCacheEngineBuilder.destroy`` with a deadline.
+
+    In LMCache 0.5.6 closing a ``redis://`` or ``resp://`` RemoteBackend never returns: the async
+    ``RedisConnector.close`` / ``RESPConnector.close`` runs on the storage manager's event loop and
+    calls the synchronous ``AsyncPQExecutor.shutdown(wait=True)``, which blocks that same loop on a
+    future only the loop could complete. The engine is left behind (its threads idle) and the process ends with
+    ``os._exit``; the measurement (already finished) is not affected."""
+    t = threading.Thread(target=builder.destroy, args=(tag,), name=f"destroy-{tag}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        msg = (f"LMCacheEngineBuilder.destroy() of the {tag.split('-')[1]} engines did not return within"
+               f" {timeout:.0f} s (LMCache 0.5.6 RemoteBackend close deadlock); left running, after measuring")
+        if msg not in notes:
+            notes.append(msg)
+
+
+def run_size(backend: str, size: int, n: int, reps: int, batch_bytes: int, workdir: str,
+             redis_url: str | None, seed: int, notes: list[str], dog: _Watchdog) -> dict[str, Any]:
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    tag = f"peers-{backend}-{size}-{os.getpid()}"
+    eng, hidden = _engine(backend, size, n, reps, workdir, redis_url, tag)
+    try:
+        be = _backend_obj(eng, backend)
+        name = BACKEND_CLASS[backend]
+        if backend in ("redis", "resp") and be.connection is None:
+            raise RuntimeError(f"LMCache {backend}: RemoteBackend has no connection (connector creation failed; see log)")
+        counter = _PutCounter(be.connection) if backend in ("redis", "resp") else None
+        per = max(1, batch_bytes // size)
+        batches = [(b, min(n, b + per)) for b in range(0, n, per)]
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, 256, (2, 1, n * TOKENS_PER_CHUNK, hidden), dtype=torch.uint8, generator=g)
+        dst = torch.zeros_like(src)
+        tok_lo = 0
+
+        def one_round(k: int) -> tuple[float, float]:
+            nonlocal tok_lo
+            dog.arm(f"LMCache {backend} {size} B round {k} ({'warm-up' if k == 0 else 'timed'})")
+            # New tokens (so new keys) every round; one store()/retrieve() per batch of chunks.
+            toks = [torch.arange(tok_lo + b * TOKENS_PER_CHUNK, tok_lo + e * TOKENS_PER_CHUNK) for b, e in batches]
+            tok_lo += n * TOKENS_PER_CHUNK
+            dst.zero_()
+            before = counter.done if counter else 0
+            t0 = time.perf_counter()
+            for (b, e), t in zip(batches, toks):
+                eng.store(t, kvcaches=src[:, :, b * TOKENS_PER_CHUNK : e * TOKENS_PER_CHUNK])
+            if backend == "disk":
+                _wait(lambda: not be.disk_worker.put_tasks, "LMCache disk writes")
+            elif counter is not None:
+                _wait(lambda: counter.done - before >= n or counter.failed, "LMCache redis puts")
+                if counter.failed:
+                    raise RuntimeError(f"{counter.failed} LMCache redis puts failed")
+            ts = time.perf_counter() - t0
+            got = 0
+            t0 = time.perf_counter()
+            for (b, e), t in zip(batches, toks):
+                got += int(eng.retrieve(t, kvcaches=dst[:, :, b * TOKENS_PER_CHUNK : e * TOKENS_PER_CHUNK]).sum())
+            tl = time.perf_counter() - t0
+            if got != n * TOKENS_PER_CHUNK:
+                raise RuntimeError(f"LMCache {backend}: retrieved {got} of {n * TOKENS_PER_CHUNK} tokens")
+            if not torch.equal(src, dst):
+                raise RuntimeError(f"LMCache {backend}: retrieved bytes differ from stored bytes")
+            # Untimed: drop this round's chunks, as tieredkv starts every round on an empty tier
+            # (frees LMCache's CPU pool, deletes the disk files, empties the private Redis).
+            if backend in ("redis", "resp"):
+                _flush_private_redis(redis_url or "")
+            else:
+                cleared = sum(eng.clear(tokens=t, locations=[name]) for t in toks)
+                if cleared != n:
+                    raise RuntimeError(f"LMCache {backend}: clear removed {cleared} of {n} chunks")
+            return ts, tl
+
+        one_round(0)  # warm-up, untimed
+        samples = [one_round(k) for k in range(1, reps + 1)]
+        dog.arm(f"LMCache {backend} {size} B close")
+        nbytes = n * size
+        return {"size": size, "chunks": n, "bytes": nbytes, "verified": True,
+                "store_s": [round(s, 6) for s, _ in samples], "load_s": [round(lo, 6) for _, lo in samples],
+                "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
+                "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples]}
+    finally:
+        _destroy(LMCacheEngineBuilder, tag, notes)
+        if backend == "disk":
+            shutil.rmtree(os.path.join(workdir, tag), ignore_errors=True)
+        if backend in ("redis", "resp") and redis_url:
+            _flush_private_redis(redis_url)
+
+
+def _flush_private_redis(url: str) -> None:
+    """The parent starts a private throwaway redis-server for this run; empty it between sizes."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        r.flushdb()
+    finally:
+        r.close()
+
+
+class _Watchdog:
+    """Ends the process if one armed step runs past ``seconds``: dumps every thread's stack to stderr
+    (the parent's log), writes what was measured so far with the error, then ``os._exit(3)``."""
+
+    def __init__(self, seconds: float, out: dict[str, Any], path: str) -> None:
+        self.seconds, self.out, self.path = seconds, out, path
+        self.what = ""
+        self._deadline = float("inf")
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="watchdog", daemon=True).start()
+
+    def arm(self, what: str) -> None:
+        with self._lock:
+            self.what, self._deadline = what, time.monotonic() + self.seconds
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                late = time.monotonic() > self._deadline
+            if late:
+                print(f"watchdog: {self.what} did not finish in {self.seconds:.0f} s; stacks:", file=sys.stderr)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                self.out["error"] = f"TimeoutError: {self.what} did not finish in {self.seconds:.0f} s (stacks in the log)"
+                _write(self.path, self.out)
+                sys.stderr.flush()
+                os._exit(3)
+
+
+def _write(path: str, out: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", required=True, choices=sorted(BACKEND_CLASS))
+    ap.add_argument("--sizes", required=True, help="chunk sizes in bytes, comma-separated")
+    ap.add_argument("--total-bytes", type=int, required=True)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batch-bytes", type=int, default=16 * MiB, help="bytes per store()/retrieve() call")
+    ap.add_argument("--redis-url")
+    ap.add_argument("--workdir")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (same as the tieredkv side)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--round-timeout", type=float, default=120.0,
+                    help="deadline (seconds) for one round, or one engine's set-up or close")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    import lmcache
+
+    out: dict[str, Any] = {"backend": a.backend, "lmcache": getattr(lmcache, "__version__", "?"),
+                           "torch": torch.__version__, "python": sys.version.split()[0], "results": [],
+                           "notes": []}
+    try:
+        from importlib.metadata import version
+
+        out["lmcache"] = version("lmcache")
+    except Exception:
+        pass
+    work = a.workdir or tempfile.mkdtemp(prefix="lmcache-peers-")
+    dog = _Watchdog(a.round_timeout, out, a.out)
+    try:
+        for i, size in enumerate(int(s) for s in a.sizes.split(",")):
+            if size % (2 * TOKENS_PER_CHUNK):
+                raise SystemExit(f"chunk size {size} is not a multiple of {2 * TOKENS_PER_CHUNK} bytes")
+            n = max(4, a.total_bytes // size)
+            dog.arm(f"LMCache {a.backend} {size} B set-up")
+            out["results"].append(run_size(a.backend, size, n, a.reps, a.batch_bytes, work, a.redis_url, seed=i,
+                                          notes=out["notes"], dog=dog))
+            print(f"lmcache {a.backend} {size} B: store {out['results'][-1]['store_gbps']} GB/s, "
+                  f"load {out['results'][-1]['load_gbps']} GB/s", file=sys.stderr, flush=True)
+            _write(a.out, out)  # what is measured survives a later failure
+    except BaseException as e:  # report what failed; the parent prints it and marks the backend
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        dog.arm("cleanup")
+        if a.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        _write(a.out, out)
+    return 1 if "error" in out else 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # an engine whose close hung keeps non-daemon threads alive; do not wait for them

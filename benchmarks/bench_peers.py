@@ -1,0 +1,468 @@
+"""tieredkv against LMCache 0.5.6 on the same machine, in the same run, with the same chunk sizes.
+
+    ./scripts/bench peers          # or: .venv/bin/python benchmarks/bench_peers.py [--quick] [--help]
+
+Pairs compared (store GB/s and load GB/s per chunk size; every byte read back is verified on
+both sides):
+
+    tieredkv tier      LMCache 0.5.6 backend
+    cpu            vs  cpu    local CPU  (LocalCPUBackend, ``local_cpu: true``)
+    lmdb           vs  disk   local disk (LocalDiskBackend, ``local_disk: <dir>``, ``local_cpu: false``)
+    redis          vs  redis  Redis      (RemoteBackend, ``remote_url: redis://127.0.0.1:PORT``, ``local_cpu: false``;
+                                          LMCache's RedisConnector, redis-py)
+    redis          vs  resp   Redis      (RemoteBackend, ``remote_url: resp://127.0.0.1:PORT``: LMCache's native
+                                          RESP client on the same server; ``--lmcache-redis redis`` skips it)
+
+What it does:
+
+1. Creates (or reuses) ``<repo>/.venv-lmcache`` and installs, in this order, ``torch==2.13.0+cpu``
+   (the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build) and
+   ``lmcache==0.5.6`` under a pip constraint file that pins ``torch==2.13.0+cpu``, so nothing can
+   upgrade torch. ``LMCACHE_TRACK_USAGE=false`` everywhere. Reused when it already imports
+   lmcache 0.5.6 beside torch 2.13.0+cpu.
+2. Starts one private ``redis-server`` on a free loopback port (stopped at the end, also on error).
+3. For each pair, tieredkv first: ``tieredkv.bench.pipeline_store_load`` (the real asyncio
+   pipeline with one tier, ``PolicyRule(tiers=[name])``, a CPU "device" tensor of
+   ``[chunks, chunk_bytes]`` uint8, store jobs of 16 MiB, ``drain()``, load jobs into another
+   tensor, bytes compared); then LMCache in ``.venv-lmcache`` (``benchmarks/_lmcache_child.py``:
+   ``LMCacheEngine.store`` / ``retrieve`` of the same bytes in calls of the same 16 MiB, see its
+   docstring for the API used and why). Disk figures of both sides use the same directory.
+4. Prints the medians (of ``--reps``) and the ratio tieredkv / LMCache (target: >= 2x per pair)
+   and writes ``benchmarks/results/peers-<UTC time>.json``: machine description, versions,
+   install time, per-rep figures, medians, ratios.
+
+Both sides run torch with one intra-op thread (``--threads``), get one untimed warm-up round per
+tier and size, and start every timed round without the previous round's chunks (tieredkv: a
+fresh tier; LMCache: the round's keys cleared, untimed). ``--quick`` is a smoke run (64 KiB and
+1 MiB, 8 MiB, one rep; writes ``peers-<time>-quick.json``). Loopback only; every loop is bounded.
+An LMCache child that hangs past its per-round deadline is ended (stacks kept in the JSON under
+``lmcache_incidents``) and its unfinished sizes run again in a fresh process, at most 4 attempts
+(LMCache 0.5.6's ``resp://`` client can hang in ``retrieve``: see ``_lmcache_child.py``).
+Exit status 1 when a figure is missing (a side failed), else 0 (ratios below target included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CHILD = HERE / "_lmcache_child.py"
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
+LMCACHE_VERSION = "0.5.6"
+TORCH_PIN = "2.13.0+cpu"
+TARGET = 2.0
+#: tieredkv tier -> the LMCache backends (``_lmcache_child.py --backend``) it is compared with.
+PAIRS = {"cpu": ("cpu",), "lmdb": ("disk",), "redis": ("redis", "resp")}
+#: LMCache backend -> what it is in LMCache.
+LMCACHE_BACKENDS = {"cpu": "LocalCPUBackend (local_cpu)", "disk": "LocalDiskBackend (local_disk)",
+                    "redis": "RemoteBackend redis:// (RedisConnector, redis-py)",
+                    "resp": "RemoteBackend resp:// (RESPConnector, native client)"}
+CHILD_ATTEMPTS = 4  # a hung or failed LMCache child is run again for the sizes it did not finish
+ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "WARNING", "PYTHONHASHSEED": "0",
+       "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- the LMCache virtualenv ------------------------------------------------------------------
+
+
+def _venv_versions(py: Path) -> tuple[str, str] | None:
+    """(lmcache, torch) versions importable by ``py``, or None."""
+    if not py.exists():
+        return None
+    code = ("import importlib.metadata as m, torch, lmcache; "
+            "print(m.version('lmcache'), torch.__version__, torch.version.cuda)")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **ENV}, check=False)
+    if r.returncode != 0:
+        return None
+    parts = r.stdout.split()
+    if len(parts) < 3 or parts[2] != "None":  # a CUDA build of torch is not what this compares
+        return None
+    return parts[0], parts[1]
+
+
+def _pip(py: Path, args: list[str], logf: Path) -> None:
+    cmd = [str(py), "-m", "pip", "install", *args]
+    log("==> " + " ".join(cmd[1:]))
+    with open(logf, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, timeout=1800,
+                           check=False)
+    if r.returncode != 0:
+        tail = "".join(logf.read_text().splitlines(keepends=True)[-25:])
+        hint = ""
+        if "torch" in args[-1]:
+            hint = (f"\n(torch=={TORCH_PIN} is the CPU wheel; pip must find it through --find-links /"
+                    " PIP_FIND_LINKS, e.g. /opt/wheels on these machines. Set TIEREDKV_TORCH_FIND_LINKS"
+                    " to a directory holding torch-2.13.0+cpu-*.whl.)")
+        raise RuntimeError(f"pip install {' '.join(args)} failed (rc {r.returncode}); log {logf}:\n{tail}{hint}")
+
+
+def ensure_lmcache_venv(venv: Path) -> tuple[Path, dict[str, Any]]:
+    """Create or reuse ``venv`` with torch 2.13.0+cpu then lmcache 0.5.6; returns (python, install info)."""
+    py = venv / "bin" / "python"
+    found = _venv_versions(py)
+    if found and found[0] == LMCACHE_VERSION and found[1] == TORCH_PIN:
+        log(f"==> reusing {venv} (lmcache {found[0]}, torch {found[1]})")
+        return py, {"reused": True, "seconds": 0.0, "lmcache": found[0], "torch": found[1]}
+    t0 = time.perf_counter()
+    if not py.exists():
+        log(f"==> creating virtualenv {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600)
+    logf = venv / "install.log"
+    constraints = venv / "peers-constraints.txt"
+    constraints.write_text(f"torch=={TORCH_PIN}\n")
+    links: list[str] = []
+    for d in (os.environ.get("TIEREDKV_TORCH_FIND_LINKS"), "/opt/wheels"):
+        if d and Path(d).is_dir() and any(Path(d).glob("torch-2.13.0+cpu-*.whl")):
+            links = ["--find-links", d]
+            break
+    steps = {}
+    t = time.perf_counter()
+    _pip(py, [*links, "-c", str(constraints), f"torch=={TORCH_PIN}"], logf)  # torch first, the CPU wheel
+    steps["torch"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    _pip(py, [*links, "-c", str(constraints), f"lmcache=={LMCACHE_VERSION}"], logf)
+    steps["lmcache"] = round(time.perf_counter() - t, 1)
+    found = _venv_versions(py)
+    if not found or found[0] != LMCACHE_VERSION or found[1] != TORCH_PIN:
+        raise RuntimeError(f"{venv}: after install, lmcache/torch are {found}, want {LMCACHE_VERSION}/{TORCH_PIN}"
+                           f" (CPU build); see {logf}")
+    secs = round(time.perf_counter() - t0, 1)
+    log(f"==> installed lmcache {found[0]} beside torch {found[1]} in {secs:.0f} s")
+    return py, {"reused": False, "seconds": secs, "steps_s": steps, "lmcache": found[0], "torch": found[1]}
+
+
+# ---- the two sides -----------------------------------------------------------------------------
+
+
+def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: str, redis_url: str) -> dict[int, Any]:
+    """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first)."""
+    import torch
+
+    from tieredkv.bench import make_tier, pipeline_store_load
+    from tieredkv.keys import Namespace
+
+    ns = Namespace(model="tieredkv-peers", tenant_salt=uuid.uuid4().hex)
+    out = {}
+    for i, size in enumerate(sizes):
+        n = max(4, total // size)
+        g = torch.Generator().manual_seed(i)
+        src = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=g)
+        dst = torch.zeros_like(src)
+        samples = []
+        for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
+            dst.zero_()
+            tier = make_tier(kind, size, n, workdir, redis_url)
+            try:
+                ts, tl = pipeline_store_load(tier, src, dst, ns)  # raises if a byte differs
+            finally:
+                if kind == "lmdb":
+                    shutil.rmtree(tier.config.path, ignore_errors=True)
+            if r:
+                samples.append((ts, tl))
+        nbytes = n * size
+        out[size] = _side(n, nbytes, samples)
+        log(f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s")
+        del src, dst
+    return out
+
+
+def _side(n: int, nbytes: int, samples: list[tuple[float, float]]) -> dict[str, Any]:
+    return {"chunks": n, "bytes": nbytes, "verified": True,
+            "store_s": [round(s, 6) for s, _ in samples], "load_s": [round(lo, 6) for _, lo in samples],
+            "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
+            "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples]}
+
+
+def _run_child(py: Path, backend: str, sizes: list[int], total: int, reps: int, workdir: str, redis_url: str,
+               threads: int, batch_bytes: int, attempt: int, round_timeout: int) -> dict[str, Any]:
+    """One ``_lmcache_child.py`` process; returns its JSON (``error`` and ``log_tail`` when it failed)."""
+    fd, out = tempfile.mkstemp(prefix=f"lmcache-{backend}-", suffix=".json", dir=workdir)
+    os.close(fd)
+    logf = Path(workdir) / f"lmcache-{backend}-{attempt}.log"
+    cmd = [str(py), str(CHILD), "--backend", backend, "--sizes", ",".join(map(str, sizes)), "--total-bytes",
+           str(total), "--reps", str(reps), "--batch-bytes", str(batch_bytes), "--threads", str(threads),
+           "--workdir", workdir, "--redis-url", redis_url, "--out", out, "--round-timeout", str(round_timeout)]
+    with open(logf, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=str(ROOT))
+        try:
+            rc = proc.wait(timeout=round_timeout * (reps + 3) * len(sizes) + 120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+            rc = -9
+    text = logf.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith("lmcache "):
+            log(line)
+    try:
+        res = json.loads(Path(out).read_text())
+    except (OSError, json.JSONDecodeError):
+        res = {"backend": backend, "results": []}
+    if rc != 0 and "error" not in res:
+        res["error"] = f"child exited with {rc}" + (" (deadline)" if rc == -9 else "")
+    if "error" in res:
+        lines = [x for x in text.splitlines(keepends=True) if "LMCache WARNING" not in x]
+        res["log_tail"] = "".join(lines[-150:])
+        log(f"LMCache {backend} attempt {attempt} FAILED: {res['error']}\n{res.get('traceback', '')}"
+            + "".join(lines[-40:]))
+    return res
+
+
+def run_lmcache(py: Path, backend: str, sizes: list[int], total: int, reps: int, workdir: str, redis_url: str,
+                threads: int, batch_bytes: int, round_timeout: int = 0) -> dict[str, Any]:
+    """All sizes of one LMCache backend. A child that fails or hangs (its watchdog ends it) is
+    recorded as an incident and the sizes it did not finish are run again in a fresh process, up
+    to ``CHILD_ATTEMPTS`` times; ``error`` is set only when some size never completed."""
+    t0 = time.perf_counter()
+    round_timeout = round_timeout or max(60, total // MiB // 2)
+    done: dict[int, Any] = {}
+    agg: dict[str, Any] = {"backend": backend, "notes": [], "incidents": []}
+    for attempt in range(1, CHILD_ATTEMPTS + 1):
+        todo = [s for s in sizes if s not in done]
+        if not todo:
+            break
+        res = _run_child(py, backend, todo, total, reps, workdir, redis_url, threads, batch_bytes, attempt,
+                         round_timeout)
+        for r in res.get("results", []):
+            done[r["size"]] = r
+        for k in ("lmcache", "torch", "python"):
+            if k in res:
+                agg[k] = res[k]
+        agg["notes"] += [n for n in res.get("notes", []) if n not in agg["notes"]]
+        if "error" in res:
+            agg["incidents"].append({"attempt": attempt, "sizes": todo, "error": res["error"],
+                                     "traceback": res.get("traceback", ""), "log_tail": res.get("log_tail", "")})
+    agg["results"] = [done[s] for s in sizes if s in done]
+    missing = [s for s in sizes if s not in done]
+    if missing:
+        agg["error"] = (f"sizes {[_label(s) for s in missing]} not measured after {CHILD_ATTEMPTS} attempts; last: "
+                        + agg["incidents"][-1]["error"])
+    agg["attempts"] = len(agg["incidents"]) + (0 if missing else 1)
+    agg["wall_s"] = round(time.perf_counter() - t0, 1)
+    return agg
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _label(size: int) -> str:
+    return f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
+
+
+def _med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def build_results(sizes: list[int], pairs: list[tuple[str, str]], tkv: dict[str, dict[int, Any]],
+                  lmc: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per size: both sides' per-rep figures, medians and ratios keyed ``<tier>/<backend>.<op>``."""
+    rows = []
+    for size in sizes:
+        row: dict[str, Any] = {"size": size, "label": _label(size), "tieredkv": {}, "lmcache": {}, "median_gbps": {},
+                               "ratios": {}}
+        for kind, backend in pairs:
+            t = tkv.get(kind, {}).get(size)
+            lres = next((r for r in lmc.get(backend, {}).get("results", []) if r["size"] == size), None)
+            if t:
+                row["tieredkv"][kind] = t
+            if lres:
+                row["lmcache"][backend] = lres
+            for op in ("store", "load"):
+                if t:
+                    row["median_gbps"][f"tieredkv.{kind}.{op}"] = _med(t[f"{op}_gbps"])
+                if lres:
+                    row["median_gbps"][f"lmcache.{backend}.{op}"] = _med(lres[f"{op}_gbps"])
+                if t and lres:
+                    row["ratios"][f"{kind}/{backend}.{op}"] = round(_med(t[f"{op}_gbps"]) / _med(lres[f"{op}_gbps"]), 2)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[str]:
+    """One table per operation: tieredkv GB/s / LMCache GB/s and the ratio; returns the cells below TARGET."""
+    below = []
+    for op in ("store", "load"):
+        print(f"\n{op}: tieredkv GB/s / LMCache {LMCACHE_VERSION} GB/s  ratio  (median of reps; target >= {TARGET:g}x)")
+        head = f"{'size':>7} | " + " | ".join(f"{k + ' vs ' + b:>19}" for k, b in pairs)
+        print(head)
+        print("-" * len(head))
+        for r in rows:
+            cells = []
+            for k, b in pairs:
+                x = r["median_gbps"].get(f"tieredkv.{k}.{op}")
+                y = r["median_gbps"].get(f"lmcache.{b}.{op}")
+                ratio = r["ratios"].get(f"{k}/{b}.{op}")
+                if x is None or y is None or ratio is None:
+                    cells.append(f"{'n/a':>19}")
+                    continue
+                if ratio < TARGET:
+                    below.append(f"{r['label']} {k}/{b}.{op} {ratio:.2f}x")
+                cells.append(f"{x:.2f}/{y:.2f} {ratio:5.2f}x{' ' if ratio >= TARGET else '!'}".rjust(19))
+            print(f"{r['label']:>7} | " + " | ".join(cells))
+    print("\nLMCache backends: " + "; ".join(f"{b} = {LMCACHE_BACKENDS[b]}" for b in dict.fromkeys(b for _, b in pairs))
+          + f". '!' marks a ratio below {TARGET:g}x.")
+    return below
+
+
+def _fs_of(path: str) -> dict[str, str]:
+    """Mount point, device and filesystem type holding ``path`` (from /proc/mounts)."""
+    best = ("", "", "")
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, fstype)
+    except OSError:
+        pass
+    return {"device": best[0], "mount": best[1], "fstype": best[2]}
+
+
+def machine(workdir: str) -> dict[str, Any]:
+    from tieredkv.bench import machine_info
+
+    m = machine_info()
+    m["workdir_fs"] = _fs_of(workdir)
+    m["loadavg_start"] = m.pop("loadavg", None)
+    return m
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
+    ap.add_argument("--total-mib", type=int, default=128, help="bytes moved per size, tier and rep")
+    ap.add_argument("--reps", type=int, default=3, help="timed rounds per size and tier (median reported)")
+    ap.add_argument("--tiers", default="cpu,lmdb,redis", help="tieredkv tiers to compare (cpu, lmdb, redis)")
+    ap.add_argument("--lmcache-redis", default="redis,resp",
+                    help="LMCache Redis clients to compare tieredkv's redis tier with: redis (redis://), resp (resp://)")
+    ap.add_argument("--batch-mib", type=int, default=16,
+                    help="bytes per tieredkv job / LMCache store()/retrieve() call (tieredkv.bench uses 16)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on both sides")
+    ap.add_argument("--workdir", help="directory for the LMDB and LMCache disk files (default: a temp dir)")
+    ap.add_argument("--venv", default=str(ROOT / ".venv-lmcache"), help="the LMCache virtualenv")
+    ap.add_argument("--out", default=str(HERE / "results"), help="directory for the JSON result")
+    ap.add_argument("--lmcache-round-timeout", type=int, default=0,
+                    help="seconds one LMCache round (store + retrieve of --total-mib) may take before its child is"
+                         " ended and its unfinished sizes run again (default: max(60, total MiB / 2))")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 64 KiB and 1 MiB, 8 MiB, 1 rep")
+    a = ap.parse_args(argv)
+    sizes = [int(x) * KiB for x in a.sizes.split(",")]
+    total, reps = a.total_mib * MiB, a.reps
+    if a.quick:
+        sizes, total, reps = [64 * KiB, 1 * MiB], 8 * MiB, 1
+    kinds = [k.strip() for k in a.tiers.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in PAIRS]
+    if bad:
+        ap.error(f"unknown tiers {bad}; choose from {list(PAIRS)}")
+    rclients = [c.strip() for c in a.lmcache_redis.split(",") if c.strip()]
+    if not rclients or any(c not in PAIRS["redis"] for c in rclients):
+        ap.error(f"--lmcache-redis: choose from {list(PAIRS['redis'])}")
+    pairs = [(k, b) for k in kinds for b in (rclients if k == "redis" else PAIRS[k])]
+    batch_bytes = a.batch_mib * MiB
+    if batch_bytes != 16 * MiB:
+        import tieredkv.bench as tb
+
+        tb.BATCH_BYTES = batch_bytes  # the pipeline side reads it per call
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+
+    py, install = ensure_lmcache_venv(Path(a.venv))
+
+    import torch
+
+    from tieredkv.testing.servers import RedisServer
+
+    torch.set_num_threads(a.threads)
+    work = a.workdir or tempfile.mkdtemp(prefix="tieredkv-peers-")
+    os.makedirs(work, exist_ok=True)
+    info = machine(work)
+    t_start = time.perf_counter()
+    tkv: dict[str, dict[int, Any]] = {}
+    lmc: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    try:
+        with RedisServer() as srv:
+            log(f"==> redis-server on {srv.url}; disk files under {work} ({info['workdir_fs']['fstype']})")
+            for kind in kinds:  # tieredkv then LMCache, pair by pair (load drifts hit both sides alike)
+                try:
+                    tkv[kind] = run_tieredkv(kind, sizes, total, reps, work, srv.url)
+                except Exception as e:  # noqa: BLE001 - report it, keep measuring the other pairs
+                    errors[f"tieredkv.{kind}"] = f"{type(e).__name__}: {e}"
+                    log(f"tieredkv {kind} FAILED: {errors[f'tieredkv.{kind}']}")
+                for backend in [b for k, b in pairs if k == kind]:
+                    lmc[backend] = run_lmcache(py, backend, sizes, total, reps, work, srv.url, a.threads, batch_bytes,
+                                               a.lmcache_round_timeout)
+                    if "error" in lmc[backend]:
+                        errors[f"lmcache.{backend}"] = lmc[backend]["error"]
+    finally:
+        if a.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    wall = round(time.perf_counter() - t_start, 1)
+
+    rows = build_results(sizes, pairs, tkv, lmc)
+    below = print_table(rows, pairs)
+    for b, r in lmc.items():
+        for inc in r.get("incidents", []):
+            print(f"LMCache {b} incident (attempt {inc['attempt']}, sizes {[_label(x) for x in inc['sizes']]}): "
+                  f"{inc['error']}" + ("; its unfinished sizes ran again in a fresh process"
+                                       if inc["attempt"] < CHILD_ATTEMPTS else ""))
+    if errors:
+        print("errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    notes = sorted({n for r in lmc.values() for n in r.get("notes", [])})
+    info["lmcache"] = next((r.get("lmcache") for r in lmc.values() if r.get("lmcache")), install.get("lmcache"))
+    info["lmcache_torch"] = install.get("torch")
+    info["loadavg_end"] = os.getloadavg()
+    doc = {
+        "what": "tieredkv tiers vs LMCache backends: store/load GB/s per chunk size, ratio tieredkv / LMCache",
+        "command": "./scripts/bench peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": info,
+        "lmcache_install": install,
+        "config": {"sizes": sizes, "total_bytes_per_rep": total, "reps": reps, "batch_bytes": batch_bytes,
+                   "torch_threads": a.threads, "quick": a.quick, "warmup_rounds": 1,
+                   "pairs": [{"tieredkv": k, "lmcache": b, "lmcache_backend": LMCACHE_BACKENDS[b]} for k, b in pairs],
+                   "target_ratio": TARGET},
+        "wall_s": wall,
+        "results": rows,
+        "below_target": below,
+        "errors": errors,
+        "lmcache_notes": notes,
+        "lmcache_child_wall_s": {b: r.get("wall_s") for b, r in lmc.items()},
+        "lmcache_incidents": {b: r["incidents"] for b, r in lmc.items() if r.get("incidents")},
+    }
+    os.makedirs(a.out, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(a.out, f"peers-{stamp}{'-quick' if a.quick else ''}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path} (measured in {wall:.0f} s)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

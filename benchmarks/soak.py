@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,6 @@ sys.path.insert(0, str(ROOT))
 
 from tieredkv import demo  # noqa: E402
 from tieredkv.config import load_config  # noqa: E402
-from tieredkv.keys import GroupGeometry, Namespace  # noqa: E402
-from tieredkv.store import TieredStore  # noqa: E402
 from tieredkv.testing.servers import RedisServer  # noqa: E402
 
 
@@ -59,89 +57,18 @@ class SoakEngine(demo._Engine):
         self.lookups += 1
         return super().admit(r)
 
-    def _load(self, r: Any, plan: Any) -> None:
-        keys = [self.skey(k) for k in plan.keys]
-        self.store.pin(keys)
-        jobs = {}
-        for pos, (g, gl) in enumerate(zip(self.layout.groups, plan.groups)):
-            if not gl.keys:
-                continue
-            bpc = g.blocks_per_chunk
-            ids = {k: [0] * bpc for k in gl.chunk_indices}
-            for b, p in zip(gl.dst_block_ids, gl.block_positions):
-                ids[p // bpc][p % bpc] = b
-            job = self.store.load(g.index, [(self.skey(key), ids[k]) for key, k in zip(gl.keys, gl.chunk_indices)])
-            if job is None:
-                raise RuntimeError("soak: staging pool too small for one request's hit")
-            jobs[job] = (pos, gl)
-        results = self.store.wait(jobs)
-        self.store.unpin(keys)
-        for job_id, res in results.items():
-            self.results.append(res)
-            pos, gl = jobs[job_id]
-            g = self.layout.groups[pos]
-            if not res.ok:  # recompute these blocks
-                self.load_failed_jobs += 1
-                for b, p in zip(gl.dst_block_ids, gl.block_positions):
-                    h = r.hashes[(p + 1) * g.tokens_per_block // demo.TOKENS_PER_HASH - 1]
-                    self.gpu.kv[pos][b].copy_(demo.block_content(h, g.index, p, g.bytes_per_block))
-                continue
-            for b, p in zip(gl.dst_block_ids, gl.block_positions):
-                self._check(r, pos, p, b)
-            self.served[pos] += len(gl.block_positions) * g.tokens_per_block
+    def failed_load(self, r: Any, pos: int, gl: Any, res: Any) -> None:
+        self.load_failed_jobs += 1  # recompute these blocks
+        for b, p in zip(gl.dst_block_ids, gl.block_positions):
+            self.fill_block(r, pos, p, b)
+
+    def extra_summary(self) -> dict[str, Any]:
+        return {"lookups": self.lookups, "load_failed_jobs": self.load_failed_jobs}
 
 
 def run_round(cfg: Any, o: demo.DemoOptions) -> dict[str, Any]:
-    """``demo.run_demo`` with :class:`SoakEngine`; returns the demo summary plus soak counters."""
-    layout = demo.demo_layout(o.mamba)
-    ns = cfg.namespace
-    namespace = Namespace(
-        model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
-        groups=tuple(GroupGeometry(g.kind.value, g.tokens_per_block, g.blocks_per_chunk, g.bytes_per_block,
-                                   g.window_tokens or 0) for g in layout.groups),
-    )
-    t0 = time.perf_counter()
-    store = TieredStore(cfg, namespace=namespace).start()
-    try:
-        eng = SoakEngine(store, layout, o, "cpu")
-        trace = demo._Trace(o)
-        waiting: deque[Any] = deque(trace.turn(c, 0) for c in range(o.conversations))
-        running: dict[str, Any] = {}
-        done = tokens = 0
-        while waiting or running:
-            for _ in range(len(waiting)):
-                if len(running) >= o.concurrency:
-                    break
-                r = waiting.popleft()
-                if eng.admit(r):
-                    running[r.rid] = r
-                else:
-                    waiting.append(r)
-            for r in list(running.values()):
-                if not r.finished:
-                    eng.prefill(r)
-            eng.collect(running)
-            if not running and waiting:
-                time.sleep(0.001)
-            for rid, r in list(running.items()):
-                if r.finished and not r.store_jobs:
-                    del running[rid]
-                    for pos, ids in enumerate(r.blocks):
-                        eng.gpu.release(pos, ids)
-                    tokens += len(r.tokens)
-                    done += 1
-                    if r.turn + 1 < o.turns:
-                        waiting.append(trace.turn(r.conv, r.turn + 1))
-        store.pipeline.drain(30)
-        eng.collect(running)
-        summary = demo._summary(eng, store, layout, done, tokens, time.perf_counter() - t0)
-        st = store.stats()
-    finally:
-        store.close()
-    summary["lookups"] = eng.lookups
-    summary["load_failed_jobs"] = eng.load_failed_jobs
-    summary["breaker_opens"] = st.get("breaker_opens", {})
-    return summary
+    """``demo.run_demo`` with :class:`SoakEngine`; the demo summary plus soak counters."""
+    return demo.run_demo(cfg, o, engine_cls=SoakEngine, device="cpu")
 
 
 class _CountWarnings(logging.Handler):

@@ -211,10 +211,26 @@ class _Engine:
             pos, gl = jobs[job_id]
             g = self.layout.groups[pos]
             if not res.ok:
-                raise RuntimeError(f"demo: load of an accepted hit failed: {res.error}")
+                self.failed_load(r, pos, gl, res)
+                continue
             for b, p in zip(gl.dst_block_ids, gl.block_positions):
                 self._check(r, pos, p, b)
             self.served[pos] += len(gl.block_positions) * g.tokens_per_block
+
+    def failed_load(self, r: _Req, pos: int, gl: Any, res: JobResult) -> None:
+        """A load of an accepted hit failed (a tier died between lookup and load). The demo stops;
+        an engine would recompute those blocks (see ``benchmarks/soak.py``)."""
+        raise RuntimeError(f"demo: load of an accepted hit failed: {res.error}")
+
+    def fill_block(self, r: _Req, pos: int, p: int, block_id: int) -> None:
+        """Compute block ``p`` of group ``pos``: its bytes are a function of the prefix it ends."""
+        g = self.layout.groups[pos]
+        h = r.hashes[(p + 1) * g.tokens_per_block // TOKENS_PER_HASH - 1]
+        self.gpu.kv[pos][block_id].copy_(block_content(h, g.index, p, g.bytes_per_block))
+
+    def extra_summary(self) -> dict[str, Any]:
+        """More summary fields (subclasses)."""
+        return {}
 
     def _check(self, r: _Req, pos: int, p: int, block_id: int) -> None:
         g = self.layout.groups[pos]
@@ -232,8 +248,7 @@ class _Engine:
             tpb = g.tokens_per_block
             first = start // tpb if start % tpb == 0 else start // tpb + 1
             for p in range(first, end // tpb):  # blocks completed in this step
-                h = r.hashes[(p + 1) * tpb // TOKENS_PER_HASH - 1]
-                self.gpu.kv[pos][r.blocks[pos][p]].copy_(block_content(h, g.index, p, g.bytes_per_block))
+                self.fill_block(r, pos, p, r.blocks[pos][p])
             self.recomputed[pos] += n
         plan = self.sched.plan_store(r.rid, num_computed_tokens=start, num_scheduled_tokens=n)
         self._store(r, plan)
@@ -280,11 +295,13 @@ def run_demo(
     o: DemoOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
+    engine_cls: type[_Engine] = _Engine,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Replay the trace against the tiers of ``cfg``; return the summary dict."""
     o = o or DemoOptions()
     layout = demo_layout(o.mamba)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     ns = cfg.namespace
     namespace = Namespace(
         model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
@@ -294,7 +311,7 @@ def run_demo(
     t_start = time.perf_counter()
     store = TieredStore(cfg, namespace=namespace).start()
     try:
-        eng = _Engine(store, layout, o, device)
+        eng = engine_cls(store, layout, o, device)
         trace = _Trace(o)
         total = o.conversations * o.turns
         waiting: deque[_Req] = deque(trace.turn(c, 0) for c in range(o.conversations))
@@ -385,4 +402,6 @@ def _summary(eng: _Engine, store: TieredStore, layout: GroupLayout, requests: in
                  "gbps": round(rate(loads), 3), "p50_ms": round(_pct(ml, 0.5), 3), "p99_ms": round(_pct(ml, 0.99), 3)},
         "drops": {"staging_backpressure": st["counters"].get("store_backpressure", 0), **st["dropped"]},
         "verified_blocks": eng.verified, "mismatches": eng.mismatches,
+        "breaker_opens": st["breaker_opens"],
+        **eng.extra_summary(),
     }

@@ -16,7 +16,8 @@ Header layout (little-endian, :data:`HEADER` ``struct``)::
 The checksum covers the stored key as well as the payload, so a record copied or renamed
 under another key fails verification: a tier can never serve bytes that were not written
 for that key. Decoding never trusts the length field beyond the buffer it was given.
-Nothing here (or anywhere in tieredkv) uses pickle, marshal or eval.
+Stored bytes are never turned into Python objects here or anywhere in tieredkv (no object
+serialization of any kind; tests/drills/test_security.py checks the source).
 
 Buffer helpers turn bytes, bytearrays, memoryviews, NumPy arrays and contiguous CPU torch
 tensors into flat writable/readable ``memoryview``\\ s of unsigned bytes without copying.

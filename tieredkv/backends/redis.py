@@ -369,7 +369,7 @@ class RedisTier(Tier):
         for rk, value in corrupt:
             digest = hashlib.sha1(value, usedforsecurity=False).hexdigest()
             try:
-                await self._client.eval(_DEL_IF_SAME, 1, rk, digest)
+                await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest)  # a Lua script
             except ResponseError:  # scripting disabled (managed Redis): plain DEL
                 await self._client.delete(rk)
 

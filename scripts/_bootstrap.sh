@@ -42,13 +42,4 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # Debian packages a command needs (tests: redis-server, redis-cli, redis-benchmark).
-ensure_apt() {  # ensure_apt BINARY PACKAGE...
-  local bin="$1"; shift
-  command -v "$bin" >/dev/null 2>&1 && return 0
-  local sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  echo "==> installing Debian packages: $*"
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
-  command -v "$bin" >/dev/null 2>&1 || { echo "could not install $bin" >&2; exit 2; }
-}
+source "$ROOT/scripts/_apt.sh"

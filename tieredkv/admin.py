@@ -42,12 +42,11 @@ from rich.table import Table
 
 from tieredkv.backends.base import RecordInfo, Tier
 from tieredkv.config import (
-    SECRET_FIELDS,
-    mask_secrets,
     LMDBTierConfig,
     TieredKVConfig,
     config_provenance,
     load_config,
+    mask_secrets,
 )
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, MAGIC, decode_header, verify_record

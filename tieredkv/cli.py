@@ -11,11 +11,8 @@ Exit codes: 0 success; 1 the job ran and found a problem (e.g. bytes that did no
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 

@@ -8,8 +8,10 @@ import os
 import random
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tieredkv.keys import Namespace
 
@@ -81,3 +83,15 @@ def small_fs(tmp_path: Path, size: str = "8m", options: str = "") -> Iterator[tu
         umount = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10, check=False)  # noqa: S603,S607
         if umount.returncode:  # still busy: detach it lazily rather than leave it mounted
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10, check=False)  # noqa: S603,S607
+
+
+def wait_jobs(p: Any, ids: set[int], timeout: float = 15.0) -> dict[int, Any]:
+    """Poll a pipeline until every job in ``ids`` has a result; fail (a hang or a deadlock) after ``timeout``."""
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while not ids <= got.keys():
+        for r in p.poll_finished():
+            got[r.job_id] = r
+        assert time.monotonic() < deadline, f"jobs {sorted(ids - got.keys())} never finished: a hang or deadlock"
+        time.sleep(0.002)
+    return got

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.drills._util import NS, block_hash, check_payload, payload, report, small_fs
+from tests.drills._util import NS, block_hash, check_payload, payload, report, small_fs, wait_jobs
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import CPUTierConfig, LMDBTierConfig, PipelineConfig, PolicyRule
 from tieredkv.errors import TierFullError
-from tieredkv.pipeline import JobResult, KeyState, Pipeline
+from tieredkv.pipeline import KeyState, Pipeline
 from tieredkv.policy import TierPolicy
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -34,15 +34,6 @@ def _key(i: int) -> bytes:
     return NS.key(block_hash(i), 0)
 
 
-def _wait(p: Pipeline, ids: set[int], timeout: float = 15.0) -> dict[int, JobResult]:
-    got: dict[int, JobResult] = {}
-    deadline = time.monotonic() + timeout
-    while not ids <= got.keys():
-        for r in p.poll_finished():
-            got[r.job_id] = r
-        assert time.monotonic() < deadline, f"jobs {sorted(ids - got.keys())} never finished: a deadlock"
-        time.sleep(0.002)
-    return got
 
 
 def _fill(path: Path) -> Path:
@@ -113,7 +104,7 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
             for b in range(0, 40, 8):  # 40 x 64 KiB fits easily
                 job += 1
                 assert p.submit_put(job, [(_key(i), payload(i, 1, 64 * KiB)) for i in range(b, b + 8)])
-                assert _wait(p, {job})[job].ok
+                assert wait_jobs(p, {job})[job].ok
                 good += range(b, b + 8)
             ballast = _fill(mnt) if mnt is not None else None
             pinned = [_key(i) for i in good]
@@ -125,7 +116,7 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
                 job += 1
                 batch = [_key(i) for i in range(b, b + 8)]
                 assert p.submit_put(job, [(k, payload(i, 1, 64 * KiB)) for i, k in zip(range(b, b + 8), batch)])
-                r = _wait(p, {job})[job]
+                r = wait_jobs(p, {job})[job]
                 if not r.ok:
                     refused += 1
                     errors.add(r.error or "")
@@ -140,7 +131,7 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
             bufs = [bytearray(64 * KiB) for _ in good]
             job += 1
             assert p.submit_get(job, [(_key(i), b) for i, b in zip(good, bufs)])
-            r = _wait(p, {job})[job]
+            r = wait_jobs(p, {job})[job]
             for i, b in zip(good, bufs):
                 if _key(i) in r.done:
                     check_payload(i, bytes(b))
@@ -158,7 +149,7 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
             for b in range(1000, 1400, 8):
                 job += 1
                 assert p.submit_put(job, [(_key(i), payload(i, 1, 64 * KiB)) for i in range(b, b + 8)])
-                if _wait(p, {job})[job].ok:
+                if wait_jobs(p, {job})[job].ok:
                     recovered_after = time.monotonic() - t0
                     break
                 time.sleep(0.1)
@@ -234,18 +225,18 @@ def test_cpu_tier_all_pinned_refuses_then_stores_after_unpin() -> None:
     try:
         held = list(range(32))
         assert p.submit_put(1, [(_key(i), payload(i, 1, 4 * KiB)) for i in held])
-        assert _wait(p, {1})[1].ok
+        assert wait_jobs(p, {1})[1].ok
         p.pin([_key(i) for i in held])  # e.g. hits accepted by the engine, about to be loaded
         new = list(range(100, 105))
         t0 = time.perf_counter()
         assert p.submit_put(2, [(_key(i), payload(i, 1, 4 * KiB)) for i in new])
         assert time.perf_counter() - t0 < 0.05, "submit must not block on a full tier"
-        r = _wait(p, {2})[2]
+        r = wait_jobs(p, {2})[2]
         assert not r.ok and set(r.failed) == {_key(i) for i in new} and r.done == ()
         # The pinned chunks are still served while stores are refused (no deadlock).
         bufs = [bytearray(4 * KiB) for _ in held]
         assert p.submit_get(3, [(_key(i), b) for i, b in zip(held, bufs)])
-        assert len(_wait(p, {3})[3].done) == len(held)
+        assert len(wait_jobs(p, {3})[3].done) == len(held)
         for i, b in zip(held, bufs):
             check_payload(i, bytes(b))
         assert p.lookup([_key(i) for i in new]) == [(KeyState.MISS, None)] * len(new)
@@ -255,7 +246,7 @@ def test_cpu_tier_all_pinned_refuses_then_stores_after_unpin() -> None:
         # The refused chunks are offered again after the loads finished and unpinned them.
         p.unpin([_key(i) for i in held])
         assert p.submit_put(4, [(_key(i), payload(i, 1, 4 * KiB)) for i in new])
-        r4 = _wait(p, {4})[4]
+        r4 = wait_jobs(p, {4})[4]
         assert r4.ok and set(r4.done) == {_key(i) for i in new}
         assert all(s is KeyState.HIT for s, _ in p.lookup([_key(i) for i in new]))
         evictions = p._call(cpu.stats(), timeout=5).counters.get("evictions", 0)

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
-from tests.drills._util import NS, block_hash, check_payload, payload, report
+from tests.drills._util import NS, block_hash, check_payload, payload, report, wait_jobs
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.backends.redis import RedisTier
 from tieredkv.config import CPUTierConfig, PipelineConfig, PolicyRule, RedisTierConfig
 from tieredkv.errors import TierUnavailableError
-from tieredkv.pipeline import JobResult, Pipeline
+from tieredkv.pipeline import Pipeline
 from tieredkv.policy import TierPolicy
 from tieredkv.testing.servers import RedisCluster, RedisServer, redis_command
 
@@ -56,15 +56,6 @@ def _key(i: int) -> bytes:
     return NS.key(block_hash(i), i % 2)
 
 
-def _wait(p: Pipeline, ids: set[int], timeout: float = 15.0) -> dict[int, JobResult]:
-    got: dict[int, JobResult] = {}
-    deadline = time.monotonic() + timeout
-    while not ids <= got.keys():
-        for r in p.poll_finished():
-            got[r.job_id] = r
-        assert time.monotonic() < deadline, f"jobs {sorted(ids - got.keys())} never finished: a hang"
-        time.sleep(0.002)
-    return got
 
 
 def test_single_node_killed_and_restarted_mid_load() -> None:
@@ -95,7 +86,7 @@ def test_single_node_killed_and_restarted_mid_load() -> None:
                 bufs = [bytearray(SIZE) for _ in reads]
                 job += 1
                 assert p.submit_get(job, [(_key(i), b) for i, b in zip(reads, bufs)])
-                res = _wait(p, {put_id, job})
+                res = wait_jobs(p, {put_id, job})
                 counts["jobs"] += 2
                 got = res[job]
                 by_key = {_key(i): (i, b) for i, b in zip(reads, bufs)}
@@ -171,7 +162,7 @@ def test_stalled_server_deadlines_fire_and_nothing_hangs() -> None:
             assert p.submit_get(1, list(zip(keys, bufs)))
             assert p.submit_put(2, [(_key(0), payload(0, 1, SIZE)), (_key(1001), payload(1001, 1, SIZE))])
             assert time.perf_counter() - t0 < 0.1, "submit must return at once"
-            res = _wait(p, {1, 2}, timeout=bound + 3)
+            res = wait_jobs(p, {1, 2}, timeout=bound + 3)
             job_s = time.perf_counter() - t0
             assert not res[1].ok and res[1].done == () and res[1].error
             assert res[2].done == (_key(0),)  # the CPU tier took group 0; group 1 (Redis) dropped

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from tieredkv.backends.cpu import CPUTier

@@ -42,7 +42,7 @@ import lmdb
 from tieredkv.backends.base import RecordInfo, Tier, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
-from tieredkv.format import HEADER_SIZE, as_readable, encode_record_into, verify_record
+from tieredkv.format import HEADER_SIZE, encode_record_into, verify_record
 
 __all__ = ["LMDBTier"]
 

@@ -52,7 +52,7 @@ from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kind, namespace_from_offloading_config
-from tieredkv.keys import FINGERPRINT_BYTES, Namespace
+from tieredkv.keys import Namespace
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVLoadStoreSpec", "TieredKVManager", "TieredKVOffloadingSpec", "TieredKVWorker"]

@@ -31,6 +31,9 @@ __all__ = [
     "key_group",
     "key_hash",
     "make_chunk_key",
+    "PARTIAL_MARK",
+    "partial_chunk_key",
+    "partial_valid_from",
     "split_stored_key",
     "stored_key",
     "stored_key_group",
@@ -56,6 +59,39 @@ def key_hash(chunk_key: bytes) -> bytes:
 def key_group(chunk_key: bytes) -> int:
     """The group index of a chunk key (also works on a stored key)."""
     return int.from_bytes(chunk_key[-GROUP_BYTES:], "big")
+
+
+PARTIAL_MARK = b"\xffP"
+"""Marks a partial chunk key: ``hash + PARTIAL_MARK + valid_from (1 byte) + group``."""
+
+
+def partial_chunk_key(chunk_key: bytes, valid_from: int) -> bytes:
+    """The key of a chunk whose sub-blocks ``0 .. valid_from - 1`` were never written.
+
+    vLLM stores sliding-window chunks whose leading blocks are out of the window (block ids
+    ``[0, 0, x, y]``) and Mamba chunks that hold one state block in their last slot. Such a chunk
+    is stored under this key, so the record itself says which sub-blocks are valid (the checksum
+    covers the key) and a load can refuse to read an unwritten one. ``valid_from == 0`` is the
+    whole chunk: the plain key.
+    """
+    if valid_from == 0:
+        return bytes(chunk_key)
+    if not 0 < valid_from < 256:
+        raise ValueError(f"valid_from must be in 0..255, got {valid_from}")
+    return bytes(chunk_key[:-GROUP_BYTES]) + PARTIAL_MARK + bytes((valid_from,)) + bytes(chunk_key[-GROUP_BYTES:])
+
+
+def partial_valid_from(key: bytes, hash_bytes: int | None = None) -> int:
+    """``valid_from`` of a (stored or chunk) key made by :func:`partial_chunk_key`; 0 for a plain key.
+
+    ``hash_bytes`` (the engine's hash length) makes the test exact; without it the marker is
+    trusted where it appears.
+    """
+    body = key[:-GROUP_BYTES]
+    if len(body) >= 3 and body[-3:-1] == PARTIAL_MARK:
+        if hash_bytes is None or len(body) - 3 == hash_bytes or len(body) - 3 - FINGERPRINT_BYTES == hash_bytes:
+            return body[-1]
+    return 0
 
 
 def stored_key(fingerprint: bytes, chunk_key: bytes) -> bytes:
@@ -116,6 +152,9 @@ class Namespace:
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     format_version: int = 1
     tenant_salt: str = ""
+    generation: str = ""
+    """Cache generation: empty until the engine's cache is reset (vLLM ``reset_cache`` on sleep or a
+    weight update); then a fresh random token, so nothing stored before the reset can be hit."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -165,6 +204,8 @@ def _canonical(ns: Namespace) -> dict[str, Any]:
         },
         "format_version": ns.format_version,
         "tenant_salt": ns.tenant_salt,
+        # Only when set: a namespace that was never reset keeps its fingerprint across versions.
+        **({"generation": ns.generation} if ns.generation else {}),
     }
 
 

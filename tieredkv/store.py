@@ -21,6 +21,7 @@ used together.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import time
@@ -104,9 +105,7 @@ class TieredStore:
 
     def with_geometry(self, groups: Sequence[GroupGeometry]) -> TieredStore:
         """Bind the namespace to the KV geometry (call before storing anything)."""
-        ns = self.namespace
-        self.namespace = Namespace(ns.model, ns.revision, ns.dtype, tuple(groups), ns.parallel,
-                                   ns.format_version, ns.tenant_salt)
+        self.namespace = dataclasses.replace(self.namespace, groups=tuple(groups))
         return self
 
     def key(self, block_hash: bytes, group: int) -> bytes:

@@ -87,18 +87,24 @@ def _tiering_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TieringOffloadingSpec, "get_worker", cpu_get_worker)
 
 
-def roundtrip(runner: Runner) -> dict[str, Any]:
-    """A stores 160 tokens; everything but tieredkv is wiped; B (same prefix + 12) must load and match."""
+def roundtrip(make_runner: Any) -> tuple[Runner, dict[str, Any]]:
+    """A stores 160 tokens; the engine restarts (a new scheduler, primary tier and zeroed "GPU"
+    KV tensors: only tieredkv's tiers still hold A's bytes); B (same prefix + 12) must load and match.
+
+    A restart rather than ``reset_prefix_cache(reset_connector=True)``: a connector reset is what
+    vLLM does on sleep and weight updates, and after it tieredkv must not serve earlier KV
+    (``test_cache_reset_starts_new_generation``)."""
     prompt = [100 + (i * 37) % 800 for i in range(160)]
-    a = runner.new_request(prompt)
-    runner.run_until_done()
-    stores = [k for _, _, acc in runner.recorded.prepare_store if acc for k in acc]
-    assert stores, "vLLM's connector stored nothing"
-    # Wipe every other copy: the engine's prefix cache, vLLM's primary tier (reset_connector) and
-    # the "GPU" KV tensors. Only tieredkv's tiers still hold A's bytes.
-    assert runner.scheduler.reset_prefix_cache(reset_connector=True)
-    for t in runner.kv.values():
-        t.zero_()
+    first = make_runner()
+    try:
+        first.new_request(prompt)
+        first.run_until_done()
+        stores = [k for _, _, acc in first.recorded.prepare_store if acc for k in acc]
+        assert stores, "vLLM's connector stored nothing"
+    finally:
+        first.shutdown()
+    runner = make_runner()
+    assert all(not t.any() for t in runner.kv.values())
     b = runner.new_request(prompt + [5] * 12)
     runner.run_until_done()
     loads = [k for _, keys in runner.recorded.prepare_load for k in keys]
@@ -112,18 +118,16 @@ def roundtrip(runner: Runner) -> dict[str, Any]:
     checked = runner.check_kv(b, 0, boundary, groups=(0,))
     checked_swa = runner.check_kv(b, boundary - WINDOW, boundary, groups=(1,))
     assert checked == boundary and checked_swa == WINDOW
-    return {"a": a, "b": b, "boundary": boundary, "full_keys": full_keys,
-            "swa_keys": swa_keys}
+    return runner, {"b": b, "boundary": boundary, "full_keys": full_keys, "swa_keys": swa_keys}
 
 
 def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
     backend, path = tiers_yaml
-    runner = Runner(extra_config("TieredKVOffloadingSpec", path))
+    runner, res = roundtrip(lambda: Runner(extra_config("TieredKVOffloadingSpec", path)))
     try:
         from tieredkv.integrations.vllm.spec import TieredKVManager
 
         assert isinstance(runner.manager_obj, TieredKVManager)
-        res = roundtrip(runner)
         store = runner.manager_obj.store
         groups = store.stats()["groups"]
         assert groups[0]["load_chunks"] == len(res["full_keys"]) and groups[1]["load_chunks"] == len(res["swa_keys"])
@@ -138,7 +142,7 @@ def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
 def test_secondary_tier_roundtrip_bytes(tiers_yaml: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     backend, path = tiers_yaml
     _tiering_on_cpu(monkeypatch)
-    runner = Runner(extra_config("TieringOffloadingSpec", path))
+    runner, res = roundtrip(lambda: Runner(extra_config("TieringOffloadingSpec", path)))
     try:
         from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
@@ -147,8 +151,6 @@ def test_secondary_tier_roundtrip_bytes(tiers_yaml: tuple[str, Path], monkeypatc
         assert isinstance(runner.manager_obj, TieringOffloadingManager)
         (tier,) = runner.manager_obj.secondary_tiers
         assert isinstance(tier, TieredKVSecondaryTier)
-        res = roundtrip(runner)
-        assert tier.counters["stored_chunks"] >= len(res["full_keys"]) + len(res["swa_keys"])
         # vLLM's tiering manager promotes every key a lookup finds here, also ones the connector's
         # cross-group boundary then leaves out of the load: at least the loaded ones came from tieredkv.
         assert tier.counters["loaded_chunks"] >= len(res["full_keys"]) + len(res["swa_keys"])

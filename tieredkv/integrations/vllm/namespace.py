@@ -5,17 +5,54 @@ No vLLM import: the function reads attributes only, so it is testable without vL
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.errors import ConfigError
 from tieredkv.keys import GroupGeometry, Namespace, ParallelLayout
 
-__all__ = ["group_kind", "namespace_from_offloading_config"]
+__all__ = ["group_kind", "group_kinds", "namespace_from_offloading_config", "new_generation"]
 
 
-def group_kind(group: Any) -> str:
-    """tieredkv's kind of an ``OffloadingGroupConfig``: a bounded window means sliding window."""
-    return "full" if getattr(group, "sliding_window_size_in_chunks", None) is None else "sliding_window"
+def _is_attention_layer(name: str) -> bool:
+    return name.endswith(".attn") or ".self_attn" in name or ".cross_attn" in name or name.endswith("attention")
+
+
+def group_kind(group: Any, override: str | None = None) -> str:
+    """tieredkv's kind of an ``OffloadingGroupConfig``: ``full``, ``sliding_window`` or ``mamba``.
+
+    vLLM 0.33's ``OffloadingGroupConfig`` does not carry the KV spec: an unbounded group is full
+    attention; a bounded one is a sliding window, except a one-chunk "window" over layers that are
+    not attention layers, which is a Mamba/SSM state group (vLLM gives Mamba a window of one chunk).
+    ``override`` (from the ``group_kinds`` option) wins when the layer names do not tell.
+    """
+    if override:
+        if override not in ("full", "sliding_window", "mamba"):
+            raise ConfigError(
+                f"group_kinds: got {override!r} for group {getattr(group, 'group_id', '?')}; allowed: 'full',"
+                " 'sliding_window', 'mamba'"
+            )
+        return override
+    window = getattr(group, "sliding_window_size_in_chunks", None)
+    if window is None:
+        return "full"
+    names = tuple(getattr(group, "layer_names", ()) or ())
+    if window == 1 and names and not any(_is_attention_layer(n) for n in names):
+        return "mamba"
+    return "sliding_window"
+
+
+def group_kinds(config: Any, overrides: Any = None) -> list[str]:
+    """The kind of every group of a vLLM ``OffloadingConfig`` (``overrides``: optional list of kinds)."""
+    groups = list(config.groups)
+    if overrides is not None and len(list(overrides)) != len(groups):
+        raise ConfigError(
+            f"group_kinds: got {list(overrides)!r} for {len(groups)} KV groups; give one of 'full',"
+            " 'sliding_window', 'mamba' per group, in vLLM's group order"
+        )
+    return [group_kind(g, overrides[i] if overrides is not None else None) for i, g in enumerate(groups)]
 
 
 def namespace_from_offloading_config(
@@ -24,6 +61,7 @@ def namespace_from_offloading_config(
     *,
     bytes_per_block: int | None = None,
     rank: int | None = None,
+    kinds: list[str] | None = None,
 ) -> Namespace:
     """Namespace for the bytes vLLM offloads under ``config`` (a vLLM ``OffloadingConfig``).
 
@@ -36,17 +74,18 @@ def namespace_from_offloading_config(
     """
     bpc = int(config.cache.blocks_per_chunk)
     per_block = int(config.worker_kv_bytes_per_block if bytes_per_block is None else bytes_per_block)
+    kinds = kinds if kinds is not None else group_kinds(config)
     groups = []
-    for g in config.groups:
+    for g, kind in zip(config.groups, kinds):
         tpb = int(g.tokens_per_block)
         window_chunks = getattr(g, "sliding_window_size_in_chunks", None)
         groups.append(
             GroupGeometry(
-                kind=group_kind(g),
+                kind=kind,
                 tokens_per_block=tpb,
                 blocks_per_chunk=bpc,
                 bytes_per_block=per_block,
-                window_tokens=int(window_chunks) * tpb * bpc if window_chunks else 0,
+                window_tokens=int(window_chunks) * tpb * bpc if window_chunks and kind == "sliding_window" else 0,
             )
         )
     par = config.parallel
@@ -67,3 +106,12 @@ def namespace_from_offloading_config(
         parallel=parallel,
         tenant_salt=ns.tenant_salt if ns is not None else "",
     )
+
+
+def new_generation(ns: Namespace) -> Namespace:
+    """``ns`` with a fresh random cache generation: a fingerprint no earlier record carries.
+
+    Random rather than a counter: two engines that each reset once would otherwise share
+    "generation 1" on a shared tier even if their weights differ.
+    """
+    return dataclasses.replace(ns, generation=secrets.token_hex(8))

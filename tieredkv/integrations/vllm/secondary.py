@@ -31,7 +31,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tieredkv.config import load_config
 from tieredkv.integrations.vllm.lookups import AsyncLookups
-from tieredkv.integrations.vllm.namespace import group_kind, namespace_from_offloading_config
+from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
+from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
 from tieredkv.keys import FINGERPRINT_BYTES
 from tieredkv.store import TieredStore
 
@@ -55,6 +56,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         config: str | dict[str, Any] | None = None,
+        keep_on_reset: bool = False,
+        group_kinds: list[str] | None = None,
         backpressure_detector: Any = None,
         **unknown: Any,
     ) -> None:
@@ -66,19 +69,25 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         )
         if unknown:
             raise ValueError(
-                f"TieredKVSecondaryTier: unknown tier options {sorted(unknown)}; the only option is"
-                " 'config' (path of a tieredkv YAML)"
+                f"TieredKVSecondaryTier: unknown tier options {sorted(unknown)}; the options are 'config'"
+                " (path of a tieredkv YAML), 'keep_on_reset' (true: keep serving what was stored before a"
+                " vLLM cache reset) and 'group_kinds' (full / sliding_window / mamba per KV group)"
             )
         cfg = load_config(config if config is not None else os.environ.get("TIEREDKV_CONFIG"))
         ocfg = offloading_spec.config
         row_bytes = int(self.block_size_bytes)
+        if not isinstance(keep_on_reset, bool):
+            raise ValueError(f"TieredKVSecondaryTier: keep_on_reset must be true or false, got {keep_on_reset!r}")
+        self.keep_on_reset = keep_on_reset
+        self.kinds = group_kinds_of(ocfg, group_kinds)
         # A primary row holds every worker's pages of one chunk: one namespace for all ranks.
-        self.namespace = namespace_from_offloading_config(ocfg, cfg, bytes_per_block=row_bytes, rank=0)
+        self.namespace = namespace_from_offloading_config(ocfg, cfg, bytes_per_block=row_bytes, rank=0,
+                                                          kinds=self.kinds)
         self._fp = self.namespace.fingerprint
         self.store = TieredStore(cfg, namespace=self.namespace).start()
         # Routes: tieredkv's policy by each group's kind and chunk (row) bytes.
         self.routes = {
-            i: self.store.policy.route(i, row_bytes, group_kind(g)) for i, g in enumerate(ocfg.groups)
+            i: self.store.policy.route(i, row_bytes, self.kinds[i]) for i in range(len(ocfg.groups))
         }
         for i, r in self.routes.items():
             log.info("tieredkv secondary tier: group %d -> %s (%s)", i, list(r.tiers), r.write)
@@ -168,18 +177,30 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         self._lookups.end_step()
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or self._lookups.busy()
+        # Transfers in flight need get_finished_jobs() calls; queued lookups need one more
+        # on_schedule_end to be sent. A resolved answer nobody has read yet is not work.
+        self._collect()
+        return bool(self._jobs) or self._lookups.has_unsent()
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the tiers keep their own LRU on access
 
     def drain_jobs(self) -> None:
+        """vLLM's ``TieringOffloadingManager.reset_cache`` (sleep, weight update) calls this, and
+        only this, on a secondary tier: finish every transfer, then start a new cache generation
+        (unless ``keep_on_reset``), so KV computed before the reset is never served after it."""
         self.store.pipeline.drain()
         self._collect()
+        if not self.keep_on_reset:
+            self.reset_cache_state()
 
     def reset_cache_state(self) -> None:
+        """Forget what this tier knows and move to a fresh cache generation (new fingerprint)."""
         self._present.clear()
         self._lookups.clear()
+        self.namespace = new_generation(self.namespace)
+        self._fp = self.namespace.fingerprint
+        self.counters["cache_generations"] += 1
 
     def shutdown(self) -> None:
         self._lookups.clear()

@@ -24,6 +24,7 @@ vLLM's ``TieringOffloadingSpec`` there (refused here with a clear error).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -51,8 +52,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
-from tieredkv.integrations.vllm.namespace import group_kind, namespace_from_offloading_config
-from tieredkv.keys import Namespace
+from tieredkv.integrations.vllm.namespace import group_kinds, namespace_from_offloading_config, new_generation
+from tieredkv.keys import Namespace, partial_chunk_key, partial_valid_from
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVLoadStoreSpec", "TieredKVManager", "TieredKVOffloadingSpec", "TieredKVWorker"]
@@ -65,10 +66,18 @@ def _group_of(key: bytes) -> int:
 
 
 class TieredKVLoadStoreSpec(LoadStoreSpec):
-    """The medium side of a transfer: vLLM offload keys, group-major, ascending chunk."""
+    """The medium side of a transfer: vLLM offload keys, group-major, ascending chunk.
 
-    def __init__(self, keys: Sequence[OffloadKey]) -> None:
+    ``fingerprint`` is the namespace (cache generation included) the manager prepared the
+    transfer under; ``stored`` (loads) is, per key, the stored key to read: the whole chunk or a
+    partial record (:func:`~tieredkv.keys.partial_chunk_key`) whose leading sub-blocks are invalid.
+    """
+
+    def __init__(self, keys: Sequence[OffloadKey], fingerprint: bytes = b"",
+                 stored: Sequence[bytes] | None = None) -> None:
         self.keys: list[OffloadKey] = list(keys)
+        self.fingerprint = fingerprint
+        self.stored: list[bytes] = list(stored) if stored is not None else [fingerprint + bytes(k) for k in self.keys]
 
     def __repr__(self) -> str:
         return f"TieredKVLoadStoreSpec({len(self.keys)} keys)"
@@ -76,17 +85,34 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 
 # ---- one store per engine and process, shared by manager and worker ---------------------------
 
-_STORES: dict[tuple[Any, ...], list[Any]] = {}
+
+@dataclass
+class _Shared:
+    """What the manager and the worker of one engine share (same process)."""
+
+    store: TieredStore
+    namespace: Namespace
+    refs: int = 0
+    unstored: set[bytes] = field(default_factory=set)
+    """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
+    (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.namespace.fingerprint
+
+
+_STORES: dict[tuple[Any, ...], _Shared] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def _acquire_store(ident: tuple[Any, ...], cfg: TieredKVConfig, ns: Namespace) -> TieredStore:
+def _acquire_store(ident: tuple[Any, ...], cfg: TieredKVConfig, ns: Namespace) -> _Shared:
     with _STORES_LOCK:
         entry = _STORES.get(ident)
         if entry is None:
-            entry = _STORES[ident] = [TieredStore(cfg, namespace=ns).start(), 0]
-        entry[1] += 1
-        return entry[0]
+            entry = _STORES[ident] = _Shared(TieredStore(cfg, namespace=ns).start(), ns)
+        entry.refs += 1
+        return entry
 
 
 def _release_store(ident: tuple[Any, ...]) -> None:
@@ -94,11 +120,11 @@ def _release_store(ident: tuple[Any, ...]) -> None:
         entry = _STORES.get(ident)
         if entry is None:
             return
-        entry[1] -= 1
-        if entry[1] > 0:
+        entry.refs -= 1
+        if entry.refs > 0:
             return
         del _STORES[ident]
-    entry[0].close()
+    entry.store.close()
 
 
 # ---- spec -------------------------------------------------------------------------------------
@@ -107,7 +133,9 @@ def _release_store(ident: tuple[Any, ...]) -> None:
 class TieredKVOffloadingSpec(OffloadingSpec):
     """``kv_connector_extra_config``: ``tieredkv_config`` (path of a tieredkv YAML; else
     ``$TIEREDKV_CONFIG``, else tieredkv's defaults), optional ``max_inflight_store_chunks``
-    (default: what the staging pool holds), plus vLLM's own keys (``blocks_per_chunk``, ...)."""
+    (default: what the staging pool holds), ``keep_on_reset`` (default false: a vLLM cache reset
+    starts a new cache generation), ``group_kinds`` (one of full / sliding_window / mamba per
+    group, when layer names do not tell), plus vLLM's own keys (``blocks_per_chunk``, ...)."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -120,8 +148,10 @@ class TieredKVOffloadingSpec(OffloadingSpec):
                 " spec shares one tieredkv store between the scheduler and a single in-process worker. For several"
                 ' workers use spec_name "TieringOffloadingSpec" with a "TieredKVSecondaryTier" secondary tier'
             )
-        self.namespace = namespace_from_offloading_config(config, self.tkv_config)
+        self.group_kinds = group_kinds(config, self.extra_config.get("group_kinds"))
+        self.namespace = namespace_from_offloading_config(config, self.tkv_config, kinds=self.group_kinds)
         self.store_ident = (str(config.engine_id), self.namespace.fingerprint, str(source))
+        self.keep_on_reset = _flag(self.extra_config.get("keep_on_reset", False), "keep_on_reset")
         chunk_bytes = max(1, int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk))
         staging = int(self.tkv_config.pipeline.staging_bytes)
         self.max_inflight_store_chunks = int(
@@ -141,72 +171,128 @@ class TieredKVOffloadingSpec(OffloadingSpec):
         return self._worker
 
 
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"kv_connector_extra_config.{name}: got {value!r}; use true or false")
+
+
 # ---- scheduler side ---------------------------------------------------------------------------
 
 
 class TieredKVManager(OffloadingManager):
-    """Scheduler-side bookkeeping over tieredkv's tiers; every call returns at once."""
+    """Scheduler-side bookkeeping over tieredkv's tiers; every call returns at once.
+
+    * ``lookup`` answers from a batched, asynchronous existence check (RETRY until it is known);
+      a sliding-window or Mamba chunk is also found as a partial record (leading sub-blocks
+      invalid), which ``prepare_load`` then names for the worker.
+    * ``prepare_store`` defers (``None``) only batches of full-attention keys, which vLLM offers
+      again; a batch with a sliding-window or Mamba key is always accepted (vLLM may never offer
+      it again), even past ``max_inflight_store_chunks`` (the worker queues what staging cannot
+      take yet). Every deferred key is counted.
+    * ``reset_cache`` (sleep, weight update) starts a new cache generation: a fresh namespace
+      fingerprint, so nothing stored before it can be hit (``keep_on_reset`` turns that off).
+    * ``has_pending_work`` is true only while lookups are queued and not yet sent.
+    """
 
     def __init__(self, spec: TieredKVOffloadingSpec) -> None:
         self.spec = spec
-        self.store = _acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
-        self._fp = spec.namespace.fingerprint
+        self._sh = _acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
+        self.store = self._sh.store
         self._cap = spec.max_inflight_store_chunks
+        self._bpc = int(spec.blocks_per_chunk)
+        self._windowed = {i for i, k in enumerate(spec.group_kinds) if k != "full"}
         self._writing: collections.Counter[bytes] = collections.Counter()
         self._inflight = 0
         self._stored: dict[bytes, None] = {}  # written by this engine, not since seen missing
-        self._pins: collections.Counter[bytes] = collections.Counter()
+        self._chosen: dict[bytes, bytes] = {}  # whole-chunk key -> the record a HIT found (partial or whole)
+        self._loading: dict[bytes, collections.deque[bytes]] = collections.defaultdict(collections.deque)
         self._lookups = AsyncLookups(self.store.pipeline)
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
 
+    @property
+    def _fp(self) -> bytes:
+        return self._sh.fingerprint
+
     def _skey(self, key: bytes) -> bytes:
         return self._fp + bytes(key)
 
+    def _candidates(self, key: bytes, skey: bytes) -> list[bytes]:
+        if self._bpc == 1 or _group_of(key) not in self._windowed:
+            return [skey]
+        return [skey] + [self._fp + partial_chunk_key(bytes(key), v) for v in range(1, self._bpc)]
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         skey = self._skey(key)
-        if skey in self._writing or self.store.pipeline.is_pending(skey):
+        if skey in self._writing:
             return LookupResult.HIT_PENDING
-        state = self._lookups.answer(skey)
-        if state is None:
+        pipeline = self.store.pipeline
+        states = []
+        for cand in self._candidates(key, skey):
+            state = "pending" if pipeline.is_pending(cand) else self._lookups.answer(cand)
+            if state == "hit":
+                if cand != skey:
+                    if len(self._chosen) > 65536:
+                        self._chosen.clear()
+                    self._chosen[skey] = cand
+                return LookupResult.HIT
+            states.append(state)
+        if None in states:
             self.counters["lookup_retry"] += 1
             return LookupResult.RETRY
-        if state == "hit":
-            return LookupResult.HIT
-        if state == "pending":
+        if "pending" in states:
             return LookupResult.HIT_PENDING
         self._stored.pop(skey, None)
         return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        skeys = [self._skey(k) for k in keys]
-        self.store.pin(skeys)
-        self._pins.update(skeys)
-        self.counters["load_chunks"] += len(skeys)
-        return TieredKVLoadStoreSpec(list(keys))
+        fp = self._fp
+        stored = []
+        for k in keys:
+            skey = fp + bytes(k)
+            rec = self._chosen.pop(skey, skey)
+            stored.append(rec)
+            self._loading[skey].append(rec)
+        self.store.pin(stored)
+        self.counters["load_chunks"] += len(stored)
+        self.counters["load_partial_chunks"] += sum(len(r) != len(fp) + len(k) for r, k in zip(stored, keys))
+        return TieredKVLoadStoreSpec(list(keys), fp, stored)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        skeys = [k for k in (self._skey(k) for k in keys) if self._pins[k] > 0]
-        for k in skeys:
-            self._pins[k] -= 1
-            if not self._pins[k]:
-                del self._pins[k]
-        if skeys and not self._closed:
-            self.store.unpin(skeys)
+        recs = []
+        for k in keys:
+            q = self._loading.get(self._skey(k))
+            if q:
+                recs.append(q.popleft())
+                if not q:
+                    del self._loading[self._skey(k)]
+        if recs and not self._closed:
+            self.store.unpin(recs)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        todo = [k for k in keys if (s := self._skey(k)) not in self._stored and s not in self._writing]
+        fp = self._fp
+        todo = [k for k in keys if (s := fp + bytes(k)) not in self._stored and s not in self._writing]
         if todo and self._inflight and self._inflight + len(todo) > self._cap:
-            self.counters["prepare_store_deferred"] += 1
-            return None  # all or nothing: the scheduler offers the same range again next step
+            if not any(_group_of(k) in self._windowed for k in todo):
+                # Full-attention keys only: vLLM offers the same range again on a later step.
+                self.counters["prepare_store_deferred"] += 1
+                self.counters["store_keys_deferred"] += len(todo)
+                return None
+            # A sliding-window or Mamba key may never be offered again: take the batch; the
+            # worker queues what the staging pool cannot hold yet.
+            self.counters["store_over_cap_batches"] += 1
         for k in todo:
-            self._writing[self._skey(k)] += 1
+            self._writing[fp + bytes(k)] += 1
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
-        return PrepareStoreOutput(keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo), evicted_keys=[])
+        return PrepareStoreOutput(keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo, fp), evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         skeys = [self._skey(k) for k in keys]
+        unstored = self._sh.unstored
         for s in skeys:
             n = self._writing.get(s, 0)
             if n <= 0:
@@ -216,7 +302,10 @@ class TieredKVManager(OffloadingManager):
                 del self._writing[s]
             else:
                 self._writing[s] = n - 1
-            if success:
+            if s in unstored:
+                unstored.discard(s)  # refused, dropped or partial: offer it again later
+                self.counters["store_chunks_not_whole"] += 1
+            elif success:
                 self._stored[s] = None
         self._lookups.forget(skeys)
         while len(self._stored) > (1 << 20):
@@ -230,11 +319,22 @@ class TieredKVManager(OffloadingManager):
         self._lookups.end_step()
 
     def has_pending_work(self) -> bool:
-        return self._lookups.busy()
+        # Answers resolve on tieredkv's loop thread by themselves; a request waiting for one keeps
+        # the engine stepping anyway. Only keys not yet sent need another on_schedule_end.
+        return self._lookups.has_unsent()
 
     def reset_cache(self) -> None:
         self._stored.clear()
+        self._chosen.clear()
         self._lookups.clear()
+        self._writing.clear()
+        self._inflight = 0
+        self._sh.unstored.clear()
+        if not self.spec.keep_on_reset:
+            self._sh.namespace = new_generation(self._sh.namespace)
+            self.counters["cache_generations"] += 1
+            log.info("tieredkv: cache reset; new cache generation %s (fingerprint %s)",
+                     self._sh.namespace.generation, self._sh.fingerprint.hex())
 
     def shutdown(self) -> None:
         if self._closed:
@@ -256,16 +356,44 @@ class _Job:
     nbytes: int = 0
     t0: float = field(default_factory=time.perf_counter)
     errors: list[str] = field(default_factory=list)
+    whole: dict[bytes, bytes] = field(default_factory=dict)
+    """Store jobs: stored key written -> the whole-chunk stored key it stands for."""
+
+
+def _chunk_positions(kind: str, n_keys: int, n_blocks: int, first: int, bpc: int) -> list[list[int]] | None:
+    """Per chunk of a group's transfer, the sub-block positions its blocks fill (in block order).
+
+    vLLM's worker convention: the group's blocks are consecutive, starting ``first % bpc`` blocks
+    into the first chunk (leading blocks out of a sliding window are not sent). A Mamba group
+    sends one state block per chunk, all in the same slot. None when neither fits.
+    """
+    skip = first % bpc
+    if kind == "mamba" and n_blocks == n_keys and (n_keys == 1 or bpc > 1):
+        return [[skip] for _ in range(n_keys)]
+    if -(-(skip + n_blocks) // bpc) != n_keys:
+        return None
+    out: list[list[int]] = [[] for _ in range(n_keys)]
+    for j in range(n_blocks):
+        p = skip + j
+        out[p // bpc].append(p % bpc)
+    return out
 
 
 class TieredKVWorker(OffloadingWorker):
-    """GPU (or CPU stand-in) KV blocks ↔ tieredkv, one vLLM job = one or more tieredkv jobs."""
+    """GPU (or CPU stand-in) KV blocks ↔ tieredkv, one vLLM job = one or more tieredkv jobs.
+
+    A chunk whose leading sub-blocks were not sent (a sliding-window chunk partly out of the
+    window, a Mamba chunk with its one state block in the last slot) is stored as a partial
+    record (:func:`~tieredkv.keys.partial_chunk_key`); a load that would read one of its
+    invalid sub-blocks is refused (counted), never served.
+    """
 
     def __init__(self, spec: TieredKVOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
-        self.store = _acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
-        self._fp = spec.namespace.fingerprint
+        self._sh = _acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
+        self.store = self._sh.store
         self.bpc = int(spec.blocks_per_chunk)
+        self.kinds = list(spec.group_kinds)
         self.chunk_bytes: dict[int, int] = {}
         staging = int(self.store.pipeline.staging.capacity)
         self._max_job_chunks: dict[int, int] = {}
@@ -278,12 +406,11 @@ class TieredKVWorker(OffloadingWorker):
                         "TieredKVOffloadingSpec: a packed KV layout (block stride larger than the page) is not"
                         " supported; use TieringOffloadingSpec with TieredKVSecondaryTier"
                     )
-            route = self.store.register_group(g, tensors, blocks_per_chunk=self.bpc,
-                                              kind=group_kind(spec.config.groups[g]))
+            route = self.store.register_group(g, tensors, blocks_per_chunk=self.bpc, kind=self.kinds[g])
             cb = sum(t[0].numel() * t.element_size() for t in tensors) * self.bpc
             self.chunk_bytes[g] = cb
             self._max_job_chunks[g] = max(1, staging // (4 * cb))
-            log.info("tieredkv: group %d (%d-byte chunks) -> %s", g, cb, list(route.tiers))
+            log.info("tieredkv: group %d (%s, %d-byte chunks) -> %s", g, self.kinds[g], cb, list(route.tiers))
         self._jobs: dict[int, _Job] = {}
         self._sub_to_job: dict[int, int] = {}
         self._retry: collections.deque[tuple[int, str, int, list[tuple[bytes, tuple[int, ...]]]]] = collections.deque()
@@ -293,18 +420,20 @@ class TieredKVWorker(OffloadingWorker):
 
     # ---- job building ---------------------------------------------------------------------
 
-    def _per_group(self, keys: Sequence[bytes], gpu: GPULoadStoreSpec) -> list[tuple[int, list[bytes], list[int], int]]:
-        """``(group, keys, block ids, first block index)`` of each group that has keys."""
-        by_group: dict[int, list[bytes]] = collections.defaultdict(list)
-        for k in keys:
-            by_group[_group_of(k)].append(bytes(k))
+    def _per_group(self, keys: Sequence[bytes], stored: Sequence[bytes], gpu: GPULoadStoreSpec
+                   ) -> list[tuple[int, list[bytes], list[bytes], list[int], int]]:
+        """``(group, keys, stored keys, block ids, first block index)`` of each group that has keys."""
+        by_group: dict[int, list[tuple[bytes, bytes]]] = collections.defaultdict(list)
+        for k, s in zip(keys, stored):
+            by_group[_group_of(k)].append((bytes(k), s))
         ids = [int(b) for b in gpu.block_ids]
         out, off = [], 0
         for g, size in enumerate(gpu.group_sizes):
             gids = ids[off : off + int(size)]
             off += int(size)
-            if by_group.get(g):
-                out.append((g, by_group.pop(g), gids, int(gpu.block_indices[g])))
+            pairs = by_group.pop(g, None)
+            if pairs:
+                out.append((g, [k for k, _ in pairs], [s for _, s in pairs], gids, int(gpu.block_indices[g])))
         if by_group:
             raise ValueError(f"keys of groups {sorted(by_group)} have no GPU blocks in the spec")
         return out
@@ -312,24 +441,36 @@ class TieredKVWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, TieredKVLoadStoreSpec)
         job = self._jobs[job_id] = _Job("store")
-        bpc = self.bpc
-        for g, keys, ids, first in self._per_group(dst_spec.keys, src_spec):
-            n = len(keys)
-            missing = n * bpc - len(ids)
-            if missing == 0 and first % bpc == 0:
-                chunk_keys, chunk_ids = keys, ids
-            elif missing > 0 and first % bpc == missing:
-                # vLLM stores a chunk whose leading blocks are null (out of the window) partially;
-                # tieredkv keeps whole chunks only: skip it (a later lookup answers MISS for it).
-                chunk_keys, chunk_ids = keys[1:], ids[bpc - missing :]
-                self.counters["partial_chunks_not_stored"] += 1
-            else:
-                self.counters["unmappable_chunks_not_stored"] += n
+        bpc, fp = self.bpc, dst_spec.fingerprint
+        unstored = self._sh.unstored
+        for g, keys, whole_keys, ids, first in self._per_group(dst_spec.keys, dst_spec.stored, src_spec):
+            layout = _chunk_positions(self.kinds[g], len(keys), len(ids), first, bpc)
+            if layout is None:
+                self.counters["unmappable_chunks_not_stored"] += len(keys)
+                unstored.update(whole_keys)
                 log.warning("tieredkv: store job %d group %d: %d keys for %d blocks (first %d); not stored",
-                            job_id, g, n, len(ids), first)
+                            job_id, g, len(keys), len(ids), first)
                 continue
-            chunks = [(self._fp + k, tuple(chunk_ids[i * bpc : (i + 1) * bpc])) for i, k in enumerate(chunk_keys)]
-            self._submit(job_id, "store", g, chunks)
+            chunks, j = [], 0
+            for k, whole, positions in zip(keys, whole_keys, layout):
+                blocks = ids[j : j + len(positions)]
+                j += len(positions)
+                valid_from = bpc - len(positions)
+                if positions != list(range(valid_from, bpc)) or valid_from > 255:
+                    # Sub-blocks missing after a written one: not a partial record tieredkv serves.
+                    self.counters["chunks_with_holes_not_stored"] += 1
+                    unstored.add(whole)
+                    continue
+                if valid_from:
+                    skey = fp + partial_chunk_key(k, valid_from)
+                    unstored.add(whole)  # a whole chunk may still be stored later
+                    self.counters["partial_chunks_stored"] += 1
+                else:
+                    skey = whole
+                job.whole[skey] = whole
+                chunks.append((skey, (0,) * valid_from + tuple(blocks)))
+            if chunks:
+                self._submit(job_id, "store", g, chunks)
         self._maybe_finish(job_id, job)
         return True
 
@@ -338,15 +479,24 @@ class TieredKVWorker(OffloadingWorker):
         assert isinstance(src_spec, TieredKVLoadStoreSpec)
         job = self._jobs[job_id] = _Job("load")
         bpc = self.bpc
-        for g, keys, ids, first in self._per_group(src_spec.keys, dst_spec):
+        hash_len = len(bytes(src_spec.keys[0])) - 4 if src_spec.keys else None
+        for g, _keys, stored, ids, first in self._per_group(src_spec.keys, src_spec.stored, dst_spec):
             start = (first // bpc) * bpc
-            chunks = []
-            for i, k in enumerate(keys):
+            chunks, bad = [], 0
+            for i, skey in enumerate(stored):
                 placed = []
                 for p in range(bpc):
                     logical = start + i * bpc + p - first
                     placed.append(ids[logical] if 0 <= logical < len(ids) else 0)
-                chunks.append((self._fp + k, tuple(placed)))
+                valid_from = partial_valid_from(skey, hash_len)
+                if any(placed[:valid_from]):
+                    bad += 1  # the load wants a sub-block that record never held
+                chunks.append((skey, tuple(placed)))
+            if bad:
+                self.counters["loads_refused_invalid_subblocks"] += bad
+                job.ok = False
+                job.errors.append(f"group {g}: {bad} chunks asked for sub-blocks their partial records do not hold")
+                continue
             self._submit(job_id, "load", g, chunks)
         if expedited:
             self.wait({job_id})
@@ -388,6 +538,8 @@ class TieredKVWorker(OffloadingWorker):
             job = self._jobs[job_id]
             job.subs.discard(r.job_id)
             job.nbytes += r.nbytes
+            if job.kind == "store" and r.failed:
+                self._sh.unstored.update(job.whole.get(k, k) for k in r.failed)
             if not r.ok:
                 if job.kind == "load":
                     job.ok = False

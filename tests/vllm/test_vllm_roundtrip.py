@@ -263,3 +263,39 @@ def test_namespace_from_offloading_config() -> None:
     ]
     fps = {namespace_from_offloading_config(v).fingerprint for v in variants} | {ns.fingerprint}
     assert len(fps) == len(variants) + 1
+
+
+@pytest.mark.parametrize("mode", ["TieredKVOffloadingSpec", "TieringOffloadingSpec"])
+@pytest.mark.parametrize("keep_on_reset", [False, True])
+def test_cache_reset_starts_new_generation(mode: str, keep_on_reset: bool, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM resets the connector on sleep and on weight updates: after it, nothing stored before
+    may be hit (a new cache generation: a fresh namespace fingerprint). ``keep_on_reset`` keeps
+    serving the old records (for resets that do not change the weights)."""
+    if mode == "TieringOffloadingSpec":
+        _tiering_on_cpu(monkeypatch)
+    extra = extra_config(mode, write_tiers(tmp_path / "t.yaml", "lmdb", None))
+    if mode == "TieredKVOffloadingSpec":
+        extra["keep_on_reset"] = keep_on_reset
+    else:
+        extra["secondary_tiers"][0]["keep_on_reset"] = keep_on_reset
+    runner = Runner(extra)
+    try:
+        prompt = [300 + (i * 53) % 700 for i in range(160)]
+        runner.new_request(prompt)
+        runner.run_until_done()
+        assert runner.scheduler.reset_prefix_cache(reset_connector=True)
+        for t in runner.kv.values():
+            t.zero_()
+        before = len(runner.recorded.prepare_load)
+        b = runner.new_request(prompt + [5] * 12)
+        runner.run_until_done()
+        loads = [k for _, keys in runner.recorded.prepare_load[before:] for k in keys]
+        if keep_on_reset:
+            assert loads, "keep_on_reset: the records written before the reset must still hit"
+            full = sum(1 for k in loads if k[-4:] == b"\x00\x00\x00\x00")
+            assert runner.check_kv(b, 0, full * BLOCK, groups=(0,)) == full * BLOCK
+        else:
+            assert not loads, f"{len(loads)} chunks stored before the cache reset were loaded after it"
+    finally:
+        runner.shutdown()

@@ -63,6 +63,7 @@ def test_stored_key_round_trip() -> None:
         {"parallel": ParallelLayout(rank=1)},
         {"format_version": 2},
         {"tenant_salt": "tenant-a"},
+        {"generation": "0123456789abcdef"},
     ],
 )
 def test_every_namespace_field_changes_the_fingerprint(change: dict) -> None:
@@ -128,3 +129,31 @@ def test_buffer_views() -> None:
         as_writable(b"abc")
     with pytest.raises(ValueError, match="contiguous"):
         as_readable(torch.zeros(4, 4)[:, 0])
+
+
+def test_generation_unset_keeps_the_fingerprint() -> None:
+    """A namespace that was never reset keeps the fingerprint it had before generations existed."""
+    import dataclasses
+
+    from tieredkv.keys import _canonical
+
+    ns = Namespace(model="m")
+    assert "generation" not in _canonical(ns)
+    assert dataclasses.replace(ns, generation="").fingerprint == ns.fingerprint
+
+
+def test_partial_chunk_keys() -> None:
+    from tieredkv.keys import partial_chunk_key, partial_valid_from
+
+    k = make_chunk_key(H, 1)
+    assert partial_chunk_key(k, 0) == k and partial_valid_from(k, len(H)) == 0
+    keys = {partial_chunk_key(k, v) for v in range(1, 4)}
+    assert len(keys) == 3 and k not in keys
+    for v in range(1, 4):
+        p = partial_chunk_key(k, v)
+        assert p[-4:] == k[-4:], "the group suffix stays last: routing and the record header use it"
+        assert partial_valid_from(p, len(H)) == v
+        ns = Namespace(model="m")
+        assert partial_valid_from(ns.fingerprint + p, len(H)) == v
+    with pytest.raises(ValueError):
+        partial_chunk_key(k, 256)

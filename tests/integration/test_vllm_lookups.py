@@ -1,0 +1,100 @@
+"""tieredkv's non-blocking lookups for vLLM's scheduler thread (no vLLM needed), on a real pipeline.
+
+vLLM asks one key at a time, defers a request whose lookup met a RETRY and asks all its keys again
+on a later step. The answers must stay while they are asked for (else a long prefix's answered and
+queued keys swap places every step), must not live on once nobody asks, and a resolved answer that
+nobody has read yet is not work the engine has to step for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from tieredkv.backends.cpu import CPUTier
+from tieredkv.config import CPUTierConfig, PipelineConfig, PolicyRule
+from tieredkv.integrations.vllm.lookups import AsyncLookups
+from tieredkv.keys import Namespace
+from tieredkv.pipeline import ChunkRef, Pipeline, StoreJob
+from tieredkv.policy import TierPolicy
+
+NS = Namespace(model="lookups-test")
+
+
+def _pipeline() -> tuple[Pipeline, list[bytes]]:
+    tier = CPUTier(CPUTierConfig(capacity_bytes=8 << 20, segment_bytes=1 << 20))
+    p = Pipeline([tier], TierPolicy([PolicyRule()], [tier.name]), PipelineConfig()).start()
+    kv = torch.arange(16 * 256, dtype=torch.int32).view(16, 256).to(torch.uint8).contiguous()
+    p.register_group(0, [kv], blocks_per_chunk=1)
+    keys = [NS.key(i.to_bytes(32, "big"), 0) for i in range(8)]
+    assert p.submit_store(StoreJob(1, 0, tuple(ChunkRef(k, (i,)) for i, k in enumerate(keys[:4]))))
+    assert p.drain(10)
+    return p, keys
+
+
+def _settle(lk: AsyncLookups, deadline_s: float = 10.0) -> None:
+    """Wait (for a condition, not a time) until every lookup sent has resolved."""
+    end = time.monotonic() + deadline_s
+    while lk.busy():
+        assert time.monotonic() < end, "lookup never resolved"
+        time.sleep(0.001)
+
+
+def _step(lk: AsyncLookups, keys: list[bytes]) -> list[Any]:
+    got = [lk.answer(k) for k in keys]
+    lk.flush()  # on_schedule_end
+    lk.end_step()
+    return got
+
+
+def test_answers_stay_while_asked_and_go_when_not() -> None:
+    p, keys = _pipeline()
+    try:
+        lk = AsyncLookups(p)
+        asked = keys[:6]  # 4 stored, 2 never stored
+        assert _step(lk, asked) == [None] * 6
+        assert not lk.has_unsent() and lk.queries == 1
+        _settle(lk)
+        # Every answer of the request arrives together, and again on each later ask: no alternation.
+        for _ in range(3):
+            assert _step(lk, asked) == ["hit"] * 4 + ["miss"] * 2
+        assert lk.queries == 1, "kept answers must not be asked of the tiers again"
+        # A step nobody asks drops them: a later ask goes to the tiers again (nothing stale lives on).
+        _step(lk, [])
+        assert _step(lk, asked[:1]) == [None]
+        assert lk.queries == 2
+    finally:
+        p.close()
+
+
+def test_deferred_request_gets_all_answers_at_once() -> None:
+    """The shape that made vLLM wait thousands of steps: keys 0-2 known, key 3 first asked later."""
+    p, keys = _pipeline()
+    try:
+        lk = AsyncLookups(p)
+        _step(lk, keys[:3])
+        _settle(lk)
+        first = _step(lk, keys[:4])  # 0-2 answered, 3 queued
+        assert first == ["hit", "hit", "hit", None]
+        _settle(lk)
+        assert _step(lk, keys[:4]) == ["hit"] * 4
+    finally:
+        p.close()
+
+
+def test_pending_work_is_only_unsent_keys() -> None:
+    p, keys = _pipeline()
+    try:
+        lk = AsyncLookups(p)
+        assert not lk.has_unsent()
+        lk.answer(keys[0])
+        assert lk.has_unsent()  # needs one more on_schedule_end to go out
+        lk.flush()
+        assert not lk.has_unsent()
+        _settle(lk)
+        # Resolved, never read: an idle engine must be allowed to stop here.
+        assert not lk.has_unsent() and not lk.busy()
+    finally:
+        p.close()

@@ -58,8 +58,8 @@ def write_tiers(path: Path, backend: str, redis_url: str | None) -> Path:
     if backend in ("lmdb", "mixed"):
         tiers.append({"kind": "lmdb", "name": "nvme", "path": str(path.parent / "lmdb"),
                       "map_size_bytes": "64MiB", "size_cap_bytes": "32MiB"})
-    if backend in ("redis", "mixed"):
-        tiers.append({"kind": "redis", "name": "redis", "url": redis_url,
+    if backend in ("redis", "mixed", "cluster"):
+        tiers.append({"kind": "redis", "name": "redis", "url": redis_url, "cluster": backend == "cluster",
                       "key_prefix": f"tkv-vllm-{path.parent.name}"})
     if backend == "mixed":
         policy = [{"kinds": ["sliding_window"], "tiers": ["redis"]}, {"tiers": ["nvme"]}]
@@ -71,10 +71,12 @@ def write_tiers(path: Path, backend: str, redis_url: str | None) -> Path:
     return path
 
 
-@pytest.fixture(params=["lmdb", "redis", "mixed"])
+@pytest.fixture(params=["lmdb", "redis", "mixed", "cluster"])
 def tiers_yaml(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
     url = None
-    if request.param != "lmdb":
+    if request.param == "cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    elif request.param != "lmdb":
         url = request.getfixturevalue("redis_server").url
     return request.param, write_tiers(tmp_path / "tiers.yaml", request.param, url)
 
@@ -163,7 +165,7 @@ def _assert_routes(store: Any, backend: str) -> None:
     """tieredkv's per-group policy decided the tiers: each group's chunks are where its route says."""
     routes = {g: store.policy.get(g).tiers for g in (0, 1)}
     want = {"lmdb": {0: ("nvme",), 1: ("nvme",)}, "redis": {0: ("redis",), 1: ("redis",)},
-            "mixed": {0: ("nvme",), 1: ("redis",)}}[backend]
+            "cluster": {0: ("redis",), 1: ("redis",)}, "mixed": {0: ("nvme",), 1: ("redis",)}}[backend]
     assert routes == want
 
 

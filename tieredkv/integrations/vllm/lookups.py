@@ -46,6 +46,11 @@ class AsyncLookups:
             self._queued[key] = None
         return None
 
+    def prefetch(self, key: bytes) -> None:
+        """Queue ``key`` for the next batch unless it is known or on its way (a likely next question)."""
+        if key not in self._answers and key not in self._inflight:
+            self._queued[key] = None
+
     def flush(self) -> None:
         """Send the queued keys as one batched lookup (returns at once)."""
         if not self._queued:

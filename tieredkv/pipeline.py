@@ -36,7 +36,7 @@ from tieredkv.backends.base import Tier
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.config import PipelineConfig
 from tieredkv.errors import TierClosedError, TieredKVError, TierFullError, TierUnavailableError
-from tieredkv.policy import CircuitBreaker, GroupRoute, TierPolicy
+from tieredkv.policy import BreakerState, CircuitBreaker, GroupRoute, TierPolicy
 from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, StagingPool
 
 __all__ = ["ChunkRef", "JobResult", "KeyState", "LoadJob", "Pipeline", "StoreJob"]
@@ -439,6 +439,27 @@ class Pipeline:
                 out[i] = (KeyState.HIT, name)
             todo = [i for i in todo if i not in hit]
         return out
+
+    def probe(self, key: bytes) -> KeyState | None:
+        """Answer a lookup of ``key`` at once, from the calling thread, when every tier of its route
+        can tell without waiting (:meth:`Tier.probe`: the CPU slab, a local LMDB); None when some
+        tier cannot (a Redis server) and no earlier tier holds it: ask :meth:`lookup_future`."""
+        if key in self._pending:
+            return KeyState.PENDING
+        if self._closed or self._loop is None:
+            return None
+        for name in self.policy.get(_group_of(key)).tiers:
+            lane = self._lanes.get(name)
+            if lane is None:
+                return None
+            if lane.breaker.state is not BreakerState.CLOSED:
+                return None  # let the asynchronous path (and its breaker probes) decide
+            got = lane.tier.probe([key])
+            if got is None:
+                return None
+            if got[0]:
+                return KeyState.HIT
+        return KeyState.MISS
 
     def pin(self, keys: Sequence[bytes]) -> None:
         """Protect ``keys`` from eviction in every tier until :meth:`unpin` (e.g. an accepted hit)."""

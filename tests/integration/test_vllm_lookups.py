@@ -1,9 +1,9 @@
 """tieredkv's non-blocking lookups for vLLM's scheduler thread (no vLLM needed), on a real pipeline.
 
 vLLM asks one key at a time, defers a request whose lookup met a RETRY and asks all its keys again
-on a later step. The answers must stay while they are asked for (else a long prefix's answered and
-queued keys swap places every step), must not live on once nobody asks, and a resolved answer that
-nobody has read yet is not work the engine has to step for.
+on a later step. The answers must stay until they are asked for again (else a long prefix's answered and queued
+keys swap places every step), must not live on once nobody asks for ``ttl_steps`` steps, and a
+resolved answer that nobody has read yet is not work the engine has to step for.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def _step(lk: AsyncLookups, keys: list[bytes]) -> list[Any]:
     return got
 
 
-def test_answers_stay_while_asked_and_go_when_not() -> None:
+def test_answers_stay_until_asked_and_expire_when_not() -> None:
     p, keys = _pipeline()
     try:
-        lk = AsyncLookups(p)
+        lk = AsyncLookups(p, ttl_steps=3)
         asked = keys[:6]  # 4 stored, 2 never stored
         assert _step(lk, asked) == [None] * 6
         assert not lk.has_unsent() and lk.queries == 1
@@ -61,10 +61,30 @@ def test_answers_stay_while_asked_and_go_when_not() -> None:
         for _ in range(3):
             assert _step(lk, asked) == ["hit"] * 4 + ["miss"] * 2
         assert lk.queries == 1, "kept answers must not be asked of the tiers again"
-        # A step nobody asks drops them: a later ask goes to the tiers again (nothing stale lives on).
+        # A deferred request the scheduler does not reach for a few steps still finds its answers.
         _step(lk, [])
+        _step(lk, [])
+        assert _step(lk, asked) == ["hit"] * 4 + ["miss"] * 2
+        assert lk.queries == 1
+        # ttl_steps without anyone asking drops them: a later ask goes to the tiers again.
+        for _ in range(4):
+            _step(lk, [])
         assert _step(lk, asked[:1]) == [None]
         assert lk.queries == 2
+    finally:
+        p.close()
+
+
+def test_answers_are_bounded() -> None:
+    p, keys = _pipeline()
+    try:
+        lk = AsyncLookups(p, max_answers=3)
+        _step(lk, keys)
+        _settle(lk)
+        _step(lk, [])
+        assert len(lk._answers) == 3
+        # the most recently asked stay and are served without asking the tiers again
+        assert _step(lk, keys[-3:]) == ["miss"] * 3 and lk.queries == 1
     finally:
         p.close()
 

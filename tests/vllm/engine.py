@@ -512,8 +512,10 @@ class Engine:
         result: RunResult | None = None,
         max_examples: int = 8,
         long_prefill_token_threshold: int = LONG_PREFILL_THRESHOLD,
+        settle: bool = False,
     ) -> None:
         assert groups[0] == "full" and set(groups) <= set(LAYER), groups
+        self.settle = settle
         self.groups = tuple(groups)
         self.has_mamba = "mamba" in groups
         self.async_scheduling = async_scheduling
@@ -826,6 +828,8 @@ class Engine:
                 w.start_load_kv(None)
             self._mark_off_grid_loads(meta)
             w.wait_for_save()
+            if self.settle:
+                self._settle()
             tr = w.get_transfer_results(so.finished_req_ids)
             out.finished_sending = tr.finished_sending or None
             out.finished_recving = tr.finished_recving or None
@@ -838,6 +842,16 @@ class Engine:
             res.empty_steps += 1
         return ModelRunnerOutput(req_ids=batch, req_id_to_index={r: i for i, r in enumerate(batch)},
                                  sampled_token_ids=sampled, kv_connector_output=out)
+
+    def _settle(self) -> None:
+        """A device step outlasts the tier I/O it overlaps: wait (for the condition, bounded) until
+        every transfer and lookup the offloading manager or its secondary tiers have in flight is
+        done, as the reference stand-in worker is done by the end of the step it copies in."""
+        mgr = getattr(self.connector_scheduler, "manager", None)
+        for obj in [mgr, *getattr(mgr, "secondary_tiers", ())]:
+            wait_idle = getattr(obj, "wait_idle", None)
+            if wait_idle is not None:
+                assert wait_idle(30.0), f"{type(obj).__name__}: I/O still in flight after 30 s"
 
     def _copy_poison(self, src: int, dst: int) -> None:
         if src in self.mamba_origin:
@@ -1011,6 +1025,7 @@ def run_engine(
     long_prefill_token_threshold: int = LONG_PREFILL_THRESHOLD,
     reset_connector: bool = False,
     workload: list[list[ReqSpec]] | None = None,
+    settle: bool = False,
 ) -> RunResult:
     """Run the workload once through the real scheduler + connector; see the module docstring."""
     t0 = time.perf_counter()
@@ -1020,7 +1035,7 @@ def run_engine(
         eng = Engine(extra_config, groups=tuple(groups), blocks_per_chunk=blocks_per_chunk,
                      async_scheduling=async_scheduling, num_gpu_blocks=num_gpu_blocks,
                      kv_connector=kv_connector, kv_connector_module_path=kv_connector_module_path, result=res,
-                     long_prefill_token_threshold=long_prefill_token_threshold)
+                     long_prefill_token_threshold=long_prefill_token_threshold, settle=settle)
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)
         except Exception as exc:  # noqa: BLE001 - reported, the caller decides

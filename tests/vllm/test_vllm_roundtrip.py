@@ -134,9 +134,11 @@ def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
         groups = store.stats()["groups"]
         assert groups[0]["load_chunks"] == len(res["full_keys"]) and groups[1]["load_chunks"] == len(res["swa_keys"])
         _assert_routes(store, backend)
-        # HIT_PENDING/RETRY appear, never a blocking call: lookups of unknown keys answered RETRY first
+        # Never a blocking call: LMDB answers at once from its memory-mapped B-tree (Tier.probe);
+        # a Redis route answers RETRY until the batched lookup is back.
         states = {s for _, _, s in runner.recorded.lookups}
-        assert "RETRY" in states and "HIT" in states
+        assert "HIT" in states
+        assert ("RETRY" in states) == (backend in ("redis", "cluster", "mixed")), states
     finally:
         runner.shutdown()
 
@@ -195,8 +197,7 @@ def test_import_tieredkv_does_not_import_vllm() -> None:
 
 def test_spec_manager_contract(tmp_path: Path) -> None:
     """prepare_store all-or-nothing (None = retry the same range; nothing dropped), written keys
-    HIT_PENDING until complete_store, unknown keys RETRY until the batched tier lookup answers,
-    loads pin their chunks in every tier until complete_load."""
+    HIT_PENDING until complete_store, unknown keys answered by the tier (at once for LMDB), loads pin their chunks in every tier until complete_load."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
     runner = Runner(extra_config("TieredKVOffloadingSpec", write_tiers(tmp_path / "t.yaml", "lmdb", None)))
@@ -213,7 +214,10 @@ def test_spec_manager_contract(tmp_path: Path) -> None:
         out = m.prepare_store(k[1:], ctx)  # k[1] is stored: not offered again; the rest accepted whole
         assert out is not None and out.keys_to_store == k[2:]
         m.complete_store(k[2:], ctx)
-        assert m.lookup(k[3], ctx) is LookupResult.RETRY  # asked the tiers, never waited
+        # An LMDB route answers at once from its memory-mapped B-tree (never waits on a writer);
+        # the batched asynchronous lookup is for routes with a network tier.
+        # Nothing was written (no worker ran): bookkeeping alone never makes a hit, the tier decides.
+        assert m.lookup(k[3], ctx) is LookupResult.MISS
         m.on_schedule_end(None)
         fp = m.spec.namespace.fingerprint
         spec = m.prepare_load([k[0]], ctx)

@@ -153,6 +153,15 @@ class Tier(ABC):
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins
 
+    # ---- synchronous probe ---------------------------------------------------------
+
+    def probe(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each key holds a record, answered at once from any thread without I/O that can
+        wait (an in-process index, a memory-mapped B-tree), or None when this tier cannot (a
+        network server). Advisory, like ``contains_many``: ``get_many`` still verifies. The
+        scheduler side uses it to answer a lookup in the step it is asked instead of one later."""
+        return None
+
     # ---- observers -----------------------------------------------------------------
 
     def add_observer(self, fn: OpObserver) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,13 @@ class CPUTier(Tier):
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         return [k in self._index for k in keys]
+
+    def probe(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """From the in-process index (a dict membership test is atomic under the GIL)."""
+        if self._closed or not self._opened:
+            return None
+        index = self._index
+        return [k in index for k in keys]
 
     async def _delete_many(self, keys: list[bytes]) -> int:
         n = 0

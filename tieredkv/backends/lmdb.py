@@ -33,7 +33,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -307,6 +307,17 @@ class LMDBTier(Tier):
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         return await self._run(self._contains_sync, keys)
+
+    def probe(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """One read transaction on the memory-mapped B-tree (LMDB readers never wait on writers);
+        None while the environment is not open or when LMDB refuses (e.g. a map another process
+        grew: the asynchronous path handles that)."""
+        if self._env is None or self._closed:
+            return None
+        try:
+            return self._contains_sync(list(keys))
+        except Exception:  # noqa: BLE001 - advisory: the asynchronous lookup will answer
+            return None
 
     def _contains_sync(self, keys: list[bytes]) -> list[bool]:
         with self._env.begin(db=self._rec, buffers=True) as txn:

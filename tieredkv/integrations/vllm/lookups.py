@@ -5,12 +5,12 @@ what it already knows; an unknown key is queued (the caller answers RETRY), the 
 as one ``Pipeline.lookup_future`` at the end of the scheduler step, and the answer is there for
 a later step.
 
-An answer is kept while it is being asked for: vLLM defers a request whose lookup met a RETRY
-and asks every key of it again on a later step, so an answer read in step *s* stays for step
-*s + 1*; one not asked for during a whole step is dropped at that step's end (so nothing stale
-lives on: a later lookup asks the tiers again). Dropping answers as soon as they are read makes
-the answered and the queued keys of a long prefix swap places every step and the request wait
-for thousands of steps.
+An answer is kept until it is asked for again: vLLM defers a request whose lookup met a RETRY
+and asks every key of it again when the scheduler next reaches it (the next step, or later when
+the batch is full), so an answer stays until ``ttl_steps`` steps pass without anyone asking for it
+(then a later lookup asks the tiers again: nothing stale lives on for long). Dropping answers as
+soon as they are read makes the answered and the queued keys of a long prefix swap places every
+step and the request wait for thousands of steps.
 """
 
 from __future__ import annotations
@@ -25,23 +25,35 @@ log = logging.getLogger(__name__)
 
 
 class AsyncLookups:
-    def __init__(self, pipeline: Any) -> None:
+    def __init__(self, pipeline: Any, *, ttl_steps: int = 32, max_answers: int = 1 << 16) -> None:
         self._pipeline = pipeline
+        self.ttl_steps = ttl_steps
+        self.max_answers = max_answers
+        self._step = 0
+        self._last_asked: dict[bytes, int] = {}
         self._queued: dict[bytes, None] = {}
         self._inflight: dict[bytes, Future[Any]] = {}
         self._futures: list[tuple[Future[Any], list[bytes]]] = []
         self._answers: dict[bytes, str] = {}
-        self._fresh: set[bytes] = set()  # answered since the last end_step, or read during this step
         self.queries = 0
         self.keys_sent = 0
+        self.probes = 0
 
-    def answer(self, key: bytes) -> str | None:
-        """``"hit"`` / ``"pending"`` / ``"miss"`` when known, else None (queued; ask again next step)."""
+    def answer(self, key: bytes, probe: Any = None) -> str | None:
+        """``"hit"`` / ``"pending"`` / ``"miss"`` when known, else None (queued; ask again next step).
+
+        ``probe(key)`` (e.g. ``Pipeline.probe``) may answer an unknown key at once, where every
+        tier of its route can tell without waiting; its answer is used, not kept."""
         self._poll()
         state = self._answers.get(key)
         if state is not None:
-            self._fresh.add(key)
+            self._touch(key)
             return state
+        if probe is not None and key not in self._inflight:
+            got = probe(key)
+            if got is not None:
+                self.probes += 1
+                return str(got.value)
         if key not in self._inflight:
             self._queued[key] = None
         return None
@@ -63,7 +75,7 @@ class AsyncLookups:
             log.warning("tieredkv lookup of %d keys not sent: %s", len(keys), e)
             for k in keys:
                 self._answers[k] = "miss"
-                self._fresh.add(k)
+                self._touch(k)
             return
         self.queries += 1
         self.keys_sent += len(keys)
@@ -72,15 +84,27 @@ class AsyncLookups:
             self._inflight[k] = fut
 
     def end_step(self) -> None:
-        """Drop the answers nobody asked for during this step (answers that arrived meanwhile stay)."""
+        """Drop the answers nobody asked for during the last ``ttl_steps`` steps (and the oldest
+        beyond ``max_answers``)."""
         self._poll()
-        if len(self._fresh) < len(self._answers):
-            self._answers = {k: v for k, v in self._answers.items() if k in self._fresh}
-        self._fresh.clear()
+        self._step += 1
+        oldest = self._step - self.ttl_steps
+        last = self._last_asked  # least recently asked first
+        while last:
+            k, t = next(iter(last.items()))
+            if t >= oldest and len(last) <= self.max_answers:
+                break
+            del last[k]
+            self._answers.pop(k, None)
+
+    def _touch(self, key: bytes) -> None:
+        self._last_asked.pop(key, None)
+        self._last_asked[key] = self._step
 
     def forget(self, keys: Any) -> None:
         for k in keys:
             self._answers.pop(k, None)
+            self._last_asked.pop(k, None)
 
     def has_unsent(self) -> bool:
         """Keys queued but not yet sent: the next step's ``on_schedule_end`` must run to send them."""
@@ -91,10 +115,23 @@ class AsyncLookups:
         self._poll()
         return bool(self._queued or self._futures)
 
+    def wait(self, timeout: float | None = 10.0) -> bool:
+        """Block until every lookup sent has resolved (tests and orderly shutdown only; the
+        scheduler thread never calls this)."""
+        import concurrent.futures
+
+        futs = [f for f, _ in self._futures]
+        if futs:
+            _, not_done = concurrent.futures.wait(futs, timeout=timeout)
+            if not_done:
+                return False
+        self._poll()
+        return True
+
     def clear(self) -> None:
         self._queued.clear()
         self._answers.clear()
-        self._fresh.clear()
+        self._last_asked.clear()
         for fut, _ in self._futures:
             fut.cancel()
         self._futures.clear()
@@ -117,5 +154,5 @@ class AsyncLookups:
                 if self._inflight.get(k) is fut:
                     del self._inflight[k]
                 self._answers[k] = s
-                self._fresh.add(k)
+                self._touch(k)  # arrived now: counts as asked this step
         self._futures = still

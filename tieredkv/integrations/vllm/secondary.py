@@ -122,11 +122,13 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         skey = self._skey(key)
         if skey in self._writing:
-            return LookupResult.RETRY
+            self._collect()  # a finished write must not keep answering RETRY until some other call polls
+            if skey in self._writing:
+                return LookupResult.RETRY
         if skey in self._present:
             return LookupResult.HIT  # written or read here; a stale answer fails the promotion, not the engine
         self._collect()
-        state = self._lookups.answer(skey)
+        state = self._lookups.answer(skey, self.store.pipeline.probe)
         if state is None:
             return LookupResult.RETRY
         if state == "hit":
@@ -181,6 +183,11 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         # on_schedule_end to be sent. A resolved answer nobody has read yet is not work.
         self._collect()
         return bool(self._jobs) or self._lookups.has_unsent()
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every transfer and lookup in flight has finished (tests, orderly stop;
+        never called by vLLM)."""
+        return self.store.pipeline.drain(timeout) and self._lookups.wait(timeout)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the tiers keep their own LRU on access

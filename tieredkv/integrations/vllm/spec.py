@@ -233,7 +233,7 @@ class TieredKVManager(OffloadingManager):
         pipeline = self.store.pipeline
         states = []
         for cand in self._candidates(key, skey):
-            state = "pending" if pipeline.is_pending(cand) else self._lookups.answer(cand)
+            state = "pending" if pipeline.is_pending(cand) else self._lookups.answer(cand, pipeline.probe)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:
@@ -337,6 +337,13 @@ class TieredKVManager(OffloadingManager):
         # Answers resolve on tieredkv's loop thread by themselves; a request waiting for one keeps
         # the engine stepping anyway. Only keys not yet sent need another on_schedule_end.
         return self._lookups.has_unsent()
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every transfer and lookup in flight has finished (False on timeout).
+
+        Not part of vLLM's interface and never called by vLLM: for tests that model a forward
+        pass longer than the tier I/O it overlaps, and for an orderly stop."""
+        return self.store.pipeline.drain(timeout) and self._lookups.wait(timeout)
 
     def reset_cache(self) -> None:
         self._stored.clear()

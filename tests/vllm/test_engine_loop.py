@@ -1,0 +1,216 @@
+"""tieredkv under engine-like vLLM 0.33 schedules, next to vLLM's own CPU offloading path.
+
+Every row (KV groups × ``blocks_per_chunk`` × async scheduling) runs the three-phase workload of
+``tests/vllm/engine.py`` — chunked prefill, six concurrent requests sharing prefixes, a GPU block
+pool small enough to preempt and resume, GPU prefix-cache resets and zeroed "GPU" KV between
+phases, multi-turn extensions — through vLLM's real ``Scheduler`` / ``AsyncScheduler`` and
+``OffloadingConnector`` with an emulated model runner that checks every KV byte (and Mamba state)
+a forward reads, every step. The same schedule runs with:
+
+* ``ref`` — vLLM's own ``CPUOffloadingSpec`` (its CUDA worker replaced by a CPU stand-in that
+  copies within the step);
+* ``spec-cpu`` / ``spec-lmdb`` / ``spec-redis`` — ``TieredKVOffloadingSpec`` over one tier;
+* ``sec-lmdb`` / ``sec-redis`` — ``TieredKVSecondaryTier`` under vLLM's ``TieringOffloadingSpec``,
+  vLLM's primary CPU tier reset between phases (``keep_on_reset: true`` keeps tieredkv's records),
+  so every hit of a later phase is promoted from tieredkv;
+* ``cap1-lmdb`` — the spec with ``max_inflight_store_chunks: 1``: full-attention batches are
+  deferred all the time, sliding-window and Mamba keys must still never be lost;
+* ``async-lmdb`` / ``async-redis`` — the spec without settling (real asynchronous timing).
+
+"settle": the harness lets I/O started in a step finish before the step ends (the reference's
+stand-in copies synchronously; a device step outlasts tier I/O), so the rows compare what the
+manager *decides*, not how fast this 2-core box is. Rows without settling check the same
+correctness (idle, 0 wrong bytes) under real asynchronous timing.
+
+Asserted per row: every run reaches idle (no spinning: ``has_pending_work`` is false once the work
+is done), 0 wrong bytes, every request finishes with the model's tokens, steps ≤ vLLM's ×1.25 (+8)
+(×1.6 + 20 unsettled), and hit tokens of every group ≥ 0.9× vLLM's own path (settled runs).
+
+Known gaps are reported as an xfail with their numbers, never hidden, and only where the cause
+is outside what this issue changes: on hybrid rows (SWA + Mamba), a path whose lookup of a new
+prefix is answered a step later — a Redis-only route (a network server cannot be probed without
+waiting, and the scheduler thread never waits) or vLLM's own tiering manager (it promotes a
+secondary-tier hit into its primary before the load) — shifts which sliding-window / Mamba
+boundaries vLLM 0.33's store logic keeps (only replay and shared-prefix boundaries), and later
+hits can fall under 0.9×. ``cap1-lmdb`` hits are reported, not compared: vLLM's connector drops a
+full-attention chunk refused on a request's last store pass (tieredkv's own connector is the fix
+for both); what is asserted there is that no sliding-window or Mamba key is ever declined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.engine import GROUP_SETS, RunResult, reference_extra_config, run_engine
+
+pytestmark = pytest.mark.vllm
+
+ROWS = [(g, bpc, a) for g in GROUP_SETS for bpc in (1, 2, 4) for a in (False, True)]
+HIT_RATIO = 0.9
+STEP_RATIO, STEP_SLACK = 1.25, 8
+_REPORT: list[dict[str, Any]] = []
+
+
+def _row_id(row: tuple[tuple[str, ...], int, bool]) -> str:
+    groups, bpc, a = row
+    return f"{'+'.join(groups)}-bpc{bpc}-{'async' if a else 'sync'}"
+
+
+def _tiers_file(path: Path, kind: str, url: str | None = None, cluster: bool = False) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    tier = {
+        "cpu": {"kind": "cpu", "name": "cpu", "capacity_bytes": "16MiB"},
+        "lmdb": {"kind": "lmdb", "name": "nvme", "path": str(path / "lmdb"), "map_size_bytes": "64MiB",
+                 "size_cap_bytes": "32MiB"},
+        "redis": {"kind": "redis", "name": "redis", "url": url, "cluster": cluster,
+                  "key_prefix": f"tkv-loop-{uuid.uuid4().hex[:12]}"},  # cold, like the reference
+    }[kind]
+    f = path / "tiers.json"
+    f.write_text(json.dumps({"version": 1, "namespace": {"model": "engine-loop"}, "tiers": [tier],
+                             "pipeline": {"staging_bytes": "8MiB"}}))
+    return f
+
+
+def spec_extra(bpc: int, tiers: Path, **kw: Any) -> dict[str, Any]:
+    return {"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tieredkv.integrations.vllm",
+            "tieredkv_config": str(tiers), "blocks_per_chunk": bpc, **kw}
+
+
+def secondary_extra(bpc: int, tiers: Path) -> dict[str, Any]:
+    return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": bpc,
+            "secondary_tiers": [{"type": "TieredKVSecondaryTier", "module_path": "tieredkv.integrations.vllm",
+                                 "config": str(tiers), "keep_on_reset": True}]}
+
+
+def assert_healthy(name: str, r: RunResult) -> None:
+    assert r.error is None, (name, r.error, r.wrong_examples[:2])
+    assert r.stalled is None, (name, r.stalled)
+    assert r.idle_reached, (name, "never went idle", r.phase_idle, r.phase_steps_to_idle, r.budget_exhausted)
+    assert r.wrong_bytes == 0 and r.wrong_slots == 0, (name, r.wrong_examples[:3])
+    assert not r.wrong_outputs and not r.unfinished_requests, (name, r.wrong_outputs, r.unfinished_requests)
+    assert r.checked_slots > 10_000, (name, r.checked_slots)
+
+
+def _record(row: tuple[tuple[str, ...], int, bool], runs: dict[str, RunResult]) -> dict[str, Any]:
+    groups, bpc, a = row
+    rec = {"groups": "+".join(groups), "bpc": bpc, "async": a, "runs": {}}
+    for name, r in runs.items():
+        rec["runs"][name] = {"steps": r.steps, "hits": {g: r.hit_tokens.get(g, 0) for g in groups},
+                             "preemptions": r.preemptions, "deferred_lookups": r.deferred_lookups,
+                             "max_request_steps": r.max_request_steps, "wrong_bytes": r.wrong_bytes,
+                             "mamba_off_grid_loads": r.mamba_off_grid_loads,
+                             "steps_to_idle": r.phase_steps_to_idle, "wall_s": round(r.wall_s, 2)}
+        print(f"{name:10} {r.summary()}")
+    _REPORT.append(rec)
+    out = os.environ.get("ENGINE_LOOP_REPORT")
+    if out:
+        Path(out).write_text(json.dumps(_REPORT, indent=1))
+    return rec
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[_row_id(r) for r in ROWS])
+def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_path: Path,
+                                  redis_server: Any) -> None:
+    groups, bpc, a = row
+    kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": a}
+    runs = {"ref": run_engine(reference_extra_config(bpc), **kw)}
+    for kind in ("cpu", "lmdb", "redis"):
+        tiers = _tiers_file(tmp_path / f"spec-{kind}", kind, redis_server.url)
+        runs[f"spec-{kind}"] = run_engine(spec_extra(bpc, tiers), settle=True, **kw)
+    for kind in ("lmdb", "redis"):
+        tiers = _tiers_file(tmp_path / f"sec-{kind}", kind, redis_server.url)
+        runs[f"sec-{kind}"] = run_engine(secondary_extra(bpc, tiers), settle=True, tiering_cpu_worker=True,
+                                         reset_connector=True, **kw)
+    declined_windowed: list[int] = []
+    with _watch_refusals(declined_windowed):
+        tiers = _tiers_file(tmp_path / "cap1-lmdb", "lmdb")
+        runs["cap1-lmdb"] = run_engine(spec_extra(bpc, tiers, max_inflight_store_chunks=1), settle=True, **kw)
+    for kind in ("lmdb", "redis"):
+        tiers = _tiers_file(tmp_path / f"async-{kind}", kind, redis_server.url)
+        runs[f"async-{kind}"] = run_engine(spec_extra(bpc, tiers), **kw)
+    _record(row, runs)
+    ref = runs["ref"]
+    assert_healthy("ref", ref)
+    assert not declined_windowed, f"{sum(declined_windowed)} sliding-window / Mamba keys declined"
+    assert runs["cap1-lmdb"].prepare_store_refused, "cap 1 never deferred a batch: the variant tests nothing"
+    gaps = []
+    for name, r in runs.items():
+        assert_healthy(name, r)
+        settled = not name.startswith("async-")
+        ratio, slack = (STEP_RATIO, STEP_SLACK) if settled else (1.6, 20)
+        assert r.steps <= ref.steps * ratio + slack, (name, r.steps, ref.steps)
+        if not settled or name == "cap1-lmdb":
+            continue
+        for g in groups:
+            if r.hit_tokens.get(g, 0) >= HIT_RATIO * ref.hit_tokens.get(g, 0):
+                continue
+            gap = (name, g, r.hit_tokens.get(g, 0), ref.hit_tokens.get(g, 0))
+            assert name in DEFERRED_LOOKUP_PATHS and "mamba" in groups, gap
+            gaps.append(gap)
+    if gaps:
+        pytest.xfail(f"hybrid row, lookup of new prefixes answered a step later: {gaps}")
+
+
+DEFERRED_LOOKUP_PATHS = ("spec-redis", "sec-lmdb", "sec-redis")
+
+
+@contextlib.contextmanager
+def _watch_refusals(declined_windowed: list[int]) -> Iterator[None]:
+    """Record every ``prepare_store`` that tieredkv's manager answers None for a batch holding a
+    sliding-window or Mamba key (vLLM may never offer such a key again: it must not happen)."""
+    from tieredkv.integrations.vllm.spec import TieredKVManager
+
+    orig = TieredKVManager.prepare_store
+
+    def prepare_store(self: Any, keys: Any, ctx: Any) -> Any:
+        out = orig(self, keys, ctx)
+        windowed = [k for k in keys if int.from_bytes(bytes(k)[-4:], "big") in self._windowed]
+        if out is None and windowed:
+            declined_windowed.append(len(windowed))
+        return out
+
+    TieredKVManager.prepare_store = prepare_store  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TieredKVManager.prepare_store = orig  # type: ignore[method-assign]
+
+
+def test_engine_loop_redis_cluster(tmp_path: Path, redis_cluster: Any) -> None:
+    """The spec over a real 3-master Redis Cluster on the hybrid schedule: idle, 0 wrong bytes."""
+    groups, bpc = ("full", "swa", "mamba"), 2
+    ref = run_engine(reference_extra_config(bpc), groups=groups, blocks_per_chunk=bpc, async_scheduling=True)
+    tiers = _tiers_file(tmp_path / "cluster", "redis", redis_cluster.url, cluster=True)
+    r = run_engine(spec_extra(bpc, tiers), groups=groups, blocks_per_chunk=bpc, async_scheduling=True, settle=True)
+    print(f"ref        {ref.summary()}\ncluster    {r.summary()}")
+    assert_healthy("cluster", r)
+    assert all(r.hit_tokens.get(g, 0) > 0 for g in groups), r.hit_tokens
+    assert r.steps <= ref.steps * STEP_RATIO + STEP_SLACK
+
+
+def test_engine_loop_cache_reset_serves_nothing_older(tmp_path: Path) -> None:
+    """A connector reset between phases (vLLM: sleep, weight update) starts a new cache generation:
+    later phases get no hit from earlier ones, and still no wrong byte; with ``keep_on_reset``
+    they do."""
+    groups, bpc = ("full", "swa", "mamba"), 4
+    kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "settle": True}
+    plain = run_engine(spec_extra(bpc, _tiers_file(tmp_path / "a", "lmdb")), **kw)
+    reset = run_engine(spec_extra(bpc, _tiers_file(tmp_path / "b", "lmdb")), reset_connector=True, **kw)
+    kept = run_engine(spec_extra(bpc, _tiers_file(tmp_path / "c", "lmdb"), keep_on_reset=True),
+                      reset_connector=True, **kw)
+    for name, r in (("plain", plain), ("reset", reset), ("kept", kept)):
+        print(f"{name:6} {r.summary()}")
+        assert_healthy(name, r)
+    later = [rec for rec in reset.requests.values() if rec.phase > 0]
+    assert later and all(not rec.external_hits or rec.preemptions for rec in later), [
+        (rec.name, rec.external_hits) for rec in later]
+    assert sum(reset.hit_tokens.values()) < sum(plain.hit_tokens.values())
+    assert kept.hit_tokens == plain.hit_tokens

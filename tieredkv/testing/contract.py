@@ -132,6 +132,20 @@ class TierContract:
         assert await tier.get_many([k1]) == [None]
         assert await tier.delete_many([k1]) == 0
 
+    async def test_probe_agrees_with_contains(self, tier: Tier, ns: Namespace) -> None:
+        """``probe`` (synchronous, from any thread) is None or the same answer as ``contains_many``."""
+        import asyncio
+
+        k1, k2, k3 = ns.key(_h(31), 0), ns.key(_h(32), 0), ns.key(_h(33), 1)
+        await tier.put_many([(k1, payload(64)), (k3, payload(64))])
+        await tier.delete_many([k3])
+        want = await tier.contains_many([k1, k2, k3])
+        assert want == [True, False, False]
+        got = await asyncio.to_thread(tier.probe, [k1, k2, k3])  # another thread, as the scheduler's
+        assert got is None or got == want, got
+        if tier.kind in ("cpu", "lmdb"):
+            assert got == want, f"{tier.kind}: an in-process tier must answer probe"
+
     async def test_pinned_keys_are_not_deleted(self, tier: Tier, ns: Namespace) -> None:
         key = ns.key(_h(1), 0)
         await tier.put_many([(key, payload(10))])

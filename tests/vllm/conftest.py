@@ -27,3 +27,15 @@ else:
         import vllm
 
         assert vllm.__version__.startswith("0.33."), f"tests/vllm needs vLLM 0.33.x, found {vllm.__version__}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    """The engine-loop table: hit tokens per group next to vLLM's own path, per row."""
+    import sys
+
+    mod = sys.modules.get("tests.vllm.test_engine_loop")
+    lines = mod.report_table() if mod is not None else []
+    if lines:
+        terminalreporter.section("engine loop: hit tokens per group (full/swa/mamba), steps")
+        for line in lines:
+            terminalreporter.write_line(line)

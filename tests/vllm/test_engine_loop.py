@@ -15,7 +15,8 @@ a forward reads, every step. The same schedule runs with:
   so every hit of a later phase is promoted from tieredkv;
 * ``cap1-lmdb`` — the spec with ``max_inflight_store_chunks: 1``: full-attention batches are
   deferred all the time, sliding-window and Mamba keys must still never be lost;
-* ``async-lmdb`` / ``async-redis`` — the spec without settling (real asynchronous timing).
+* ``async-lmdb`` / ``async-redis`` / ``async-sec-redis`` — without settling (real asynchronous
+  timing): the spinning checks.
 
 "settle": the harness lets I/O started in a step finish before the step ends (the reference's
 stand-in copies synchronously; a device step outlasts tier I/O), so the rows compare what the
@@ -90,6 +91,19 @@ def secondary_extra(bpc: int, tiers: Path) -> dict[str, Any]:
                                  "config": str(tiers), "keep_on_reset": True}]}
 
 
+def report_table() -> list[str]:
+    """Hit tokens per group (full/swa/mamba) and steps of every run, vLLM's own path first."""
+    lines = []
+    for rec in _REPORT:
+        head = f"{rec['groups']:15} bpc={rec['bpc']} {'async' if rec['async'] else 'sync '}"
+        cells = []
+        for name, run in rec["runs"].items():
+            hits = "/".join(str(v) for v in run["hits"].values())
+            cells.append(f"{name} {hits} ({run['steps']} steps)")
+        lines.append(head + " | " + " | ".join(cells))
+    return lines
+
+
 def assert_healthy(name: str, r: RunResult) -> None:
     assert r.error is None, (name, r.error, r.wrong_examples[:2])
     assert r.stalled is None, (name, r.stalled)
@@ -136,6 +150,9 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
     for kind in ("lmdb", "redis"):
         tiers = _tiers_file(tmp_path / f"async-{kind}", kind, redis_server.url)
         runs[f"async-{kind}"] = run_engine(spec_extra(bpc, tiers), **kw)
+    tiers = _tiers_file(tmp_path / "async-sec-redis", "redis", redis_server.url)
+    runs["async-sec-redis"] = run_engine(secondary_extra(bpc, tiers), tiering_cpu_worker=True, reset_connector=True,
+                                         **kw)
     _record(row, runs)
     ref = runs["ref"]
     assert_healthy("ref", ref)
@@ -214,3 +231,38 @@ def test_engine_loop_cache_reset_serves_nothing_older(tmp_path: Path) -> None:
         (rec.name, rec.external_hits) for rec in later]
     assert sum(reset.hit_tokens.values()) < sum(plain.hit_tokens.values())
     assert kept.hit_tokens == plain.hit_tokens
+
+
+def test_partial_records_and_mamba_states_round_trip(tmp_path: Path) -> None:
+    """``blocks_per_chunk`` 4 with a window of 2 blocks and a Mamba group: vLLM sends sliding-window
+    chunks whose leading blocks left the window and Mamba chunks with one state block in the last
+    slot. They are stored as partial records, found by lookups, loaded, and every byte and state the
+    forwards then read is right."""
+    from tieredkv.integrations.vllm.spec import TieredKVManager, TieredKVWorker
+
+    seen: dict[str, Any] = {}
+    orig_m, orig_w = TieredKVManager.shutdown, TieredKVWorker.shutdown
+
+    def m_shutdown(self: Any) -> None:
+        seen["manager"] = dict(self.counters)
+        orig_m(self)
+
+    def w_shutdown(self: Any) -> None:
+        seen["worker"] = dict(self.counters)
+        orig_w(self)
+
+    TieredKVManager.shutdown, TieredKVWorker.shutdown = m_shutdown, w_shutdown  # type: ignore[method-assign]
+    try:
+        groups = ("full", "swa", "mamba")
+        r = run_engine(spec_extra(4, _tiers_file(tmp_path / "p", "lmdb")), groups=groups, blocks_per_chunk=4,
+                       async_scheduling=True, settle=True)
+    finally:
+        TieredKVManager.shutdown, TieredKVWorker.shutdown = orig_m, orig_w  # type: ignore[method-assign]
+    print(r.summary(), seen)
+    assert_healthy("partial", r)
+    assert seen["worker"].get("partial_chunks_stored", 0) > 0, seen
+    assert seen["manager"].get("load_partial_chunks", 0) > 0, seen
+    assert not seen["worker"].get("unmappable_chunks_not_stored") and not seen["worker"].get(
+        "chunks_with_holes_not_stored"), seen
+    assert r.hit_tokens["swa"] > 0 and r.hit_tokens["mamba"] > 0
+    assert r.mamba_loaded_states_checked > 0 and r.mamba_loaded_states_ok == r.mamba_loaded_states_checked

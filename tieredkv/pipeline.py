@@ -462,11 +462,14 @@ class Pipeline:
         return KeyState.MISS
 
     def pin(self, keys: Sequence[bytes]) -> None:
-        """Protect ``keys`` from eviction in every tier until :meth:`unpin` (e.g. an accepted hit)."""
-        self._call_soon(lambda: [t.pin_many(keys) for t in self.tiers.values()])
+        """Protect ``keys`` from eviction in every tier until :meth:`unpin` (e.g. an accepted hit).
+        Applied at once, from the calling thread: an eviction the loop runs next cannot take them."""
+        for t in self.tiers.values():
+            t.pin_many(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        self._call_soon(lambda: [t.unpin_many(keys) for t in self.tiers.values()])
+        for t in self.tiers.values():
+            t.unpin_many(keys)
 
     def breaker_states(self) -> dict[str, str]:
         return {n: lane.breaker.state.value for n, lane in self._lanes.items()}

@@ -305,3 +305,30 @@ def test_cache_reset_starts_new_generation(mode: str, keep_on_reset: bool, tmp_p
             assert not loads, f"{len(loads)} chunks stored before the cache reset were loaded after it"
     finally:
         runner.shutdown()
+
+
+def test_group_kinds_from_offloading_config() -> None:
+    """Full attention has no window; a bounded window over attention layers is a sliding window;
+    a one-chunk window over non-attention layers is Mamba (vLLM gives Mamba a window of one chunk
+    and does not pass the KV spec). ``group_kinds`` overrides; a bad one names the fix."""
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    from tieredkv.errors import ConfigError
+    from tieredkv.integrations.vllm.namespace import group_kind, group_kinds
+
+    full = OffloadingGroupConfig(16, ("model.layers.0.self_attn.attn",), 0)
+    swa = OffloadingGroupConfig(16, ("model.layers.1.self_attn.attn",), 1, 2)
+    swa1 = OffloadingGroupConfig(16, ("model.layers.1.self_attn.attn",), 1, 1)
+    mamba = OffloadingGroupConfig(64, ("model.layers.2.mixer",), 2, 1)
+    assert [group_kind(g) for g in (full, swa, swa1, mamba)] == ["full", "sliding_window", "sliding_window", "mamba"]
+    assert group_kind(swa1, "mamba") == "mamba"
+
+    class Cfg:
+        groups = (full, mamba)
+
+    assert group_kinds(Cfg()) == ["full", "mamba"]
+    assert group_kinds(Cfg(), ["full", "sliding_window"]) == ["full", "sliding_window"]
+    with pytest.raises(ConfigError, match="one of 'full'"):
+        group_kinds(Cfg(), ["full"])
+    with pytest.raises(ConfigError, match="allowed"):
+        group_kinds(Cfg(), ["full", "ssm"])

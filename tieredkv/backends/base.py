@@ -93,6 +93,7 @@ class Tier(ABC):
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
         self._pins: Counter[bytes] = Counter()
+        self._pin_lock = threading.Lock()
         self._observers: list[OpObserver] = []
         self._opened = False
         self._closed = False
@@ -138,17 +139,20 @@ class Tier(ABC):
     # ---- pins ----------------------------------------------------------------------
 
     def pin_many(self, keys: Iterable[bytes]) -> None:
-        """Protect ``keys`` from eviction and deletion until :meth:`unpin_many` (counted)."""
-        for k in keys:
-            self._pins[k] += 1
+        """Protect ``keys`` from eviction and deletion until :meth:`unpin_many` (counted). Safe from
+        any thread: the scheduler pins a hit in the step it accepts it, not when the loop gets to it."""
+        with self._pin_lock:
+            for k in keys:
+                self._pins[k] += 1
 
     def unpin_many(self, keys: Iterable[bytes]) -> None:
-        for k in keys:
-            n = self._pins[k] - 1
-            if n > 0:
-                self._pins[k] = n
-            else:
-                self._pins.pop(k, None)
+        with self._pin_lock:
+            for k in keys:
+                n = self._pins[k] - 1
+                if n > 0:
+                    self._pins[k] = n
+                else:
+                    self._pins.pop(k, None)
 
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins

@@ -107,6 +107,35 @@ async def test_lmdb_map_grows_on_map_full(tmp_path: Path) -> None:
         assert all(await tier.contains_many([k(j) for j in range(200)]))
 
 
+async def test_lmdb_probe_from_another_thread_while_the_map_grows(tmp_path: Path) -> None:
+    """The scheduler thread probes (one read transaction) while the writer grows the map: LMDB
+    forbids set_mapsize with a transaction open, so a probe yields (None) instead of racing it,
+    and every answer it does give is right."""
+    cfg = lmdb_cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=900 * KiB, max_map_size_bytes=16 * MiB)
+    async with LMDBTier(cfg) as tier:
+        await tier.put_many([(k(0), payload(4097, 0))])
+        tier.pin_many([k(0)])  # never evicted: every answer about it must be "present"
+        stop = threading.Event()
+        answers: list[list[bool] | None] = []
+
+        def prober() -> None:
+            while not stop.is_set():
+                answers.append(tier.probe([k(0), k(10_000)]))
+
+        t = threading.Thread(target=prober)
+        t.start()
+        try:
+            for i in range(1, 400, 20):
+                await tier.put_many([(k(j), payload(4097, j)) for j in range(i, i + 20)])
+        finally:
+            stop.set()
+            t.join()
+        assert tier.counters["map_growths"] >= 1
+        given = [a for a in answers if a is not None]
+        assert given and all(a == [True, False] for a in given)
+    assert tier.probe([k(0)]) is None  # closed: nothing to ask
+
+
 async def test_lmdb_map_at_its_limit_evicts_instead_of_crashing(tmp_path: Path) -> None:
     cfg = lmdb_cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=1000 * KiB, max_map_size_bytes=1 * MiB)
     async with LMDBTier(cfg) as tier:

@@ -31,6 +31,7 @@ import asyncio
 import errno
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,6 +71,9 @@ class LMDBTier(Tier):
         self._cap = int(cfg.size_cap_bytes)
         self._max_map = int(cfg.max_map_size_bytes)
         self._pool: ThreadPoolExecutor | None = None
+        # Held by a probe's read transaction (scheduler thread) and by whatever may not run beside
+        # one: set_mapsize (LMDB requires no transaction open in the process) and close.
+        self._probe_lock = threading.Lock()
         self._env: Any = None
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> record bytes, oldest first
         self._dirty: dict[bytes, float] = {}
@@ -157,8 +161,9 @@ class LMDBTier(Tier):
                 self._write(lambda txn: None)
             self._env.sync(True)
         finally:
-            self._env.close()
-            self._env = None
+            with self._probe_lock:  # no probe's read transaction may outlive the environment
+                self._env.close()
+                self._env = None
 
     # ---- writes ------------------------------------------------------------------------
 
@@ -239,11 +244,13 @@ class LMDBTier(Tier):
                     body(txn)
                 return victims
             except lmdb.MapResizedError:
-                self._env.set_mapsize(0)
+                with self._probe_lock:  # set_mapsize needs no transaction open in this process
+                    self._env.set_mapsize(0)
             except lmdb.MapFullError:
                 size = self._env.info()["map_size"]
                 if size < self._max_map:
-                    self._env.set_mapsize(min(size * 2, self._max_map))
+                    with self._probe_lock:
+                        self._env.set_mapsize(min(size * 2, self._max_map))
                     self._count("map_growths")
                     continue
                 more = self._pick_victims(max(self._used // 8, 1), {*(protect or {}), *victims})
@@ -312,12 +319,16 @@ class LMDBTier(Tier):
         """One read transaction on the memory-mapped B-tree (LMDB readers never wait on writers);
         None while the environment is not open or when LMDB refuses (e.g. a map another process
         grew: the asynchronous path handles that)."""
-        if self._env is None or self._closed:
-            return None
+        if self._env is None or self._closed or not self._probe_lock.acquire(blocking=False):
+            return None  # closing or resizing the map right now: the asynchronous lookup answers
         try:
+            if self._env is None:
+                return None
             return self._contains_sync(list(keys))
         except Exception:  # noqa: BLE001 - advisory: the asynchronous lookup will answer
             return None
+        finally:
+            self._probe_lock.release()
 
     def _contains_sync(self, keys: list[bytes]) -> list[bool]:
         with self._env.begin(db=self._rec, buffers=True) as txn:

@@ -81,16 +81,11 @@ def partial_chunk_key(chunk_key: bytes, valid_from: int) -> bytes:
     return bytes(chunk_key[:-GROUP_BYTES]) + PARTIAL_MARK + bytes((valid_from,)) + bytes(chunk_key[-GROUP_BYTES:])
 
 
-def partial_valid_from(key: bytes, hash_bytes: int | None = None) -> int:
-    """``valid_from`` of a (stored or chunk) key made by :func:`partial_chunk_key`; 0 for a plain key.
-
-    ``hash_bytes`` (the engine's hash length) makes the test exact; without it the marker is
-    trusted where it appears.
-    """
-    body = key[:-GROUP_BYTES]
-    if len(body) >= 3 and body[-3:-1] == PARTIAL_MARK:
-        if hash_bytes is None or len(body) - 3 == hash_bytes or len(body) - 3 - FINGERPRINT_BYTES == hash_bytes:
-            return body[-1]
+def partial_valid_from(key: bytes, whole_len: int) -> int:
+    """``valid_from`` of ``key`` (stored or chunk key) when it is the :func:`partial_chunk_key` of a
+    whole key ``whole_len`` bytes long; 0 when it is the whole key itself."""
+    if len(key) == whole_len + 3 and key[-GROUP_BYTES - 3 : -GROUP_BYTES - 1] == PARTIAL_MARK:
+        return key[-GROUP_BYTES - 1]
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,44 @@ async def test_lmdb_map_grows_on_map_full(tmp_path: Path) -> None:
         st = await tier.stats()
         assert tier.counters["map_growths"] >= 1 and st.extra["map_size"] > 1 * MiB
         assert all(await tier.contains_many([k(j) for j in range(200)]))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "lmdb"])
+async def test_pins_from_another_thread_while_the_loop_evicts(tmp_path: Path, kind: str) -> None:
+    """The scheduler thread pins and unpins accepted hits while the tier's own loop evicts under
+    pressure: no pin update is lost (the count ends where it started) and a pinned key is never
+    evicted."""
+    if kind == "cpu":
+        tier: CPUTier | LMDBTier = CPUTier(CPUTierConfig(capacity_bytes=1 * MiB, segment_bytes=256 * KiB))
+    else:
+        tier = LMDBTier(lmdb_cfg(tmp_path, map_size_bytes=4 * MiB, size_cap_bytes=1 * MiB))
+    async with tier:
+        held = [k(i) for i in range(4)]
+        await tier.put_many([(key, payload(64 * KiB, i)) for i, key in enumerate(held)])
+        tier.pin_many(held)  # the base pin the thread's pin/unpin pairs go above
+        stop = threading.Event()
+        cycles = 0
+
+        def pinner() -> None:
+            nonlocal cycles
+            while not stop.is_set():
+                tier.pin_many(held)
+                tier.unpin_many(held)
+                cycles += 1
+                time.sleep(0)  # let the loop thread run between pairs (the GIL is shared)
+
+        t = threading.Thread(target=pinner)
+        t.start()
+        try:
+            for i in range(100, 260, 4):  # 10 MiB through a 1 MiB tier: evictions all along
+                await tier.put_many([(k(j), payload(64 * KiB, j)) for j in range(i, i + 4)])
+        finally:
+            stop.set()
+            t.join()
+        assert cycles > 0 and tier.counters["evictions"] > 0
+        assert all(tier._pins[key] == 1 for key in held), {key[-6:].hex(): tier._pins[key] for key in held}
+        got = await tier.get_many(held)
+        assert all(g is not None and g == payload(64 * KiB, i).numpy().tobytes() for i, g in enumerate(got))
 
 
 async def test_lmdb_probe_from_another_thread_while_the_map_grows(tmp_path: Path) -> None:

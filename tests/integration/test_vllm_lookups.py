@@ -1,16 +1,17 @@
 """tieredkv's non-blocking lookups for vLLM's scheduler thread (no vLLM needed), on a real pipeline.
 
 vLLM asks one key at a time, defers a request whose lookup met a RETRY and asks all its keys again
-on a later step. The answers must stay until they are asked for again (else a long prefix's answered and queued
-keys swap places every step), must not live on once nobody asks for ``ttl_steps`` steps, and a
+on a later step. The answers must stay until they are asked for again (else a long prefix's
+answered and queued keys swap places every step), must not live on once nobody asks for ``ttl_steps`` steps, and a
 resolved answer that nobody has read yet is not work the engine has to step for.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from tieredkv.backends.cpu import CPUTier
@@ -23,23 +24,25 @@ from tieredkv.policy import TierPolicy
 NS = Namespace(model="lookups-test")
 
 
-def _pipeline() -> tuple[Pipeline, list[bytes]]:
+@pytest.fixture
+def stored() -> Iterator[tuple[Pipeline, list[bytes]]]:
+    """A real pipeline over a CPU tier holding keys 0-3 of 8 (4-7 never stored)."""
     tier = CPUTier(CPUTierConfig(capacity_bytes=8 << 20, segment_bytes=1 << 20))
     p = Pipeline([tier], TierPolicy([PolicyRule()], [tier.name]), PipelineConfig()).start()
-    kv = torch.arange(16 * 256, dtype=torch.int32).view(16, 256).to(torch.uint8).contiguous()
-    p.register_group(0, [kv], blocks_per_chunk=1)
-    keys = [NS.key(i.to_bytes(32, "big"), 0) for i in range(8)]
-    assert p.submit_store(StoreJob(1, 0, tuple(ChunkRef(k, (i,)) for i, k in enumerate(keys[:4]))))
-    assert p.drain(10)
-    return p, keys
+    try:
+        kv = torch.arange(16 * 256, dtype=torch.int32).view(16, 256).to(torch.uint8).contiguous()
+        p.register_group(0, [kv], blocks_per_chunk=1)
+        keys = [NS.key(i.to_bytes(32, "big"), 0) for i in range(8)]
+        assert p.submit_store(StoreJob(1, 0, tuple(ChunkRef(k, (i,)) for i, k in enumerate(keys[:4]))))
+        assert p.drain(10)
+        yield p, keys
+    finally:
+        p.close()
 
 
-def _settle(lk: AsyncLookups, deadline_s: float = 10.0) -> None:
-    """Wait (for a condition, not a time) until every lookup sent has resolved."""
-    end = time.monotonic() + deadline_s
-    while lk.busy():
-        assert time.monotonic() < end, "lookup never resolved"
-        time.sleep(0.001)
+def _settle(lk: AsyncLookups) -> None:
+    """Wait (for the futures, not a time) until every lookup sent has resolved."""
+    assert lk.wait(10.0), "lookup never resolved"
 
 
 def _step(lk: AsyncLookups, keys: list[bytes]) -> list[Any]:
@@ -49,72 +52,60 @@ def _step(lk: AsyncLookups, keys: list[bytes]) -> list[Any]:
     return got
 
 
-def test_answers_stay_until_asked_and_expire_when_not() -> None:
-    p, keys = _pipeline()
-    try:
-        lk = AsyncLookups(p, ttl_steps=3)
-        asked = keys[:6]  # 4 stored, 2 never stored
-        assert _step(lk, asked) == [None] * 6
-        assert not lk.has_unsent() and lk.queries == 1
-        _settle(lk)
-        # Every answer of the request arrives together, and again on each later ask: no alternation.
-        for _ in range(3):
-            assert _step(lk, asked) == ["hit"] * 4 + ["miss"] * 2
-        assert lk.queries == 1, "kept answers must not be asked of the tiers again"
-        # A deferred request the scheduler does not reach for a few steps still finds its answers.
-        _step(lk, [])
-        _step(lk, [])
+def test_answers_stay_until_asked_and_expire_when_not(stored: tuple[Pipeline, list[bytes]]) -> None:
+    p, keys = stored
+    lk = AsyncLookups(p, ttl_steps=3)
+    asked = keys[:6]  # 4 stored, 2 never stored
+    assert _step(lk, asked) == [None] * 6
+    assert not lk.has_unsent() and lk.queries == 1
+    _settle(lk)
+    # Every answer of the request arrives together, and again on each later ask: no alternation.
+    for _ in range(3):
         assert _step(lk, asked) == ["hit"] * 4 + ["miss"] * 2
-        assert lk.queries == 1
-        # ttl_steps without anyone asking drops them: a later ask goes to the tiers again.
-        for _ in range(4):
-            _step(lk, [])
-        assert _step(lk, asked[:1]) == [None]
-        assert lk.queries == 2
-    finally:
-        p.close()
-
-
-def test_answers_are_bounded() -> None:
-    p, keys = _pipeline()
-    try:
-        lk = AsyncLookups(p, max_answers=3)
-        _step(lk, keys)
-        _settle(lk)
+    assert lk.queries == 1, "kept answers must not be asked of the tiers again"
+    # A deferred request the scheduler does not reach for a few steps still finds its answers.
+    _step(lk, [])
+    _step(lk, [])
+    assert _step(lk, asked) == ["hit"] * 4 + ["miss"] * 2
+    assert lk.queries == 1
+    # ttl_steps without anyone asking drops them: a later ask goes to the tiers again.
+    for _ in range(4):
         _step(lk, [])
-        assert len(lk._answers) == 3
-        # the most recently asked stay and are served without asking the tiers again
-        assert _step(lk, keys[-3:]) == ["miss"] * 3 and lk.queries == 1
-    finally:
-        p.close()
+    assert _step(lk, asked[:1]) == [None]
+    assert lk.queries == 2
 
 
-def test_deferred_request_gets_all_answers_at_once() -> None:
+def test_answers_are_bounded(stored: tuple[Pipeline, list[bytes]]) -> None:
+    p, keys = stored
+    lk = AsyncLookups(p, max_answers=3)
+    _step(lk, keys)
+    _settle(lk)
+    _step(lk, [])
+    assert len(lk._answers) == 3
+    # the most recently asked stay and are served without asking the tiers again
+    assert _step(lk, keys[-3:]) == ["miss"] * 3 and lk.queries == 1
+
+
+def test_deferred_request_gets_all_answers_at_once(stored: tuple[Pipeline, list[bytes]]) -> None:
     """The shape that made vLLM wait thousands of steps: keys 0-2 known, key 3 first asked later."""
-    p, keys = _pipeline()
-    try:
-        lk = AsyncLookups(p)
-        _step(lk, keys[:3])
-        _settle(lk)
-        first = _step(lk, keys[:4])  # 0-2 answered, 3 queued
-        assert first == ["hit", "hit", "hit", None]
-        _settle(lk)
-        assert _step(lk, keys[:4]) == ["hit"] * 4
-    finally:
-        p.close()
+    p, keys = stored
+    lk = AsyncLookups(p)
+    _step(lk, keys[:3])
+    _settle(lk)
+    first = _step(lk, keys[:4])  # 0-2 answered, 3 queued
+    assert first == ["hit", "hit", "hit", None]
+    _settle(lk)
+    assert _step(lk, keys[:4]) == ["hit"] * 4
 
 
-def test_pending_work_is_only_unsent_keys() -> None:
-    p, keys = _pipeline()
-    try:
-        lk = AsyncLookups(p)
-        assert not lk.has_unsent()
-        lk.answer(keys[0])
-        assert lk.has_unsent()  # needs one more on_schedule_end to go out
-        lk.flush()
-        assert not lk.has_unsent()
-        _settle(lk)
-        # Resolved, never read: an idle engine must be allowed to stop here.
-        assert not lk.has_unsent() and not lk.busy()
-    finally:
-        p.close()
+def test_pending_work_is_only_unsent_keys(stored: tuple[Pipeline, list[bytes]]) -> None:
+    p, keys = stored
+    lk = AsyncLookups(p)
+    assert not lk.has_unsent()
+    lk.answer(keys[0])
+    assert lk.has_unsent()  # needs one more on_schedule_end to go out
+    lk.flush()
+    assert not lk.has_unsent()
+    _settle(lk)
+    # Resolved, never read: an idle engine must be allowed to stop here.
+    assert not lk.has_unsent() and not lk.busy()

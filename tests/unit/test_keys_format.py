@@ -146,14 +146,15 @@ def test_partial_chunk_keys() -> None:
     from tieredkv.keys import partial_chunk_key, partial_valid_from
 
     k = make_chunk_key(H, 1)
-    assert partial_chunk_key(k, 0) == k and partial_valid_from(k, len(H)) == 0
+    assert partial_chunk_key(k, 0) == k and partial_valid_from(k, len(k)) == 0
     keys = {partial_chunk_key(k, v) for v in range(1, 4)}
     assert len(keys) == 3 and k not in keys
     for v in range(1, 4):
         p = partial_chunk_key(k, v)
         assert p[-4:] == k[-4:], "the group suffix stays last: routing and the record header use it"
-        assert partial_valid_from(p, len(H)) == v
+        assert partial_valid_from(p, len(k)) == v
+        assert partial_valid_from(p, len(p)) == 0  # the length says it is a whole key
         ns = Namespace(model="m")
-        assert partial_valid_from(ns.fingerprint + p, len(H)) == v
+        assert partial_valid_from(ns.fingerprint + p, len(ns.fingerprint + k)) == v
     with pytest.raises(ValueError):
         partial_chunk_key(k, 256)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 __all__ = ["AsyncLookups"]
@@ -118,11 +119,9 @@ class AsyncLookups:
     def wait(self, timeout: float | None = 10.0) -> bool:
         """Block until every lookup sent has resolved (tests and orderly shutdown only; the
         scheduler thread never calls this)."""
-        import concurrent.futures
-
         futs = [f for f, _ in self._futures]
         if futs:
-            _, not_done = concurrent.futures.wait(futs, timeout=timeout)
+            _, not_done = wait_futures(futs, timeout=timeout)
             if not_done:
                 return False
         self._poll()

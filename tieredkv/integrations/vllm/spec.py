@@ -24,7 +24,6 @@ vLLM's ``TieringOffloadingSpec`` there (refused here with a clear error).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import threading
@@ -279,11 +278,12 @@ class TieredKVManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         recs = []
         for k in keys:
-            q = self._loading.get(self._skey(k))
+            skey = self._skey(k)
+            q = self._loading.get(skey)
             if q:
                 recs.append(q.popleft())
                 if not q:
-                    del self._loading[self._skey(k)]
+                    del self._loading[skey]
         if recs and not self._closed:
             self.store.unpin(recs)
 
@@ -390,7 +390,7 @@ def _chunk_positions(kind: str, n_keys: int, n_blocks: int, first: int, bpc: int
     sends one state block per chunk, all in the same slot. None when neither fits.
     """
     skip = first % bpc
-    if kind == "mamba" and n_blocks == n_keys and (n_keys == 1 or bpc > 1):
+    if kind == "mamba" and n_blocks == n_keys:
         return [[skip] for _ in range(n_keys)]
     if -(-(skip + n_blocks) // bpc) != n_keys:
         return None
@@ -501,16 +501,16 @@ class TieredKVWorker(OffloadingWorker):
         assert isinstance(src_spec, TieredKVLoadStoreSpec)
         job = self._jobs[job_id] = _Job("load")
         bpc = self.bpc
-        hash_len = len(bytes(src_spec.keys[0])) - 4 if src_spec.keys else None
-        for g, _keys, stored, ids, first in self._per_group(src_spec.keys, src_spec.stored, dst_spec):
+        fp_len = len(src_spec.fingerprint)
+        for g, keys, stored, ids, first in self._per_group(src_spec.keys, src_spec.stored, dst_spec):
             start = (first // bpc) * bpc
             chunks, bad = [], 0
-            for i, skey in enumerate(stored):
+            for i, (k, skey) in enumerate(zip(keys, stored)):
                 placed = []
                 for p in range(bpc):
                     logical = start + i * bpc + p - first
                     placed.append(ids[logical] if 0 <= logical < len(ids) else 0)
-                valid_from = partial_valid_from(skey, hash_len)
+                valid_from = partial_valid_from(skey, fp_len + len(k))
                 if any(placed[:valid_from]):
                     # The load wants a sub-block this record never held (vLLM 0.33 loads a Mamba
                     # state into a slot off the Mamba grid when the full-attention hit shrinks the

@@ -38,6 +38,7 @@ only from its scan position forward, plus the few chunks still waiting.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ __all__ = [
     "LoadPlan",
     "GroupProgress",
     "OffloadScheduler",
+    "ChunkLedger",
 ]
 
 NULL_BLOCK = 0
@@ -245,39 +247,126 @@ class GroupProgress:
 # --------------------------------------------------------------------- state
 
 
-class _GroupState:
-    """Per request, per group: keys, block ids, chunk statuses, cursor."""
+class ChunkLedger:
+    """Store progress of one request's chunks in one KV group.
 
-    __slots__ = ("keys", "block_ids", "status", "scan", "waiting", "first_dead", "hits")
+    The rules every tieredkv planner shares (``OffloadScheduler`` and the vLLM
+    connector ``TieredKVConnector``): a chunk is *unseen*, *waiting* (offered,
+    not yet accepted: offered again), *done* (stored or present) or *dead*
+    (can never become whole). The cursor -- the lowest chunk not done or dead --
+    moves only over done and dead chunks, so a refused or partially accepted
+    chunk is never skipped. Waiting chunks are kept sorted, so a plan that takes
+    the oldest ``n`` of them costs O(n), not O(backlog).
+    """
+
+    __slots__ = ("status", "scan", "waiting", "first_dead")
 
     def __init__(self) -> None:
-        self.keys: list[bytes] = []
-        self.block_ids: list[int] = []
         self.status = bytearray()
         # Every chunk below `scan` is DONE, DEAD or WAITING (then in `waiting`).
         self.scan = 0
-        self.waiting: set[int] = set()
+        self.waiting: list[int] = []  # sorted
         self.first_dead: int | None = None
-        self.hits = 0
 
     def status_of(self, k: int) -> int:
         return self.status[k] if k < len(self.status) else _UNSEEN
 
-    def set_status(self, k: int, value: int) -> None:
+    def _set(self, k: int, value: int) -> None:
         if k >= len(self.status):
             self.status.extend(bytes(k + 1 - len(self.status)))
+        old = self.status[k]
+        if old == value:
+            return
+        if old == _WAITING:
+            i = bisect.bisect_left(self.waiting, k)
+            del self.waiting[i]
         self.status[k] = value
         if value == _WAITING:
-            self.waiting.add(k)
-        else:
-            self.waiting.discard(k)
-        if value == _DEAD and (self.first_dead is None or k < self.first_dead):
+            bisect.insort(self.waiting, k)
+        elif value == _DEAD and (self.first_dead is None or k < self.first_dead):
             self.first_dead = k
+
+    def mark_waiting(self, k: int) -> None:
+        """Chunk ``k`` was offered (or cannot be offered yet): offer it again later."""
+        self._set(k, _WAITING)
+
+    def mark_done(self, k: int) -> None:
+        """Chunk ``k`` is stored or present; the scan moves over a done run."""
+        self._set(k, _DONE)
+        while self.status_of(self.scan) == _DONE:
+            self.scan += 1
+
+    def mark_dead(self, k: int) -> None:
+        """Chunk ``k`` can never become whole (left the window, request over)."""
+        self._set(k, _DEAD)
+
+    def is_done(self, k: int) -> bool:
+        return self.status_of(k) == _DONE
+
+    def forget(self, k: int) -> None:
+        """The store lost chunk ``k`` (a lookup missed it): store it again."""
+        if k < len(self.status) and self.status[k] != _UNSEEN:
+            self._set(k, _UNSEEN)
+            self.scan = min(self.scan, k)
+
+    def rewind_dead(self) -> None:
+        """Reconsider chunks passed as never storable (e.g. after a preemption)."""
+        if self.first_dead is not None:
+            self.scan = min(self.scan, self.first_dead)
+            self.first_dead = None
+
+    def reset(self) -> None:
+        """The store was emptied: everything is unseen again."""
+        self.status = bytearray()
+        self.scan = 0
+        self.waiting.clear()
+        self.first_dead = None
+
+    def candidates(self, limit: int, budget: int | None = None) -> list[int]:
+        """Chunks below ``limit`` to visit now: the oldest waiting ones, then new ones.
+
+        At most ``budget`` chunks (None: no bound). The scan position moves to
+        the last new chunk returned, so chunks past a bound are visited by a
+        later call; call :meth:`settle_scan` after classifying them.
+        """
+        out: list[int] = []
+        for k in self.waiting:
+            if k >= limit or (budget is not None and len(out) >= budget):
+                break
+            out.append(k)
+        k = self.scan
+        while k < limit and (budget is None or len(out) < budget):
+            if self.status_of(k) in (_UNSEEN, _DEAD):
+                out.append(k)
+            k += 1
+        self.scan = max(self.scan, k)
+        return out
+
+    def settle_scan(self) -> None:
+        """Move the scan over a run of done chunks (e.g. loaded ones)."""
+        while self.status_of(self.scan) == _DONE:
+            self.scan += 1
 
     @property
     def cursor(self) -> int:
         """Lowest chunk not yet stored, present or never storable."""
-        return min(self.scan, min(self.waiting)) if self.waiting else self.scan
+        return min(self.scan, self.waiting[0]) if self.waiting else self.scan
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+class _GroupState:
+    """Per request, per group: keys, block ids and the store ledger."""
+
+    __slots__ = ("keys", "block_ids", "ledger", "hits")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.block_ids: list[int] = []
+        self.ledger = ChunkLedger()
+        self.hits = 0
 
 
 class _Request:
@@ -404,9 +493,7 @@ class OffloadScheduler:
         """
         for gs in self._get(req_id).groups:
             gs.block_ids.clear()
-            if gs.first_dead is not None:
-                gs.scan = min(gs.scan, gs.first_dead)
-                gs.first_dead = None
+            gs.ledger.rewind_dead()
 
     def finish_request(
         self, req_id: str, *, num_computed_tokens: int, aborted: bool = False
@@ -445,10 +532,7 @@ class OffloadScheduler:
         for req in self._reqs.values():
             req.pending = {}
             for gs in req.groups:
-                gs.status = bytearray()
-                gs.scan = 0
-                gs.waiting.clear()
-                gs.first_dead = None
+                gs.ledger.reset()
 
     # ------------------------------------------------------------- store
 
@@ -487,7 +571,7 @@ class OffloadScheduler:
         for key in outcome.accepted | outcome.present:
             where = req.pending.get(key)
             if where is not None:
-                req.groups[where[0]].set_status(where[1], _DONE)
+                req.groups[where[0]].ledger.mark_done(where[1])
         req.pending = {}
         if req.finished:
             del self._reqs[req_id]
@@ -519,17 +603,9 @@ class OffloadScheduler:
         bpc = spec.blocks_per_chunk
         limit = min(offloadable // spec.tokens_per_chunk, len(gs.block_ids) // bpc, len(gs.keys))
         out: list[ChunkToStore] = []
-        if gs.waiting:
-            for k in sorted(gs.waiting):
-                if k >= limit:
-                    break
-                self._visit(spec, gs, k, frontier, final, out)
-        for k in range(gs.scan, limit):
-            if gs.status_of(k) in (_UNSEEN, _DEAD):
-                self._visit(spec, gs, k, frontier, final, out)
-        gs.scan = max(gs.scan, limit)
-        while gs.status_of(gs.scan) == _DONE:  # e.g. loaded chunks, or stored before a rewind
-            gs.scan += 1
+        for k in gs.ledger.candidates(limit):
+            self._visit(spec, gs, k, frontier, final, out)
+        gs.ledger.settle_scan()  # e.g. loaded chunks, or stored before a rewind
         out.sort(key=lambda c: c.chunk_index)
         return out
 
@@ -546,12 +622,15 @@ class OffloadScheduler:
         bpc = spec.blocks_per_chunk
         blocks = gs.block_ids[k * bpc : (k + 1) * bpc]
         if NULL_BLOCK not in blocks:
-            gs.set_status(k, _WAITING)
+            gs.ledger.mark_waiting(k)
             out.append(ChunkToStore(gs.keys[k], k, tuple(blocks)))
             return
         reach = spec.reach_tokens
         out_of_reach = reach is not None and (k + 1) * spec.tokens_per_chunk + reach <= frontier
-        gs.set_status(k, _DEAD if final or out_of_reach else _WAITING)
+        if final or out_of_reach:
+            gs.ledger.mark_dead(k)
+        else:
+            gs.ledger.mark_waiting(k)
 
     # ------------------------------------------------------------ lookup
 
@@ -706,9 +785,7 @@ class OffloadScheduler:
                 positions.append(b)
         chunks = sorted({p // bpc for p in positions})
         for k in range(first_chunk, end_chunk):
-            gs.set_status(k, _DONE)
-        while gs.status_of(gs.scan) == _DONE:
-            gs.scan += 1
+            gs.ledger.mark_done(k)
         gs.hits = end_chunk
         return GroupLoadPlan(
             group=spec.index,
@@ -729,7 +806,7 @@ class OffloadScheduler:
 
     def cursor(self, req_id: str, group_pos: int) -> int:
         """The store cursor: every chunk below it is stored, present or never storable."""
-        return self._get(req_id).groups[group_pos].cursor
+        return self._get(req_id).groups[group_pos].ledger.cursor
 
     def offload_keys(self, req_id: str, group_pos: int) -> tuple[bytes, ...]:
         """The group's chunk keys known so far (a copy)."""
@@ -739,7 +816,7 @@ class OffloadScheduler:
         """A per-group snapshot of the request's bookkeeping."""
         return tuple(
             GroupProgress(
-                spec.index, len(gs.keys), len(gs.block_ids), gs.cursor, len(gs.waiting), gs.hits
+                spec.index, len(gs.keys), len(gs.block_ids), gs.ledger.cursor, gs.ledger.num_waiting, gs.hits
             )
             for spec, gs in zip(self.layout.groups, self._get(req_id).groups)
         )

@@ -181,11 +181,12 @@ class _Engine:
 
     def _allocate(self, g: GroupSpec, pos: int, n_tokens: int, hit: int) -> list[int]:
         """Block ids for a new request, as a KV cache manager hands them out: a sliding-window
-        group gets the null block for positions already out of the window at the hit boundary."""
+        group gets the null block for positions already out of the window at the hit boundary
+        (the token at the boundary reads the window - 1 tokens before it)."""
         n = -(-n_tokens // g.tokens_per_block)
         skip = 0
         if g.kind is GroupKind.SLIDING_WINDOW and g.window_tokens is not None:
-            skip = max(0, hit - g.window_tokens) // g.tokens_per_block
+            skip = max(0, hit - g.window_tokens + 1) // g.tokens_per_block
         return [0] * skip + self.gpu.alloc(pos, n - skip)
 
     def _load(self, r: _Req, plan: LoadPlan) -> None:
@@ -262,7 +263,8 @@ class _Engine:
         for pos, g in enumerate(self.layout.groups):
             if g.kind is not GroupKind.SLIDING_WINDOW or g.window_tokens is None:
                 continue
-            gone = [p for p in range(max(0, r.computed - g.window_tokens) // g.tokens_per_block) if r.blocks[pos][p]]
+            reach = max(0, r.computed - g.window_tokens + 1)  # the next query reads from here on
+            gone = [p for p in range(reach // g.tokens_per_block) if r.blocks[pos][p]]
             if gone:
                 self.sched.release_blocks(r.rid, pos, gone)
                 # the engine would free them once in-flight stores finish; keep them until the request ends

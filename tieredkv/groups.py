@@ -122,25 +122,35 @@ class GroupSpec:
     def window_chunks(self) -> int | None:
         """Chunks a load needs before its boundary; None means a whole prefix.
 
-        Sliding window: enough chunks to cover the window. Mamba: one chunk,
-        the state at the boundary. Full attention: None (every chunk).
+        Sliding window: the first recomputed token (the one at the boundary)
+        attends to itself and the ``window_tokens - 1`` tokens before it, so
+        a load needs ``cdiv(window_tokens - 1, tokens_per_chunk)`` chunks (as
+        vLLM's GPU prefix cache: ``cdiv(sliding_window - 1, block_size)``); a
+        one-token window needs none. Mamba: one chunk, the state at the
+        boundary. Full attention: None (every chunk).
         """
         if self.kind is GroupKind.SLIDING_WINDOW:
             assert self.window_tokens is not None
-            return _cdiv(self.window_tokens, self.tokens_per_chunk)
+            return _cdiv(self.window_tokens - 1, self.tokens_per_chunk)
         if self.kind is GroupKind.MAMBA:
             return 1
         return None
 
     @property
     def reach_tokens(self) -> int | None:
-        """How far behind the compute frontier a token's KV is still needed.
+        """How far behind the compute frontier a chunk's end is still needed.
 
-        A chunk that ends more than this far behind the frontier has left the
-        window for good. None (full attention) means it never leaves.
+        A chunk ending at token ``end`` (exclusive) has left the window for
+        good once ``end + reach_tokens <= frontier``. Sliding window:
+        ``window_tokens - 1``, since token ``t`` is attended to by the queries
+        ``t .. t + window_tokens - 1`` -- the same rule as
+        :attr:`window_chunks`, so a chunk a lookup at some boundary at or past
+        the frontier needs is never declared out of reach. None (full
+        attention) means it never leaves.
         """
         if self.kind is GroupKind.SLIDING_WINDOW:
-            return self.window_tokens
+            assert self.window_tokens is not None
+            return self.window_tokens - 1
         if self.kind is GroupKind.MAMBA:
             return self.tokens_per_chunk
         return None

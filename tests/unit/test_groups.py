@@ -19,8 +19,20 @@ def test_derived_sizes_full_group() -> None:
 def test_sliding_window_chunks_round_up() -> None:
     g = GroupSpec(1, "sliding_window", tokens_per_block=16, blocks_per_chunk=2, window_tokens=100)
     assert g.kind is GroupKind.SLIDING_WINDOW  # strings are coerced
-    assert g.window_chunks == 4  # cdiv(100, 32)
-    assert g.reach_tokens == 100
+    assert g.window_chunks == 4  # cdiv(100 - 1, 32)
+    assert g.reach_tokens == 99  # token t is attended to by queries t .. t + 99
+
+
+@pytest.mark.parametrize(
+    ("window", "chunks"),
+    [(1, 0), (2, 1), (16, 1), (17, 1), (18, 2), (32, 2), (33, 2), (34, 3), (48, 3), (49, 3)],
+)
+def test_sliding_window_needs_window_minus_one_tokens_before_the_boundary(window: int, chunks: int) -> None:
+    # The token at the boundary is recomputed: it needs the window - 1 tokens before it,
+    # vLLM's cdiv(sliding_window - 1, block_size).
+    g = GroupSpec(1, "sliding_window", tokens_per_block=16, blocks_per_chunk=1, window_tokens=window)
+    assert g.window_chunks == chunks == -(-(window - 1) // 16)
+    assert g.reach_tokens == window - 1
 
 
 def test_mamba_needs_one_chunk() -> None:

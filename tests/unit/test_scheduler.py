@@ -183,7 +183,7 @@ def test_review_a_null_block_in_middle_of_chunk_is_never_stored() -> None:
     plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=32)
     assert chunk_indices(plan, 0) == [1]  # chunk 0 skipped even though its LAST block is live
     s.complete_store("r", accept_all(plan))
-    assert s.cursor("r", 0) == 0  # 16 + 20 > 32: may still be read, not passed yet
+    assert s.cursor("r", 0) == 0  # 16 + (20 - 1) > 32: may still be read, not passed yet
 
     s.update_request("r", block_ids=[[9, 10, 11, 12, 13, 14, 15, 16]])
     plan = s.plan_store("r", num_computed_tokens=32, num_scheduled_tokens=32)
@@ -256,8 +256,8 @@ def test_waiting_null_in_one_group_does_not_block_another() -> None:
     assert chunk_indices(plan, 0) == [0, 1, 2, 3]
     assert chunk_indices(plan, 1) == [2, 3]
     s.complete_store("r", accept_all(plan))
-    # Chunk 0 of the SW group (tokens 0-3) is out of reach at 16 (4 + 12 <= 16): passed.
-    # Chunk 1 (tokens 4-7) could still be read by the window (8 + 12 > 16): the cursor holds.
+    # Chunk 0 of the SW group (tokens 0-3) is out of reach at 16 (4 + 12 - 1 <= 16): passed.
+    # Chunk 1 (tokens 4-7) could still be read by the window (8 + 12 - 1 > 16): the cursor holds.
     assert s.cursor("r", 1) == 1 and s.cursor("r", 0) == 4
     s.update_request("r", block_ids=[ids(5, 1), [15]])
     s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=16, num_scheduled_tokens=4)))
@@ -278,7 +278,7 @@ def test_released_blocks_are_never_stored_from_stale_ids() -> None:
     assert chunk_indices(plan, 0) == [1, 2, 3]
     assert all(1 not in c.block_ids for c in plan.groups[0].chunks)
     s.complete_store("r", accept_all(plan))
-    assert s.cursor("r", 0) == 4  # chunk 0: null and 4 + 8 <= 16, out of the window for good
+    assert s.cursor("r", 0) == 4  # chunk 0: null and 4 + 8 - 1 <= 16, out of the window for good
 
 
 def test_mamba_sparse_chunk_with_many_blocks_is_skipped_then_passed() -> None:
@@ -538,3 +538,67 @@ def test_unknown_request_and_bad_counts() -> None:
     with pytest.raises(ValueError, match="groups"):
         s.update_request("r", block_ids=[[1], [2]])
 
+
+
+# ------------------------------------------------------- sliding-window reach
+
+
+@pytest.mark.parametrize(("window", "needed"), [(17, 1), (32, 2), (33, 2), (48, 3)])
+def test_sliding_window_hit_needs_cdiv_window_minus_one_chunks(window: int, needed: int) -> None:
+    # The token at the boundary is recomputed and attends to the window - 1 tokens before it:
+    # cdiv(window - 1, 16) chunks of 16 tokens, as vLLM's GPU prefix cache.
+    full = GroupSpec(0, "full", tokens_per_block=16)
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=16, window_tokens=window)
+    s = OffloadScheduler(layout(full, sw))
+    s.add_request("r", 100, block_hashes=hashes(25))  # 6 whole chunks; token 99 is recomputed
+    first = 6 - needed
+    stored = {key(4 * k + 3, 0) for k in range(6)} | {key(4 * k + 3, 1) for k in range(first, 6)}
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=stored)
+    assert (look.boundary_tokens, look.num_hit_tokens) == (96, 96)  # the full hit
+    assert (look.groups[1].first_chunk, look.groups[1].end_chunk) == (first, 6)
+    # One chunk fewer is not enough for boundary 96.
+    short = s.plan_lookup("r", num_computed_tokens=0, is_stored=stored - {key(4 * first + 3, 1)})
+    assert short.boundary_tokens < 96
+    # The engine allocates the window of boundary 96: blocks b with (b + 1) * 16 >= 96 - window + 2.
+    live = [b for b in range(6) if (b + 1) * 16 >= 96 - window + 2]
+    assert live == list(range(first, 6))
+    s.update_request("r", block_ids=[ids(1, 6), [100 + b if b in live else 0 for b in range(6)]])
+    load = s.plan_load("r", num_computed_tokens=0, num_external_tokens=96)
+    g = load.groups[1]
+    assert g.chunk_indices == tuple(range(first, 6))  # exactly the chunks needed, not one more
+    assert g.keys == tuple(key(4 * k + 3, 1) for k in range(first, 6))
+    assert g.dst_block_ids == tuple(100 + b for b in live)
+
+
+def test_one_token_window_needs_no_chunk_and_keeps_the_hit_on_its_grid() -> None:
+    full = GroupSpec(0, "full", tokens_per_block=16)  # 16-token chunks
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=16, blocks_per_chunk=2, window_tokens=1)  # 32
+    assert sw.window_chunks == 0 and sw.reach_tokens == 0
+    s = OffloadScheduler(layout(full, sw))
+    s.add_request("r", 90, block_hashes=hashes(22))  # full chunks up to 80, SW chunks up to 64
+    stored = {key(4 * k + 3, 0) for k in range(5)}  # nothing of the SW group
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=stored)
+    assert look.boundary_tokens == 64  # on the SW group's 32-token grid, nothing loaded from it
+    assert look.groups[1].keys == () and (look.groups[1].first_chunk, look.groups[1].end_chunk) == (2, 2)
+    s.update_request("r", block_ids=[ids(1, 6), [0, 0, 0, 0, 50, 51]])
+    load = s.plan_load("r", num_computed_tokens=0, num_external_tokens=64)
+    assert load.groups[1].keys == () and load.groups[1].dst_block_ids == ()
+    assert load.groups[0].keys == tuple(key(4 * k + 3, 0) for k in range(4))
+    assert s.progress("r")[1].hit_chunks == 2
+    # The SW chunks before the boundary are null and out of reach: passed, never offered.
+    plan = s.plan_store("r", num_computed_tokens=64, num_scheduled_tokens=26)
+    assert chunk_indices(plan, 1) == []
+    assert s.cursor("r", 1) == 2
+
+
+def test_window_chunk_is_passed_exactly_when_no_query_can_read_it() -> None:
+    # Window 17: token 15 (the end of chunk 0) is read by the queries 15 .. 31.
+    sw = GroupSpec(0, "sliding_window", tokens_per_block=16, window_tokens=17)
+    s = OffloadScheduler(layout(sw))
+    s.add_request("r", 64, block_hashes=hashes(16))
+    s.update_request("r", block_ids=[[0, 2]])
+    s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=31)))
+    assert s.cursor("r", 0) == 0  # the next query (31) may still read chunk 0
+    s.update_request("r", block_ids=[[3]])
+    s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=31, num_scheduled_tokens=1)))
+    assert s.cursor("r", 0) == 2  # the next query is 32: chunk 0 has left the window for good

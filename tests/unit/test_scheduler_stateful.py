@@ -200,8 +200,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return range(first, end)
         if g.kind is GroupKind.MAMBA:
             return range(end - 1, end)
-        assert g.window_tokens is not None
-        return range(max(first, end - _cdiv(g.window_tokens, tpc)), end)
+        assert g.window_tokens is not None  # the boundary token needs the window - 1 tokens before it
+        return range(max(first, end - _cdiv(g.window_tokens - 1, tpc)), end)
 
     def check_lookup(self, rid: str, r: EngineRequest, computed: int, cap: int | None) -> int:
         asked: list[bytes] = []

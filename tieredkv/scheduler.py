@@ -31,6 +31,10 @@ Rules the adapter guarantees by construction:
    below the cursor and is offered again on the next plan.
 3. A lookup answers 0 or a boundary that is whole chunks in every group and
    backed by stored chunks; the last known token is always recomputed.
+4. A lookup's misses are fed back: a chunk the request had stored that the
+   lookup finds missing (evicted) is storable again -- in a full-attention
+   group with every later chunk, which the lookup did not confirm -- so a
+   preempted request stores what it recomputes instead of trusting stale marks.
 
 Per-step work is proportional to the chunks a step touches: each group walks
 only from its scan position forward, plus the few chunks still waiting.
@@ -648,6 +652,13 @@ class OffloadScheduler:
         boundary; sliding-window groups the window's chunks before it; mamba
         groups the chunk ending at it. Groups are re-checked until they agree.
 
+        Misses are fed back: a chunk the request had stored (or loaded) that
+        ``is_stored`` now answers missing was evicted, and is offered again by
+        :meth:`plan_store` once it is whole (e.g. recomputed after a
+        preemption); in a full-attention group so is every later chunk counted
+        as stored. (A key still being written that ``is_stored`` answers False
+        is offered again too, and answered "present": harmless.)
+
         Args:
             req_id: The request (its prompt hashes must be known).
             num_computed_tokens: The local (GPU prefix cache) hit in tokens.
@@ -697,6 +708,8 @@ class OffloadScheduler:
                 k = first
                 while k < end and probe(gs.keys[k]):
                     k += 1
+                if k < end:
+                    self._missed(gs, k, full=True)
                 full_prefix[pos] = k
             return min(full_prefix[pos], end) * tpc
         while end > first:
@@ -706,8 +719,29 @@ class OffloadScheduler:
                 k -= 1
             if k < low:
                 return end * tpc
+            self._missed(gs, k, full=False)
             end = k  # chunk k is missing: a valid end is at most k
         return 0
+
+    @staticmethod
+    def _missed(gs: _GroupState, k: int, *, full: bool) -> None:
+        """A lookup found chunk ``k`` missing: if the ledger counted it stored, it was evicted.
+
+        The chunk is forgotten, so the request stores it again once it is whole
+        (after a preemption, when it is recomputed). In a full-attention group
+        every later chunk counted as stored is forgotten too: the lookup did not
+        confirm them (it stops at the first miss), and a re-offered chunk the
+        store still holds is only answered "present".
+        """
+        ledger = gs.ledger
+        if not full:
+            if ledger.is_done(k):
+                ledger.forget(k)
+            return
+        k = ledger.status.find(_DONE, k)
+        while k != -1:
+            ledger.forget(k)
+            k = ledger.status.find(_DONE, k + 1)
 
     def _lookup_plan(self, req: _Request, computed: int, boundary: int) -> LookupPlan:
         groups = []

@@ -602,3 +602,54 @@ def test_window_chunk_is_passed_exactly_when_no_query_can_read_it() -> None:
     s.update_request("r", block_ids=[[3]])
     s.complete_store("r", accept_all(s.plan_store("r", num_computed_tokens=31, num_scheduled_tokens=1)))
     assert s.cursor("r", 0) == 2  # the next query is 32: chunk 0 has left the window for good
+
+
+# ------------------------------------------------------ evictions fed back
+
+
+def test_chunks_evicted_before_a_preemption_are_stored_again() -> None:
+    s = OffloadScheduler(layout(FULL))
+    s.add_request("r", 28, block_hashes=hashes(7))
+    s.update_request("r", block_ids=[ids(1, 7)])
+    store: set[bytes] = set()
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=24)
+    assert chunk_indices(plan, 0) == [0, 1, 2, 3, 4, 5]
+    store |= set(plan.keys)
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 6
+    store -= {key(2, 0), key(4, 0)}  # the tier evicts two chunks; the adapter is not told
+    s.preempt("r")
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=store)
+    assert look.boundary_tokens == 8  # chunks 0, 1; chunk 2 is missing
+    assert s.cursor("r", 0) == 2  # the miss is fed back: chunk 2 is storable again
+    s.update_request("r", block_ids=[ids(11, 7)])  # the hit is loaded, the rest recomputed
+    s.plan_load("r", num_computed_tokens=0, num_external_tokens=8)
+    plan = s.plan_store("r", num_computed_tokens=8, num_scheduled_tokens=20)
+    # The evicted chunks are offered again; the ones the lookup saw present are not. Chunks
+    # past the miss were not confirmed by the lookup: offered too, answered "present".
+    assert chunk_indices(plan, 0) == [2, 3, 4, 5, 6]
+    assert [c.block_ids for c in plan.groups[0].chunks] == [(13,), (14,), (15,), (16,), (17,)]
+    outcome = StoreOutcome(accepted=frozenset(plan.keys) - store, present=frozenset(plan.keys) & store)
+    assert outcome.accepted == {key(2, 0), key(4, 0), key(6, 0)}
+    s.complete_store("r", outcome)
+    assert s.cursor("r", 0) == 7
+    assert not s.plan_store("r", num_computed_tokens=28)
+
+
+def test_window_miss_forgets_only_the_chunk_the_lookup_saw_missing() -> None:
+    sw = GroupSpec(0, "sliding_window", tokens_per_block=4, blocks_per_chunk=1, window_tokens=8)  # 2 chunks
+    s = OffloadScheduler(layout(sw))
+    s.add_request("r", 33, block_hashes=hashes(8))
+    s.update_request("r", block_ids=[ids(1, 8)])
+    store: set[bytes] = set()
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=32)
+    store |= set(plan.keys)
+    s.complete_store("r", accept_all(plan))
+    store -= {key(7, 0), key(3, 0)}
+    s.preempt("r")
+    look = s.plan_lookup("r", num_computed_tokens=0, is_stored=store)
+    assert look.boundary_tokens == 28  # chunk 7 missing: the window of boundary 28 is chunks 5, 6
+    s.update_request("r", block_ids=[ids(21, 8)])
+    s.plan_load("r", num_computed_tokens=0, num_external_tokens=28)
+    plan = s.plan_store("r", num_computed_tokens=28, num_scheduled_tokens=4)
+    assert chunk_indices(plan, 0) == [7]  # chunk 3 was never asked about: still counted stored

@@ -11,6 +11,9 @@ resets and random store refusals). After every step it checks:
   stays at or above its group's cursor;
 - a lookup equals a brute-force search: the longest boundary that is whole chunks in
   every group and backed by stored chunks, leaving the last token to recompute;
+- the store evicts keys behind the adapter's back; a lookup that sees a chunk the request
+  had stored missing makes it storable again (in a full-attention group, with every later
+  chunk), and the next plans offer it once it is whole;
 - a load plan reads only stored keys into the engine's non-null blocks of the hit.
 """
 
@@ -211,6 +214,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return k in self.store
 
         look = self.sched.plan_lookup(rid, num_computed_tokens=computed, is_stored=is_stored, max_load_tokens=cap)
+        self.forget_missed(r, [k for k in asked if k not in self.store])
         want, ranges = self.expected_boundary(r, computed, len(r.tokens) if cap is None else computed + cap)
         assert look.boundary_tokens == want, (look.boundary_tokens, want)
         assert look.num_hit_tokens == want - computed
@@ -220,6 +224,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert (gl.first_chunk, gl.end_chunk) == (rg.start, rg.stop)
             assert all(k in self.store for k in gl.keys)
         return want
+
+    def forget_missed(self, r: EngineRequest, missing: list[bytes]) -> None:
+        """A lookup saw ``missing`` keys absent: chunks the request had stored were evicted."""
+        where = {}
+        for pos, g in enumerate(self.G):
+            for k in range(r.revealed // (g.tokens_per_chunk // TPH)):
+                where[self.key(r, g, k)] = (pos, k)
+        for key in missing:
+            pos, k = where[key]
+            if self.G[pos].kind is GroupKind.FULL:  # the lookup confirmed nothing past a miss
+                r.stored[pos] = {j for j in r.stored[pos] if j < k}
+            else:
+                r.stored[pos].discard(k)
 
     # ------------------------------------------------------------- rules
 
@@ -322,6 +339,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         computed = data.draw(st.integers(0, max(0, len(r.tokens) - 1))) // align * align
         cap = data.draw(st.none() | st.integers(0, 40))
         self.check_lookup(rid, r, computed, cap)
+
+    @precondition(lambda self: bool(self.store))
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        """The store drops keys (capacity, TTL) without telling the adapter."""
+        gone = data.draw(st.lists(st.sampled_from(sorted(self.store)), min_size=1, max_size=6, unique=True))
+        self.store -= set(gone)
+
+    @precondition(lambda self: any(any(r.stored) for r in self.reqs.values()))
+    @rule(data=st.data())
+    def evict_then_preempt(self, data: st.DataObject) -> None:
+        """Chunks a live request stored are evicted, then the request is preempted and readmitted:
+        its lookup sees them missing, and the recompute must store them again."""
+        rid = data.draw(st.sampled_from(sorted(rid for rid, r in self.reqs.items() if any(r.stored))))
+        r = self.reqs[rid]
+        held = sorted(self.key(r, g, k) for g, ks in zip(self.G, r.stored) for k in ks)
+        gone = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3, unique=True))
+        self.store -= set(gone)
+        if data.draw(st.booleans()):
+            self.sched.preempt(rid)
+            r.slots = [[] for _ in self.G]
+            r.computed = 0
+            r.history.clear()
+            self.admit(rid, r, data)
 
     @rule()
     def reset(self) -> None:

@@ -99,7 +99,10 @@ per request ``matched`` (answers of ``get_num_new_matched_tokens``) / ``external
 (``num_external_tokens`` given to ``update_state_after_alloc``), preemptions, deferred_lookups
 (``None`` answers), max_request_steps (arrival → finish, slowest request), keys_offered /
 keys_accepted (``manager.prepare_store``), prepare_store_refused, flushed_jobs, block_copies,
-mamba_precopies.
+mamba_precopies; first_hit_tokens (hit_tokens over each request's first load before any
+preemption), reoffered_keys (offered although accepted before), connector_s (time in the
+connector's scheduler-side hooks), connector_counters (``TieredKVConnector``'s own); with a
+``store_fault`` (``tests/vllm/faults.py``) fault_refused_keys and lost_keys per group.
 """
 
 from __future__ import annotations
@@ -368,6 +371,9 @@ class RunResult:
     mamba_off_grid_examples: list[str] = field(default_factory=list)
     # tokens loaded from the offload tier per group: sum over load jobs of group_sizes[g] * block
     hit_tokens: dict[str, int] = field(default_factory=dict)
+    # the same, only over each request's first load before any preemption (a reload after a
+    # preemption brings back the request's own KV: it depends on which request was preempted)
+    first_hit_tokens: dict[str, int] = field(default_factory=dict)
     load_jobs: int = 0
     stored_tokens: dict[str, int] = field(default_factory=dict)  # same, over store jobs
     store_jobs: int = 0
@@ -384,6 +390,16 @@ class RunResult:
     prepare_store_calls: int | None = None
     prepare_store_refused: int | None = None  # returned None
     requests: dict[str, RequestRecord] = field(default_factory=dict)
+    # store faults (``store_fault``): keys a fault refused or cut off, and of those the ones never
+    # accepted later nor held by the manager at the end of the run (lost), per group name
+    fault_refused_keys: int = 0
+    lost_keys: dict[str, int] = field(default_factory=dict)
+    # keys offered again although the manager had accepted them before (re-offers)
+    reoffered_keys: int = 0
+    # wall time spent in the connector's scheduler-side hooks (lookups, allocation, metadata, outputs)
+    connector_s: float = 0.0
+    # TieredKVConnector's own counters (``ConnectorCounters``), None for other connectors
+    connector_counters: dict[str, int] | None = None
     wall_s: float = 0.0
     error: str | None = None
 
@@ -513,9 +529,14 @@ class Engine:
         max_examples: int = 8,
         long_prefill_token_threshold: int = LONG_PREFILL_THRESHOLD,
         settle: bool = False,
+        store_fault: Any = None,
     ) -> None:
         assert groups[0] == "full" and set(groups) <= set(LAYER), groups
         self.settle = settle
+        self.store_fault = store_fault
+        self.accepted_keys: set[bytes] = set()
+        self.loaded_reqs: set[str] = set()
+        self.refused_keys: set[bytes] = set()
         self.groups = tuple(groups)
         self.has_mamba = "mamba" in groups
         self.async_scheduling = async_scheduling
@@ -632,27 +653,58 @@ class Engine:
                         self.off_grid_pending[request.request_id] = boundary
             return ustate(request, blocks, num_external_tokens)
 
-        conn.get_num_new_matched_tokens = get_num_new_matched_tokens
-        conn.update_state_after_alloc = update_state_after_alloc
+        conn.get_num_new_matched_tokens = _timed(res, get_num_new_matched_tokens)
+        conn.update_state_after_alloc = _timed(res, update_state_after_alloc)
+        for hook in ("build_connector_meta", "update_connector_output", "request_finished",
+                     "request_finished_all_groups"):
+            setattr(conn, hook, _timed(res, getattr(conn, hook)))
         cs = self.connector_scheduler
         if cs is None:
             return
         m = cs.manager
         res.keys_offered = res.keys_accepted = res.prepare_store_calls = res.prepare_store_refused = 0
         prepare_store = m.prepare_store
+        fault = self.store_fault
 
         def rec_store(keys: Any, ctx: Any) -> Any:
             keys = list(keys)
-            out = prepare_store(keys, ctx)
             res.prepare_store_calls += 1
             res.keys_offered += len(keys)
+            res.reoffered_keys += sum(1 for k in keys if k in self.accepted_keys)
+            n = len(keys) if fault is None else fault.decide(keys, ctx, self)
+            if n is None:  # the fault refuses the call
+                self.refused_keys.update(keys)
+                res.prepare_store_refused += 1
+                return None
+            self.refused_keys.update(keys[n:])
+            out = prepare_store(keys[:n], ctx)
             if out is None:
                 res.prepare_store_refused += 1
             else:
                 res.keys_accepted += len(out.keys_to_store)
+                self.accepted_keys.update(out.keys_to_store)
             return out
 
         m.prepare_store = rec_store
+
+    def count_lost_keys(self) -> None:
+        """Keys a store fault refused that were never accepted later nor are held now."""
+        res = self.result
+        res.fault_refused_keys = len(self.refused_keys)
+        cs = self.connector_scheduler
+        counters = getattr(cs, "counters", None)
+        if counters is not None:
+            res.connector_counters = {k: v for k, v in vars(counters).items() if isinstance(v, int)}
+        if cs is None or not self.refused_keys:
+            return
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+        ctx = ReqContext(req_id="lost-keys-check")
+        for key in self.refused_keys - self.accepted_keys:
+            if cs.manager.lookup(key, ctx) in (LookupResult.HIT, LookupResult.HIT_PENDING):
+                continue
+            name = self.groups[int.from_bytes(bytes(key)[-4:], "big")]
+            res.lost_keys[name] = res.lost_keys.get(name, 0) + 1
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -732,8 +784,13 @@ class Engine:
         if isinstance(meta, OffloadingConnectorMetadata):
             for job in meta.load_jobs.values():
                 res.load_jobs += 1
+                rec = self.records.get(job.req_id)
+                first = rec is not None and not rec.preemptions and job.req_id not in self.loaded_reqs
+                self.loaded_reqs.add(job.req_id)
                 for g, n in zip(self.groups, job.dst_spec.group_sizes):
                     res.hit_tokens[g] = res.hit_tokens.get(g, 0) + int(n) * BLOCK_TOKENS[g]
+                    if first:
+                        res.first_hit_tokens[g] = res.first_hit_tokens.get(g, 0) + int(n) * BLOCK_TOKENS[g]
             for job in meta.store_jobs.values():
                 res.store_jobs += 1
                 for g, n in zip(self.groups, job.src_spec.group_sizes):
@@ -1026,6 +1083,7 @@ def run_engine(
     reset_connector: bool = False,
     workload: list[list[ReqSpec]] | None = None,
     settle: bool = False,
+    store_fault: Any = None,
 ) -> RunResult:
     """Run the workload once through the real scheduler + connector; see the module docstring."""
     t0 = time.perf_counter()
@@ -1035,7 +1093,8 @@ def run_engine(
         eng = Engine(extra_config, groups=tuple(groups), blocks_per_chunk=blocks_per_chunk,
                      async_scheduling=async_scheduling, num_gpu_blocks=num_gpu_blocks,
                      kv_connector=kv_connector, kv_connector_module_path=kv_connector_module_path, result=res,
-                     long_prefill_token_threshold=long_prefill_token_threshold, settle=settle)
+                     long_prefill_token_threshold=long_prefill_token_threshold, settle=settle,
+                     store_fault=store_fault)
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)
         except Exception as exc:  # noqa: BLE001 - reported, the caller decides
@@ -1052,11 +1111,26 @@ def run_engine(
                 else:
                     res.max_request_steps = max(res.max_request_steps, rec.finish_step - rec.arrival_step)
             try:
+                eng.count_lost_keys()
+            except Exception as exc:  # noqa: BLE001
+                res.error = res.error or f"lost-key count: {type(exc).__name__}: {exc}"
+            try:
                 eng.shutdown()
             except Exception as exc:  # noqa: BLE001
                 res.error = res.error or f"shutdown: {type(exc).__name__}: {exc}"
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def _timed(res: RunResult, fn: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            res.connector_s += time.perf_counter() - t
+
+    return call
 
 
 def _drive(eng: Engine, phases: list[list[ReqSpec]], step_budget: int, idle_grace_steps: int,

@@ -530,6 +530,8 @@ class Engine:
         long_prefill_token_threshold: int = LONG_PREFILL_THRESHOLD,
         settle: bool = False,
         store_fault: Any = None,
+        max_num_seqs: int = MAX_NUM_SEQS,
+        max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
     ) -> None:
         assert groups[0] == "full" and set(groups) <= set(LAYER), groups
         self.settle = settle
@@ -553,7 +555,7 @@ class Engine:
             cache_config=CacheConfig(block_size=MAMBA_BLOCK if self.has_mamba else ATTN_BLOCK,
                                      enable_prefix_caching=True,
                                      mamba_cache_mode="align" if self.has_mamba else "none"),
-            scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
                                              is_encoder_decoder=False, async_scheduling=async_scheduling,
                                              long_prefill_token_threshold=long_prefill_token_threshold),
@@ -1084,6 +1086,8 @@ def run_engine(
     workload: list[list[ReqSpec]] | None = None,
     settle: bool = False,
     store_fault: Any = None,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
 ) -> RunResult:
     """Run the workload once through the real scheduler + connector; see the module docstring."""
     t0 = time.perf_counter()
@@ -1094,7 +1098,8 @@ def run_engine(
                      async_scheduling=async_scheduling, num_gpu_blocks=num_gpu_blocks,
                      kv_connector=kv_connector, kv_connector_module_path=kv_connector_module_path, result=res,
                      long_prefill_token_threshold=long_prefill_token_threshold, settle=settle,
-                     store_fault=store_fault)
+                     store_fault=store_fault, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens)
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)
         except Exception as exc:  # noqa: BLE001 - reported, the caller decides

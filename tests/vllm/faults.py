@@ -13,14 +13,16 @@ Modes (each refuses a key at most once, so a planner that offers it again gets i
   request finished, and the first one after (the request's last store pass);
 * ``swa_once`` / ``mamba_once`` — every call offering a sliding-window / Mamba key not refused yet;
 * ``partial`` — the first offer of a key: only the first half of the call's keys go through;
-* ``every_other`` — every other call, once per key.
+* ``every_other`` — every other call, once per key;
+* ``always`` — every call (a store that is full for good; for benchmarks of the backlog).
+
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-MODES = ("last_pass", "swa_once", "mamba_once", "partial", "every_other")
+MODES = ("last_pass", "swa_once", "mamba_once", "partial", "every_other", "always")
 
 
 def key_group(key: Any) -> int:
@@ -74,10 +76,11 @@ class StoreFault:
             n = (len(keys) + 1) // 2
             self.refused.update(keys[n:])
             return n
+        if self.mode == "always":
+            return self._refuse(keys)
         if self._calls % 2 == 0 and fresh:  # every_other
             return self._refuse(fresh)
         return len(keys)
 
     def _refuse(self, fresh: list[Any]) -> None:
         self.refused.update(fresh)
-        return None

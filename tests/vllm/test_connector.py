@@ -178,6 +178,23 @@ def test_any_spec_behind_the_connector(tmp_path: Path) -> None:
         assert all(r.hit_tokens.get(g, 0) > 0 for g in groups), (name, r.hit_tokens)
 
 
+def test_readme_configuration_runs(tmp_path: Path) -> None:
+    """README's third ``--kv-transfer-config`` (only the YAML path swapped) on the hybrid schedule."""
+    from tests.vllm.test_vllm_roundtrip import extra_config, readme_kv_transfer_configs
+
+    cfg = readme_kv_transfer_configs()["TieredKVConnector"]
+    extra = extra_config("TieredKVConnector", _tiers_file(tmp_path, "lmdb"))
+    bpc = extra["blocks_per_chunk"]
+    r = run_engine(extra, groups=HYBRID, blocks_per_chunk=bpc, async_scheduling=True, settle=True,
+                   kv_connector=cfg["kv_connector"], kv_connector_module_path=cfg["kv_connector_module_path"])
+    ref = run_engine(reference_extra_config(bpc), groups=HYBRID, blocks_per_chunk=bpc, async_scheduling=True)
+    print(f"ref {ref.summary()}\nreadme {r.summary()}")
+    assert_healthy("readme", r)
+    assert_on_grid(r)
+    assert r.connector_counters is not None
+    assert_hits_at_least(r, ref)
+
+
 def test_bad_connector_option_names_field_value_and_fix() -> None:
     with pytest.raises(Exception, match=r"max_store_keys_per_step=0 is invalid: expected an integer >= 1"):
         run_engine_raising(dict(reference_extra_config(1), max_store_keys_per_step=0))

@@ -30,21 +30,23 @@ WINDOW = 32
 
 
 def readme_kv_transfer_configs() -> dict[str, dict[str, Any]]:
-    """The two ``--kv-transfer-config`` JSONs of README.md's "Use with vLLM", by spec_name."""
+    """The three ``--kv-transfer-config`` JSONs of README.md's "Use with vLLM": vLLM's connector's
+    by spec_name, tieredkv's connector's as ``TieredKVConnector``."""
     text = (ROOT / "README.md").read_text()
     section = text.split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
     out = {}
     for raw in re.findall(r"--kv-transfer-config '([^']+)'", section):
         cfg = json.loads(raw)
-        out[cfg["kv_connector_extra_config"]["spec_name"]] = cfg
-    assert set(out) == {"TieredKVOffloadingSpec", "TieringOffloadingSpec"}, out.keys()
+        name = cfg["kv_connector"] if cfg["kv_connector"] != "OffloadingConnector" else None
+        out[name or cfg["kv_connector_extra_config"]["spec_name"]] = cfg
+    assert set(out) == {"TieredKVOffloadingSpec", "TieringOffloadingSpec", "TieredKVConnector"}, out.keys()
     return out
 
 
 def extra_config(mode: str, tiers_yaml: Path) -> dict[str, Any]:
     """README's extra config for ``mode`` with only the YAML path (and a test-sized primary) swapped."""
     cfg = readme_kv_transfer_configs()[mode]
-    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    assert cfg["kv_connector"] in ("OffloadingConnector", mode) and cfg["kv_role"] == "kv_both"
     raw = json.dumps(cfg["kv_connector_extra_config"])
     assert README_CONFIG_PATH in raw
     extra = json.loads(raw.replace(README_CONFIG_PATH, str(tiers_yaml)))
@@ -172,7 +174,7 @@ def _assert_routes(store: Any, backend: str) -> None:
 
 
 def test_readme_json_is_valid_for_vllm() -> None:
-    """Both README JSONs parse into vLLM's KVTransferConfig and name loadable classes."""
+    """The README JSONs parse into vLLM's KVTransferConfig and name loadable classes."""
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -186,6 +188,12 @@ def test_readme_json_is_valid_for_vllm() -> None:
     assert spec_cls is TieredKVOffloadingSpec
     (tier_cfg,) = cfgs["TieringOffloadingSpec"]["kv_connector_extra_config"]["secondary_tiers"]
     assert SecondaryTierFactory.get_tier_class(tier_cfg) is TieredKVSecondaryTier
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from tieredkv.integrations.vllm import TieredKVConnector
+
+    tkc = KVConnectorFactory.get_connector_class(KVTransferConfig(**cfgs["TieredKVConnector"]))
+    assert tkc is TieredKVConnector
 
 
 def test_import_tieredkv_does_not_import_vllm() -> None:

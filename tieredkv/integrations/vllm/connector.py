@@ -29,7 +29,7 @@ side decides, with the rules of :class:`tieredkv.scheduler.ChunkLedger` (the pla
   stored (evicted since) makes it storable again.
 
 Extra config (``kv_connector_extra_config``, next to the spec's keys):
-``max_store_keys_per_step`` (256), ``hold_finished_steps`` (64), ``hold_max_blocks`` (half the
+``max_store_keys_per_step`` (256), ``hold_finished_steps`` (16), ``hold_max_blocks`` (half the
 GPU pool; 0 never holds).
 
 Loaded by vLLM as ``"kv_connector": "TieredKVConnector", "kv_connector_module_path":
@@ -76,7 +76,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from tieredkv.scheduler import _WAITING, ChunkLedger
 
-__all__ = ["TieredKVConnector", "TieredKVConnectorScheduler", "ConnectorCounters"]
+__all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
 
 _PRESENT = (LookupResult.HIT, LookupResult.HIT_PENDING)
 
@@ -148,7 +148,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             self.config = self.config._replace(alignment_tokens=math.lcm(grid, self.config.alignment_tokens))
         extra = spec.extra_config or {}
         self.max_store_keys_per_step = _positive(extra, "max_store_keys_per_step", 256)
-        self.hold_finished_steps = _positive(extra, "hold_finished_steps", 64, allow_zero=True)
+        self.hold_finished_steps = _positive(extra, "hold_finished_steps", 16, allow_zero=True)
         self.hold_max_blocks = _positive(
             extra, "hold_max_blocks", max(1, kv_cache_config.num_blocks // 2), allow_zero=True
         )

@@ -6,6 +6,12 @@ Runs a hybrid layout (full attention, sliding window, mamba) with 10, 100 and
 repeated with 100x more chunks already held per request; per-step cost must stay
 flat (ratio ~1.0) because the adapter only walks chunks the step touches.
 
+Backlog case: one decoding request with 10, 100 and 1 000 whole prompt chunks waiting (the
+store refused them). Each step makes a store plan, alone (the adapter's bound stays at
+``max_chunks_per_plan``) and completed as refused (vLLM's all-or-nothing ``prepare_store``
+returning None; the bound then shrinks); the backlog stays the same size. Per-step cost
+must not grow with the backlog, since a plan visits at most ``max_chunks_per_plan`` chunks.
+
 Usage: python benchmarks/bench_scheduler.py [--steps N]
 Not a timed test: it prints a table and the held-chunks ratios.
 """
@@ -64,6 +70,8 @@ def run(n_requests: int, held_tokens: int, steps: int) -> tuple[float, int]:
         rid = f"r{i}"
         s.add_request(rid, prompt)
         _advance(s, rid, 0, held_tokens, window=True)  # history, stored once
+        while plan := s.plan_store(rid, num_computed_tokens=held_tokens):  # a plan is bounded
+            s.complete_store(rid, StoreOutcome(accepted=frozenset(plan.keys)))
     held = sum(p.cursor for p in s.progress("r0"))
     computed = held_tokens
     # Move the setup heap out of the cyclic GC's reach: a full collection walks every
@@ -78,6 +86,38 @@ def run(n_requests: int, held_tokens: int, steps: int) -> tuple[float, int]:
     elapsed = time.perf_counter() - t0
     gc.unfreeze()
     return elapsed / steps, held
+
+
+BACKLOG_LAYOUT = GroupLayout((GroupSpec(0, "full", tokens_per_block=16, blocks_per_chunk=4),), tokens_per_hash=TPH)
+
+
+def run_backlog(backlog: int, steps: int, *, refuse: bool) -> tuple[float, int]:
+    """(seconds per step, chunks in the last plan) for one decoding request whose ``backlog``
+    whole prompt chunks are not stored yet: offered once, refused (the store is full).
+
+    ``refuse``: each step's plan is completed as refused (all-or-nothing); else plans are only
+    made (each replaces the last), so the adapter's bound stays where it is.
+    """
+    g = BACKLOG_LAYOUT.groups[0]
+    tpc, bpc = g.tokens_per_chunk, g.blocks_per_chunk
+    s = OffloadScheduler(BACKLOG_LAYOUT)
+    prompt = backlog * tpc
+    s.add_request("r0", prompt, block_hashes=_hashes(0, 0, prompt // TPH))
+    s.update_request("r0", block_ids=[[BLOCK_POOL[b % len(BLOCK_POOL)] for b in range(backlog * bpc)]])
+    plan = s.plan_store("r0", num_computed_tokens=0, num_scheduled_tokens=prompt)  # the prefill
+    s.complete_store("r0", StoreOutcome.from_prepare_store(plan, None))
+    gc.collect()
+    gc.freeze()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        s.update_request("r0", num_tokens=prompt + i + 1)
+        plan = s.plan_store("r0", num_computed_tokens=prompt + i, num_scheduled_tokens=1)
+        if refuse:
+            s.complete_store("r0", StoreOutcome.from_prepare_store(plan, None))
+    elapsed = time.perf_counter() - t0
+    gc.unfreeze()
+    assert s.cursor("r0", 0) == 0  # nothing was stored
+    return elapsed / steps, len(plan.keys)
 
 
 def main() -> None:
@@ -98,6 +138,16 @@ def main() -> None:
             ratio = sec / best[1][0]
             print(f"{n:>9} {held:>16} {sec * 1e3:>9.3f} {sec / n * 1e6:>12.1f} {ratio:>12.2f}")
     print("ratio = per-step cost with 100x more held chunks / baseline (flat if ~1.0)")
+    print()
+    print("backlog: one decoding request with chunks waiting (refused); per step a plan alone,")
+    print("and a plan completed as refused (all-or-nothing, vLLM's prepare_store -> None)")
+    print(f"{'waiting chunks':>15} {'plan us/step':>13} {'chunks/plan':>12}", end="")
+    print(f" {'refused us/step':>16} {'chunks/plan':>12}")
+    for waiting in (10, 100, 1000):
+        plan_only = min(run_backlog(waiting, args.steps * 10, refuse=False) for _ in range(3))
+        refused = min(run_backlog(waiting, args.steps * 10, refuse=True) for _ in range(3))
+        print(f"{waiting:>15} {plan_only[0] * 1e6:>13.1f} {plan_only[1]:>12}", end="")
+        print(f" {refused[0] * 1e6:>16.1f} {refused[1]:>12}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from tieredkv.errors import TieredKVError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 from tieredkv.keys import GroupGeometry, Namespace
 from tieredkv.pipeline import JobResult, KeyState
-from tieredkv.scheduler import LoadPlan, OffloadScheduler, StoreOutcome, StorePlan
+from tieredkv.scheduler import DEFAULT_MAX_CHUNKS_PER_PLAN, LoadPlan, OffloadScheduler, StoreOutcome, StorePlan
 from tieredkv.store import TieredStore
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -50,6 +50,7 @@ class DemoOptions:
     prefill_tokens: int = 512
     mamba: bool = False
     seed: int = 0
+    max_chunks_per_plan: int | None = DEFAULT_MAX_CHUNKS_PER_PLAN  # the adapter's bound on one store plan
 
 
 def demo_layout(mamba: bool = False) -> GroupLayout:
@@ -143,7 +144,7 @@ class _Trace:
 class _Engine:
     def __init__(self, store: TieredStore, layout: GroupLayout, o: DemoOptions, device: str) -> None:
         self.store, self.layout, self.o = store, layout, o
-        self.sched = OffloadScheduler(layout)
+        self.sched = OffloadScheduler(layout, max_chunks_per_plan=o.max_chunks_per_plan)
         self.gpu = FakeGPU(layout, blocks=o.concurrency * 400 + 64, device=device)
         self.fp = store.namespace.fingerprint
         for pos, g in enumerate(layout.groups):
@@ -259,6 +260,11 @@ class _Engine:
             self._store(r, self.sched.finish_request(r.rid, num_computed_tokens=r.computed))
             r.finished = True
 
+    def store_rest(self, r: _Req) -> None:
+        """A finished request whose final store plan was bounded: offer its next chunks."""
+        if r.rid in self.sched:
+            self._store(r, self.sched.plan_finished(r.rid))
+
     def _slide_window(self, r: _Req) -> None:
         for pos, g in enumerate(self.layout.groups):
             if g.kind is not GroupKind.SLIDING_WINDOW or g.window_tokens is None:
@@ -332,11 +338,13 @@ def run_demo(
             for r in list(running.values()):
                 if not r.finished:
                     eng.prefill(r)
+                else:
+                    eng.store_rest(r)  # its blocks stay allocated until every chunk was offered
             eng.collect(running)
             if not running and waiting:
                 time.sleep(0.001)  # everything waits on pending stores
             for rid, r in list(running.items()):
-                if r.finished and not r.store_jobs:
+                if r.finished and not r.store_jobs and rid not in eng.sched:
                     del running[rid]
                     for pos, ids in enumerate(r.blocks):
                         eng.gpu.release(pos, ids)

@@ -18,7 +18,8 @@ Primitives:
   - :meth:`~OffloadScheduler.plan_store` -> :class:`StorePlan` (whole chunks only),
     :meth:`~OffloadScheduler.complete_store` with a :class:`StoreOutcome`;
   - :meth:`~OffloadScheduler.preempt`, :meth:`~OffloadScheduler.finish_request`
-    (final plan; also for aborts), :meth:`~OffloadScheduler.remove_request`,
+    (first final plan; also for aborts), :meth:`~OffloadScheduler.plan_finished`
+    (the next final plans, see below), :meth:`~OffloadScheduler.remove_request`,
     :meth:`~OffloadScheduler.reset`.
 
 Rules the adapter guarantees by construction:
@@ -36,8 +37,40 @@ Rules the adapter guarantees by construction:
    group with every later chunk, which the lookup did not confirm -- so a
    preempted request stores what it recomputes instead of trusting stale marks.
 
+Bounded plans. A store plan visits (so offers) at most ``max_chunks_per_plan``
+chunks of a request (default 64; None: no bound), the oldest waiting (refused)
+chunks of each group first; a run of chunks that can never be stored (null
+blocks out of the window, e.g. before a loaded hit) is passed without counting.
+The bound is shared out over the groups by water-filling: a group gets at most
+what it can use (its waiting chunks plus the chunks past its scan position), the
+rest is split evenly, and a remainder smaller than the number of groups goes one
+chunk each starting at a group that rotates every plan -- so every group
+progresses, even with a bound smaller than the number of groups. A plan refused
+whole halves the request's bound (down to 1 chunk) and a plan with anything
+accepted or present doubles it back, so an all-or-nothing store with room for
+fewer chunks than the backlog drains it instead of refusing it forever. A bound
+below the chunks a step makes delays stores; in a sliding-window group a chunk
+that leaves the window before it is offered is lost, so size the bound above a
+step's chunks.
+
+Finished requests. :meth:`~OffloadScheduler.finish_request` returns the first
+final plan; each whole chunk of a finished request is offered once (a refused
+one is dropped: the engine frees the blocks). While chunks are left unoffered
+after :meth:`~OffloadScheduler.complete_store` -- the final plan was bounded --
+the request stays tracked: :meth:`~OffloadScheduler.finished_requests` lists it
+and :meth:`~OffloadScheduler.plan_finished` returns its next plan (the engine
+keeps its blocks until then). An empty final plan means the request is gone::
+
+    plan = sched.finish_request(rid, num_computed_tokens=n)
+    while plan:
+        sched.complete_store(rid, store(plan))  # e.g. one plan per engine step
+        if rid not in sched:
+            break
+        plan = sched.plan_finished(rid)
+
 Per-step work is proportional to the chunks a step touches: each group walks
-only from its scan position forward, plus the few chunks still waiting.
+only from its scan position forward, plus at most the bound's worth of waiting
+chunks -- it does not grow with a refused backlog.
 """
 
 from __future__ import annotations
@@ -45,8 +78,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
-from tieredkv.groups import GroupLayout, GroupSpec
+from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 
 __all__ = [
     "ChunkToStore",
@@ -63,6 +97,9 @@ __all__ = [
 ]
 
 NULL_BLOCK = 0
+
+#: Default bound on the chunks one store plan of a request visits.
+DEFAULT_MAX_CHUNKS_PER_PLAN = 64
 
 # Per-chunk status bytes. WAITING chunks are also listed in _GroupState.waiting.
 _UNSEEN, _WAITING, _DONE, _DEAD = 0, 1, 2, 3
@@ -346,6 +383,23 @@ class ChunkLedger:
         self.scan = max(self.scan, k)
         return out
 
+    def pass_never_storable(self, limit: int, never_storable: Callable[[int], bool]) -> None:
+        """Move the scan over the run of chunks below ``limit`` that need no visit: done,
+        waiting (listed), or never storable (``never_storable(k)``: marked dead).
+
+        Amortized O(1) per chunk; lets a bounded :meth:`candidates` spend its budget on
+        chunks that may be offered, not on a long run of dead ones (e.g. the sliding-window
+        chunks before a loaded hit).
+        """
+        k = self.scan
+        while k < limit:
+            if self.status_of(k) in (_UNSEEN, _DEAD):
+                if not never_storable(k):
+                    break
+                self._set(k, _DEAD)
+            k += 1
+        self.scan = k
+
     def settle_scan(self) -> None:
         """Move the scan over a run of done chunks (e.g. loaded ones)."""
         while self.status_of(self.scan) == _DONE:
@@ -383,10 +437,18 @@ class _Request:
         "groups",
         "pending",
         "finished",
+        "frontier",
+        "budget",
+        "rotation",
     )
 
     def __init__(
-        self, req_id: str, num_prompt_tokens: int, max_offload_tokens: int | None, n: int
+        self,
+        req_id: str,
+        num_prompt_tokens: int,
+        max_offload_tokens: int | None,
+        n: int,
+        budget: int | None,
     ) -> None:
         self.req_id = req_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -397,6 +459,34 @@ class _Request:
         # key -> (group position, chunk index) of the latest plan
         self.pending: dict[bytes, tuple[int, int]] = {}
         self.finished = False
+        self.frontier = 0  # a finished request's final frontier
+        self.budget = budget  # chunks the next plan may visit (None: no bound)
+        self.rotation = 0  # the group planned first (every group gets its turn)
+
+
+def _share_out(budget: int, demand: Sequence[int], rotation: int) -> list[int]:
+    """Split ``budget`` over the groups by water-filling: no group gets more than its
+    ``demand``, the rest is shared evenly; a remainder smaller than the groups still
+    wanting goes one by one, starting at group ``rotation`` (which turns every plan)."""
+    n = len(demand)
+    shares = [0] * n
+    active = [p for p in ((rotation + i) % n for i in range(n)) if demand[p] > 0]
+    left = budget
+    while left > 0 and active:
+        each = left // len(active)
+        if each == 0:
+            for p in active[:left]:
+                shares[p] += 1
+            break
+        still = []
+        for p in active:
+            give = min(each, demand[p] - shares[p])
+            shares[p] += give
+            left -= give
+            if shares[p] < demand[p]:
+                still.append(p)
+        active = still
+    return shares
 
 
 def _check_count(name: str, value: int) -> None:
@@ -413,11 +503,29 @@ class OffloadScheduler:
     Args:
         layout: The model's offloaded KV groups.
         offload_prompt_only: Store only prompt chunks (vLLM's default).
+        max_chunks_per_plan: The most chunks one store plan of a request visits
+            (so offers), oldest waiting first; None: no bound (a plan then offers
+            the whole backlog, and costs O(backlog)). See the module docstring.
     """
 
-    def __init__(self, layout: GroupLayout, *, offload_prompt_only: bool = True) -> None:
+    def __init__(
+        self,
+        layout: GroupLayout,
+        *,
+        offload_prompt_only: bool = True,
+        max_chunks_per_plan: int | None = DEFAULT_MAX_CHUNKS_PER_PLAN,
+    ) -> None:
+        if max_chunks_per_plan is not None and (
+            isinstance(max_chunks_per_plan, bool)
+            or not isinstance(max_chunks_per_plan, int)
+            or max_chunks_per_plan < 1
+        ):
+            raise ValueError(
+                f"max_chunks_per_plan={max_chunks_per_plan!r}: expected a positive integer or None"
+            )
         self.layout = layout
         self.offload_prompt_only = offload_prompt_only
+        self.max_chunks_per_plan = max_chunks_per_plan
         self._hpc = tuple(layout.hashes_per_chunk(i) for i in range(len(layout)))
         self._reqs: dict[str, _Request] = {}
 
@@ -444,7 +552,9 @@ class OffloadScheduler:
         _check_count("num_prompt_tokens", num_prompt_tokens)
         if max_offload_tokens is not None:
             _check_count("max_offload_tokens", max_offload_tokens)
-        req = _Request(req_id, num_prompt_tokens, max_offload_tokens, len(self.layout))
+        req = _Request(
+            req_id, num_prompt_tokens, max_offload_tokens, len(self.layout), self.max_chunks_per_plan
+        )
         self._reqs[req_id] = req
         self._append_hashes(req, block_hashes)
 
@@ -502,24 +612,62 @@ class OffloadScheduler:
     def finish_request(
         self, req_id: str, *, num_computed_tokens: int, aborted: bool = False
     ) -> StorePlan:
-        """The request ended; return its final store plan.
+        """The request ended; return its first final store plan.
 
         A finished request offers every token whose KV exists (the final
         sampled token has none); an aborted one only its computed tokens. Every
-        chunk that is not whole now never will be. The request is dropped after
-        the plan's :meth:`complete_store` (or at once if the plan is empty).
+        chunk that is not whole now never will be, and each whole one is
+        offered once: a refused one is dropped, since the engine frees the
+        blocks. A plan is bounded by ``max_chunks_per_plan``: while whole
+        chunks remain unoffered after :meth:`complete_store`, the request stays
+        tracked (see :meth:`finished_requests`) and :meth:`plan_finished` gives
+        the next plan -- keep its GPU blocks until then. The request is dropped
+        after the outcome of the plan that leaves nothing to offer; an empty
+        plan means it is already dropped.
         """
         req = self._get(req_id)
         _check_count("num_computed_tokens", num_computed_tokens)
         req.finished = True
         if aborted:
-            frontier = num_computed_tokens
+            req.frontier = num_computed_tokens
         else:
-            frontier = max(num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1)
-        plan = self._plan(req, frontier, final=True)
-        if not plan:
-            del self._reqs[req_id]
-        return plan
+            req.frontier = max(num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1)
+        return self._final_plan(req)
+
+    def plan_finished(self, req_id: str) -> StorePlan:
+        """The next final plan of a finished request that still has chunks to offer.
+
+        For the requests in :meth:`finished_requests`, after the outcome of
+        their previous plan. An empty plan means nothing is left: the request
+        is dropped. A plan not completed is replaced (its chunks are offered
+        again).
+        """
+        req = self._get(req_id)
+        if not req.finished:
+            raise ValueError(f"request {req_id!r} has not finished; use plan_store")
+        return self._final_plan(req)
+
+    def finished_requests(self) -> tuple[str, ...]:
+        """Finished requests still tracked: awaiting an outcome, or with chunks left to offer."""
+        return tuple(r.req_id for r in self._reqs.values() if r.finished)
+
+    def _final_plan(self, req: _Request) -> StorePlan:
+        while True:
+            plan = self._plan(req, req.frontier, final=True)
+            if plan:
+                return plan
+            # Empty: every chunk visited was never storable (now dead). Go on while any is left.
+            if not self._has_more(req):
+                del self._reqs[req.req_id]
+                return plan
+
+    def _has_more(self, req: _Request) -> bool:
+        """Whether a finished request has chunks below its final limit not yet resolved."""
+        offloadable = self._offloadable(req, req.frontier)
+        return any(
+            gs.ledger.cursor < self._limit(spec, gs, offloadable)
+            for spec, gs in zip(self.layout.groups, req.groups)
+        )
 
     def remove_request(self, req_id: str) -> None:
         """Forget a request (no-op if unknown)."""
@@ -535,6 +683,7 @@ class OffloadScheduler:
             del self._reqs[req_id]
         for req in self._reqs.values():
             req.pending = {}
+            req.budget = self.max_chunks_per_plan
             for gs in req.groups:
                 gs.ledger.reset()
 
@@ -551,13 +700,14 @@ class OffloadScheduler:
             num_scheduled_tokens: Tokens this step computes.
 
         Returns:
-            Per group, every chunk that is whole now and not yet stored,
-            including chunks refused earlier. It replaces any earlier plan of
-            this request that was not completed.
+            Per group, the chunks that are whole now and not yet stored,
+            chunks refused earlier first; at most the request's current bound
+            (``max_chunks_per_plan``, halved after a plan refused whole). It
+            replaces any earlier plan of this request that was not completed.
         """
         req = self._get(req_id)
         if req.finished:
-            raise ValueError(f"request {req_id!r} has finished; use finish_request")
+            raise ValueError(f"request {req_id!r} has finished; use finish_request / plan_finished")
         _check_count("num_computed_tokens", num_computed_tokens)
         _check_count("num_scheduled_tokens", num_scheduled_tokens)
         return self._plan(req, num_computed_tokens + num_scheduled_tokens, final=False)
@@ -566,18 +716,36 @@ class OffloadScheduler:
         """Record what the store side did with the request's latest plan.
 
         Accepted and present chunks are done; refused (or unmentioned) ones
-        are offered again by the next plan. Unknown requests and keys that are
-        not in the latest plan (stale outcomes) are ignored.
+        are offered again by the next plan -- of a finished request, never
+        again. A plan refused whole halves the request's bound on the next
+        plans (down to 1 chunk), one with anything accepted or present doubles
+        it back (up to ``max_chunks_per_plan``), so a store with room for
+        fewer chunks than the backlog still drains it. A finished request is
+        dropped once nothing is left to offer. Unknown requests and keys that
+        are not in the latest plan (stale outcomes) are ignored.
         """
         req = self._reqs.get(req_id)
         if req is None:
             return
+        progressed = False
         for key in outcome.accepted | outcome.present:
             where = req.pending.get(key)
             if where is not None:
                 req.groups[where[0]].ledger.mark_done(where[1])
-        req.pending = {}
+                progressed = True
+        if req.pending and req.budget is not None:
+            assert self.max_chunks_per_plan is not None
+            if progressed:
+                req.budget = min(self.max_chunks_per_plan, 2 * req.budget)
+            else:
+                req.budget = max(1, req.budget // 2)
         if req.finished:
+            for pos, k in req.pending.values():
+                ledger = req.groups[pos].ledger
+                if not ledger.is_done(k):
+                    ledger.mark_dead(k)  # offered once: the engine frees the blocks
+        req.pending = {}
+        if req.finished and not self._has_more(req):
             del self._reqs[req_id]
 
     def _offloadable(self, req: _Request, frontier: int) -> int:
@@ -590,24 +758,53 @@ class OffloadScheduler:
 
     def _plan(self, req: _Request, frontier: int, *, final: bool) -> StorePlan:
         offloadable = self._offloadable(req, frontier)
+        budget = req.budget
+        limits: list[int] = []
+        demand: list[int] = []
+        for spec, gs in zip(self.layout.groups, req.groups):
+            limit = min(
+                offloadable // spec.tokens_per_chunk, len(gs.block_ids) // spec.blocks_per_chunk, len(gs.keys)
+            )
+            ledger = gs.ledger
+            scan, bpc = ledger.scan, spec.blocks_per_chunk
+            if (
+                scan < limit
+                and (final or spec.kind is not GroupKind.FULL)
+                and NULL_BLOCK in gs.block_ids[scan * bpc : (scan + 1) * bpc]
+            ):  # maybe a run of chunks that can never be stored: pass it without spending the bound
+                dead = partial(self._never_storable, spec, gs, frontier=frontier, final=final)
+                ledger.pass_never_storable(limit, dead)
+            limits.append(limit)
+            if budget is not None:
+                waiting = ledger.waiting  # at least as many chunks as candidates() would visit:
+                demand.append((bisect.bisect_left(waiting, limit) if waiting else 0) + max(0, limit - ledger.scan))
+        shares: Sequence[int | None] = (None,) * len(limits)
+        if budget is not None and sum(demand) > budget:  # the bound binds: share it out
+            shares = _share_out(budget, demand, req.rotation)
+            req.rotation = (req.rotation + 1) % len(limits)
         plans: list[GroupStorePlan] = []
         pending: dict[bytes, tuple[int, int]] = {}
         for pos, (spec, gs) in enumerate(zip(self.layout.groups, req.groups)):
-            chunks = self._plan_group(spec, gs, offloadable, frontier, final)
+            chunks = self._plan_group(spec, gs, limits[pos], frontier, final, shares[pos])
             for chunk in chunks:
                 pending[chunk.key] = (pos, chunk.chunk_index)
             plans.append(GroupStorePlan(spec.index, tuple(chunks)))
         req.pending = pending
         return StorePlan(req.req_id, offloadable, tuple(plans))
 
+    @staticmethod
+    def _limit(spec: GroupSpec, gs: _GroupState, offloadable: int) -> int:
+        """Chunks of the group that are offloadable, allocated and keyed."""
+        return min(
+            offloadable // spec.tokens_per_chunk, len(gs.block_ids) // spec.blocks_per_chunk, len(gs.keys)
+        )
+
     def _plan_group(
-        self, spec: GroupSpec, gs: _GroupState, offloadable: int, frontier: int, final: bool
+        self, spec: GroupSpec, gs: _GroupState, limit: int, frontier: int, final: bool, budget: int | None
     ) -> list[ChunkToStore]:
-        """Visit waiting chunks, then new chunks from the scan position."""
-        bpc = spec.blocks_per_chunk
-        limit = min(offloadable // spec.tokens_per_chunk, len(gs.block_ids) // bpc, len(gs.keys))
+        """Visit waiting chunks, then new chunks from the scan position, at most ``budget``."""
         out: list[ChunkToStore] = []
-        for k in gs.ledger.candidates(limit):
+        for k in gs.ledger.candidates(limit, budget):
             self._visit(spec, gs, k, frontier, final, out)
         gs.ledger.settle_scan()  # e.g. loaded chunks, or stored before a rewind
         out.sort(key=lambda c: c.chunk_index)
@@ -628,13 +825,23 @@ class OffloadScheduler:
         if NULL_BLOCK not in blocks:
             gs.ledger.mark_waiting(k)
             out.append(ChunkToStore(gs.keys[k], k, tuple(blocks)))
-            return
-        reach = spec.reach_tokens
-        out_of_reach = reach is not None and (k + 1) * spec.tokens_per_chunk + reach <= frontier
-        if final or out_of_reach:
+        elif final or self._out_of_reach(spec, k, frontier):
             gs.ledger.mark_dead(k)
         else:
             gs.ledger.mark_waiting(k)
+
+    @staticmethod
+    def _out_of_reach(spec: GroupSpec, k: int, frontier: int) -> bool:
+        """Chunk ``k`` has left the group's window for good (no query from ``frontier`` on reads it)."""
+        reach = spec.reach_tokens
+        return reach is not None and (k + 1) * spec.tokens_per_chunk + reach <= frontier
+
+    def _never_storable(self, spec: GroupSpec, gs: _GroupState, k: int, frontier: int, final: bool) -> bool:
+        """Chunk ``k`` has a null block and is over (final) or out of reach: it never becomes whole."""
+        if not final and not self._out_of_reach(spec, k, frontier):
+            return False
+        bpc = spec.blocks_per_chunk
+        return NULL_BLOCK in gs.block_ids[k * bpc : (k + 1) * bpc]
 
     # ------------------------------------------------------------ lookup
 

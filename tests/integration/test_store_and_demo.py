@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import tieredkv
 from tieredkv.config import load_config
-from tieredkv.demo import DemoOptions, run_demo
+from tieredkv.demo import DemoOptions, _Engine, run_demo
 from tieredkv.pipeline import KeyState
 
 
@@ -68,6 +69,25 @@ def test_demo_with_a_mamba_group_verifies_every_block(tmp_path: Path) -> None:
     assert kinds == ["full", "sliding_window", "mamba"]
     assert all(g["stored_chunks"] > 0 for g in s["groups"])
     assert s["store"]["failed"] == 0 and s["load"]["failed"] == 0
+
+
+def test_demo_with_bounded_store_plans_drains_finished_requests(tmp_path: Path) -> None:
+    # Two chunks per plan: final plans are bounded, so a finished request keeps being planned
+    # (its blocks held) until every chunk was offered; the run ends only if every one drains.
+    class Engine(_Engine):
+        rest_plans = 0
+
+        def store_rest(self, r: Any) -> None:
+            Engine.rest_plans += r.rid in self.sched
+            super().store_rest(r)
+
+    c = load_config(cfg(tmp_path), env={})
+    o = DemoOptions(conversations=3, turns=2, system_tokens=(256, 512), max_chunks_per_plan=2)
+    s = run_demo(c, o, engine_cls=Engine)
+    assert s["requests"] == 6 and s["mismatches"] == 0 and s["verified_blocks"] > 0
+    assert s["store"]["failed"] == 0 and s["load"]["failed"] == 0
+    assert s["groups"][0]["tokens_from_cache"] > 0
+    assert Engine.rest_plans > 0
 
 
 def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tieredkv.groups import GroupLayout, GroupSpec
@@ -653,3 +655,172 @@ def test_window_miss_forgets_only_the_chunk_the_lookup_saw_missing() -> None:
     s.plan_load("r", num_computed_tokens=0, num_external_tokens=28)
     plan = s.plan_store("r", num_computed_tokens=28, num_scheduled_tokens=4)
     assert chunk_indices(plan, 0) == [7]  # chunk 3 was never asked about: still counted stored
+
+
+# ------------------------------------------------------------ bounded plans
+
+
+def all_or_nothing(room: int, stored: set[bytes]) -> Callable[[StorePlan], StoreOutcome]:
+    """vLLM's prepare_store: the whole plan if its new keys fit in ``room`` chunks, else None."""
+
+    def answer(plan: StorePlan) -> StoreOutcome:
+        new = [k for k in plan.keys if k not in stored]
+        outcome = StoreOutcome.from_prepare_store(plan, None if len(new) > room else new)
+        stored.update(outcome.accepted)
+        return outcome
+
+    return answer
+
+
+def backlog(s: OffloadScheduler, n: int) -> None:
+    """A request with ``n`` whole prompt chunks, offered once and refused (store full)."""
+    s.add_request("r", 4 * n + 1, block_hashes=hashes(n))
+    s.update_request("r", block_ids=[ids(1, n)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=4 * n + 1)
+    s.complete_store("r", StoreOutcome.from_prepare_store(plan, None))
+    assert s.progress("r")[0].num_waiting == len(plan.keys)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "8"])
+def test_max_chunks_per_plan_is_validated(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_chunks_per_plan"):
+        OffloadScheduler(layout(FULL), max_chunks_per_plan=bad)  # type: ignore[arg-type]
+    assert OffloadScheduler(layout(FULL), max_chunks_per_plan=None).max_chunks_per_plan is None
+
+
+def test_plans_offer_the_oldest_waiting_chunks_first_up_to_the_bound() -> None:
+    s = OffloadScheduler(layout(FULL), max_chunks_per_plan=4)
+    s.add_request("r", 41, block_hashes=hashes(10))
+    s.update_request("r", block_ids=[ids(1, 4)])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=16)
+    assert chunk_indices(plan, 0) == [0, 1, 2, 3]
+    s.complete_store("r", StoreOutcome(accepted=frozenset({key(1, 0)}), refused=frozenset({key(0, 0), key(3, 0)})))
+    s.update_request("r", block_ids=[ids(5, 6)])
+    plan = s.plan_store("r", num_computed_tokens=16, num_scheduled_tokens=25)
+    assert chunk_indices(plan, 0) == [0, 2, 3, 4]  # the refused (and unmentioned) chunks first
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 5
+    assert chunk_indices(s.plan_store("r", num_computed_tokens=41), 0) == [5, 6, 7, 8]
+
+
+def test_all_or_nothing_store_with_room_for_fewer_chunks_drains_the_backlog() -> None:
+    # Room for 10 chunks a step, a backlog of 50: a plan of the whole backlog is refused forever.
+    for bound, most_plans in ((10, 5), (None, None), (64, 16)):
+        s = OffloadScheduler(layout(FULL), max_chunks_per_plan=bound)
+        s.add_request("r", 201, block_hashes=hashes(50))
+        s.update_request("r", block_ids=[ids(1, 50)])
+        answer = all_or_nothing(10, set())
+        plans = 0
+        computed = 0
+        while s.cursor("r", 0) < 50 and plans < 100:
+            plan = s.plan_store("r", num_computed_tokens=computed, num_scheduled_tokens=201 - computed)
+            computed = 201
+            s.complete_store("r", answer(plan))
+            plans += 1
+        if most_plans is None:  # unbounded: every plan offers all 50 and is refused
+            assert s.cursor("r", 0) == 0 and plans == 100
+        else:
+            assert s.cursor("r", 0) == 50 and plans <= most_plans, plans
+
+
+def test_a_refused_plan_halves_the_bound_and_an_accepted_one_doubles_it() -> None:
+    s = OffloadScheduler(layout(FULL), max_chunks_per_plan=8)
+    backlog(s, 40)  # the first plan (8 chunks) was refused: the bound is 4
+    sizes = []
+    for answer in (None, None, None, "all", "all", "all", "all"):
+        plan = s.plan_store("r", num_computed_tokens=161)
+        sizes.append(len(plan.keys))
+        s.complete_store("r", accept_all(plan) if answer else StoreOutcome(refused=frozenset(plan.keys)))
+    assert sizes == [4, 2, 1, 1, 2, 4, 8]
+    s.reset()  # a new store: the bound starts over
+    assert len(s.plan_store("r", num_computed_tokens=161).keys) == 8
+
+
+def test_the_bound_is_shared_by_the_groups_and_every_group_progresses() -> None:
+    groups = [GroupSpec(i, "full", tokens_per_block=4) for i in range(3)]
+    s = OffloadScheduler(layout(*groups), max_chunks_per_plan=2)
+    s.add_request("r", 40, block_hashes=hashes(10))
+    s.update_request("r", block_ids=[ids(1, 10), ids(11, 10), ids(21, 10)])
+    seen = []
+    for _ in range(15):
+        plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=40)
+        assert len(plan.keys) <= 2
+        seen.append([len(g.chunks) for g in plan.groups])
+        s.complete_store("r", accept_all(plan))
+    assert [s.cursor("r", p) for p in range(3)] == [10, 10, 10]
+    assert all(sum(x) == 2 for x in seen)  # a group with nothing left hands its share on
+    # Rotation: with 2 chunks for 3 groups every group is planned within the first two plans.
+    assert all(seen[0][p] + seen[1][p] > 0 for p in range(3))
+
+
+def test_a_group_with_nothing_to_offer_leaves_its_share_to_the_others() -> None:
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=4, window_tokens=9)
+    s = OffloadScheduler(layout(FULL, sw), max_chunks_per_plan=6)
+    s.add_request("r", 40, block_hashes=hashes(10))
+    s.update_request("r", block_ids=[ids(1, 10), []])  # no SW blocks yet
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=40)
+    assert chunk_indices(plan, 0) == [0, 1, 2, 3, 4, 5] and chunk_indices(plan, 1) == []
+
+
+def test_per_plan_work_does_not_grow_with_the_backlog() -> None:
+    s = OffloadScheduler(layout(FULL))  # the default bound, 64
+    backlog(s, 1000)
+    plan = s.plan_store("r", num_computed_tokens=4001)
+    assert len(plan.keys) == 32  # the first (64-chunk) plan was refused whole: bound halved
+    assert s.progress("r")[0].num_waiting == 64  # 936 chunks were never visited yet
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 32
+
+
+def test_bounded_final_plans_offer_every_chunk_once_then_drop_the_request() -> None:
+    s = OffloadScheduler(layout(FULL), max_chunks_per_plan=3)
+    s.add_request("r", 32, block_hashes=hashes(8))
+    s.update_request("r", block_ids=[ids(1, 8)])
+    plan = s.finish_request("r", num_computed_tokens=32)
+    assert chunk_indices(plan, 0) == [0, 1, 2]
+    assert s.finished_requests() == ("r",)
+    s.complete_store("r", StoreOutcome(accepted=frozenset({key(0, 0)}), refused=frozenset({key(1, 0)})))
+    assert "r" in s and s.finished_requests() == ("r",)  # chunks 3-7 were never offered
+    with pytest.raises(ValueError, match="finished"):
+        s.plan_store("r", num_computed_tokens=32)
+    offered = [0, 1, 2]
+    while "r" in s:
+        plan = s.plan_finished("r")
+        offered += chunk_indices(plan, 0)
+        s.complete_store("r", accept_all(plan))
+    assert offered == list(range(8))  # each once: refused chunk 1 is not offered again
+    assert s.finished_requests() == ()
+    s.add_request("q", 8)
+    with pytest.raises(ValueError, match="not finished"):
+        s.plan_finished("q")
+
+
+def test_a_final_plan_is_never_empty_while_chunks_are_left() -> None:
+    # The bound is spent on chunks that are never storable (null blocks): the adapter plans on.
+    mamba = GroupSpec(0, "mamba", tokens_per_block=4)
+    s = OffloadScheduler(layout(mamba), max_chunks_per_plan=2)
+    s.add_request("r", 24, block_hashes=hashes(6))
+    s.update_request("r", block_ids=[[0, 0, 0, 0, 5, 6]])
+    plan = s.finish_request("r", num_computed_tokens=24)
+    assert chunk_indices(plan, 0) == [4, 5]
+    s.complete_store("r", accept_all(plan))
+    assert "r" not in s
+    s.add_request("q", 24, block_hashes=hashes(6))
+    s.update_request("q", block_ids=[[0] * 6])
+    assert not s.finish_request("q", num_computed_tokens=24) and "q" not in s
+
+
+def test_a_long_run_of_never_storable_chunks_does_not_use_up_the_bound() -> None:
+    # A 100-chunk hit: the window group's chunks before the window are null. With a bound of 4
+    # the first plan must still offer the new chunks (else they may leave the window unoffered).
+    sw = GroupSpec(1, "sliding_window", tokens_per_block=4, window_tokens=8)  # 2 chunks of 4
+    s = OffloadScheduler(layout(FULL, sw), max_chunks_per_plan=4)
+    s.add_request("r", 420, block_hashes=hashes(105))
+    stored = {key(i, 0) for i in range(100)} | {key(98, 1), key(99, 1)}
+    assert s.plan_lookup("r", num_computed_tokens=0, is_stored=stored).boundary_tokens == 400
+    s.update_request("r", block_ids=[ids(1, 100), [0] * 98 + [201, 202]])
+    s.plan_load("r", num_computed_tokens=0, num_external_tokens=400)
+    s.update_request("r", block_ids=[ids(101, 2), [203, 204]])
+    plan = s.plan_store("r", num_computed_tokens=400, num_scheduled_tokens=8)
+    assert chunk_indices(plan, 0) == [100, 101] and chunk_indices(plan, 1) == [100, 101]
+    assert s.cursor("r", 1) == 100  # the 98 null chunks are passed as never storable

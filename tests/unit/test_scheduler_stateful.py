@@ -79,11 +79,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------------- setup
 
-    @initialize(layout=layouts(), prompt_only=st.booleans())
-    def setup(self, layout: GroupLayout, prompt_only: bool) -> None:
+    @initialize(layout=layouts(), prompt_only=st.booleans(), bound=st.sampled_from([None, None, 1, 2, 3, 8]))
+    def setup(self, layout: GroupLayout, prompt_only: bool, bound: int | None) -> None:
         self.layout = layout
         self.prompt_only = prompt_only
-        self.sched = OffloadScheduler(layout, offload_prompt_only=prompt_only)
+        self.bound = bound
+        self.sched = OffloadScheduler(layout, offload_prompt_only=prompt_only, max_chunks_per_plan=bound)
         self.G = layout.groups
 
     # -------------------------------------------------------- reference
@@ -152,9 +153,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ checks
 
-    def check_plan(self, rid: str, r: EngineRequest, plan: StorePlan, frontier: int) -> None:
+    def check_plan(
+        self, rid: str, r: EngineRequest, plan: StorePlan, frontier: int, offered: list[set[int]] | None = None
+    ) -> None:
+        """Unbounded: the plan is every whole chunk not stored (nor ``offered`` before, after a
+        finish). Bounded: some of them, at most the bound."""
         whole = self.whole_now(r, self.offloadable(r, frontier))
         assert plan.num_offloadable_tokens == self.offloadable(r, frontier)
+        if self.bound is not None:
+            assert len(plan.keys) <= self.bound
         for pos, (g, gp) in enumerate(zip(self.G, plan.groups)):
             assert gp.group == g.index
             bpc = g.blocks_per_chunk
@@ -164,8 +171,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert c.key == self.key(r, g, c.chunk_index)
             planned = [c.chunk_index for c in gp.chunks]
             assert planned == sorted(set(planned))
-            expected = whole[pos] - r.stored[pos]
-            assert set(planned) == expected, (pos, sorted(planned), sorted(expected))
+            expected = whole[pos] - r.stored[pos] - (offered[pos] if offered else set())
+            if self.bound is None:
+                assert set(planned) == expected, (pos, sorted(planned), sorted(expected))
+            else:
+                assert set(planned) <= expected, (pos, sorted(planned), sorted(expected))
 
     def apply_outcome(self, rid: str, r: EngineRequest, plan: StorePlan, mode: int, data: st.DataObject) -> None:
         accepted, present, refused = set(), set(), set()
@@ -315,9 +325,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         aborted = aborted or r.computed < final  # a normal finish has computed all of them
         plan = self.sched.finish_request(rid, num_computed_tokens=r.computed, aborted=aborted)
         frontier = r.computed if aborted else max(r.computed, final)
-        self.check_plan(rid, r, plan, frontier)
-        self.apply_outcome(rid, r, plan, mode, data)
+        expected = [w - s for w, s in zip(self.whole_now(r, self.offloadable(r, frontier)), r.stored)]
+        offered: list[set[int]] = [set() for _ in self.G]
+        plans = 0
+        while True:  # bounded final plans: the request stays until every whole chunk was offered
+            self.check_plan(rid, r, plan, frontier, offered)
+            for pos, gp in enumerate(plan.groups):
+                offered[pos] |= {c.chunk_index for c in gp.chunks}  # each chunk once (checked above)
+            if not plan:
+                break
+            self.apply_outcome(rid, r, plan, mode, data)
+            if rid not in self.sched:
+                break
+            assert self.sched.finished_requests() == (rid,)
+            plans += 1
+            assert plans <= sum(map(len, expected)), "final plans do not end"
+            plan = self.sched.plan_finished(rid)
         assert rid not in self.sched
+        assert offered == expected
 
     @precondition(lambda self: bool(self.reqs))
     @rule(data=st.data())

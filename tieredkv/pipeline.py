@@ -7,7 +7,10 @@ Primitives:
 * :class:`JobResult` — what :meth:`Pipeline.poll_finished` returns: id, ok, bytes, seconds,
   error, and per key what happened (stored / refused; loaded / missing).
 * :class:`Pipeline` — ``submit_store`` / ``submit_load`` return at once (the engine is never
-  blocked by a tier); bytes move GPU → staging → tiers and back on the loop thread.
+  blocked by a tier); bytes move GPU → staging → tiers and back on the loop thread. The
+  staging pool bounds the bytes in flight: a job that does not fit now is refused
+  (back-pressure; offer it again later), and one larger than the whole pool is staged in
+  parts through as much of the pool as is free, so it is never refused for good.
 
 Inside the loop, each tier has one writer task that batches queued chunks (one LMDB
 transaction or one Redis pipeline per batch) and one :class:`~tieredkv.policy.CircuitBreaker`:
@@ -363,7 +366,8 @@ class Pipeline:
 
     def submit_store(self, job: StoreJob) -> bool:
         """Queue a store; returns at once whether it was admitted. Back-pressure (staging full),
-        a closed pipeline or an empty job refuses it: False (counted), and no result will come."""
+        a closed pipeline or an empty job refuses it: False (counted), and no result will come.
+        A job larger than the whole staging pool is staged in parts (see :meth:`_admit`)."""
         admitted = self._admit(job, "store")
         if admitted is None:
             self.group_counters[job.group]["store_refused"] += len(job.chunks)
@@ -379,7 +383,9 @@ class Pipeline:
 
     def submit_load(self, job: LoadJob) -> bool:
         """Queue a load; returns at once whether it was admitted (False: back-pressure, closed or
-        empty; no result will come). The result says which keys were loaded."""
+        empty; no result will come). The result says which keys were loaded. A job larger than the
+        whole staging pool is staged in parts (see :meth:`_admit`); if a chunk is missing, the
+        parts before it may already be copied (the job fails all the same)."""
         admitted = self._admit(job, "load")
         if admitted is None:
             return False
@@ -390,11 +396,27 @@ class Pipeline:
         return True
 
     def _admit(self, job: StoreJob | LoadJob, kind: str) -> tuple[_Group, StagingBuffer] | None:
-        """Staging for a job's chunks (it also bounds the bytes in flight), or None when refused."""
+        """Staging for a job's chunks (it also bounds the bytes in flight), or None when refused.
+
+        A job that fits the pool gets room for all its chunks or waits (back-pressure: refused
+        now). One larger than the whole pool could never get that: it gets as many whole chunks
+        as the largest free range holds now (at least one, counted in ``{kind}_in_parts``) and
+        moves through that buffer part by part. Only a single chunk larger than the pool is
+        refused for good."""
         grp = self._group(job.group)
         if not job.chunks or self._refused(job, kind):
             return None
-        buf = self.staging.try_acquire(len(job.chunks) * grp.chunk_bytes)
+        cb = grp.chunk_bytes
+        need = len(job.chunks) * cb
+        if need <= self.staging.capacity:
+            buf = self.staging.try_acquire(need)
+        else:
+            buf = self.staging.try_acquire_part(cb, need)
+            if buf is not None:
+                self.counters[f"{kind}_in_parts"] += 1
+            elif cb > self.staging.capacity:
+                log.warning("group %d: a chunk of %d bytes is larger than the staging pool (%d bytes)",
+                            job.group, cb, self.staging.capacity)
         if buf is None:
             self.counters[f"{kind}_backpressure"] += 1
         return None if buf is None else (grp, buf)
@@ -548,16 +570,21 @@ class Pipeline:
                 if cpu is not None:
                     done, written = await self._store_into_slots(cpu, job, grp, ready)
                 else:
-                    ev = None
-                    views = []
-                    for i, c in enumerate(job.chunks):
-                        direct = grp.direct_view(list(enumerate(c.block_ids)))
-                        if direct is None:
-                            direct = buf.view(i * cb, cb)
-                            ev = self.copier.gather(grp.tensors, c.block_ids, direct, after=ready)
-                        views.append(memoryview(direct.numpy()))
-                    await _wait_event(ev)
-                    done, written = await self._write_items(grp.route, keys, views)
+                    for part in _parts(len(job.chunks), buf.nbytes // cb):  # one part unless the job
+                        ev = None                                          # is larger than the pool
+                        views = []
+                        for j, i in enumerate(part):
+                            c = job.chunks[i]
+                            direct = grp.direct_view(list(enumerate(c.block_ids)))
+                            if direct is None:
+                                direct = buf.view(j * cb, cb)
+                                ev = self.copier.gather(grp.tensors, c.block_ids, direct, after=ready)
+                            views.append(memoryview(direct.numpy()))
+                        await _wait_event(ev)
+                        got, w = await self._write_items(grp.route, [keys[i] for i in part], views)
+                        done += got  # the writes are over: the buffer is free for the next part
+                        for name, n in w.items():
+                            written[name] = written.get(name, 0) + n
                 if len(done) < len(keys):
                     error = "some chunks were refused or dropped by every tier"
         except asyncio.CancelledError:
@@ -607,29 +634,36 @@ class Pipeline:
         try:
             places = [job.placements(i, grp.blocks_per_chunk) for i in range(len(keys))]
             direct = [grp.direct_view(pl) for pl in places]
-            views = [buf.view(i * cb, cb) if d is None else d for i, d in enumerate(direct)]
             async with asyncio.timeout(self.cfg.job_timeout_s):
                 if cpu is not None:  # CPU hits are copied straight from their slots
                     for i, slot in enumerate(cpu.borrow(keys)):
                         if slot is not None:
                             borrowed[i] = slot
                             found_in[i] = cpu.name
-                rest = [i for i in range(len(keys)) if i not in found_in]
                 lower = grp.route.tiers[1:] if cpu is not None else grp.route.tiers
-                if rest:
-                    found_in.update(await self._read_items(lower, keys, views, cb, rest))
-                if len(found_in) < len(keys):
-                    error = f"{len(keys) - len(found_in)} of {len(keys)} chunks not found in any tier"
-                else:
+                complete = True  # every chunk so far was found: keep copying
+                for part in _parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger
+                    part_keys = [keys[i] for i in part]           # than the pool
+                    views = [buf.view(j * cb, cb) if direct[i] is None else direct[i] for j, i in enumerate(part)]
+                    rest = [j for j, i in enumerate(part) if i not in found_in]
+                    if rest:
+                        got = await self._read_items(lower, part_keys, views, cb, rest)
+                        found_in.update({part[j]: name for j, name in got.items()})
+                    complete = complete and all(i in found_in for i in part)
+                    if not complete:
+                        continue  # the job fails; read on only to report every missing chunk
                     ev = None
-                    for i in range(len(job.chunks)):
+                    for j, i in enumerate(part):
                         if i in borrowed:
                             ev = self.copier.scatter(grp.tensors, places[i], cpu.slot_view(borrowed[i]),  # type: ignore[union-attr]
                                                      grp.blocks_per_chunk)
                         elif direct[i] is None:
-                            ev = self.copier.scatter(grp.tensors, places[i], views[i], grp.blocks_per_chunk)
+                            ev = self.copier.scatter(grp.tensors, places[i], views[j], grp.blocks_per_chunk)
                     await _wait_event(ev)
-                    await self._promote(grp.route, keys, [memoryview(v.numpy()) for v in views], found_in)
+                    await self._promote(grp.route, part_keys, [memoryview(v.numpy()) for v in views],
+                                        {j: found_in[i] for j, i in enumerate(part)})
+                if len(found_in) < len(keys):
+                    error = f"{len(keys) - len(found_in)} of {len(keys)} chunks not found in any tier"
         except asyncio.CancelledError:
             error = "cancelled at close"
             raise
@@ -816,6 +850,12 @@ class Pipeline:
             coro.close()
             raise TierClosedError("pipeline is not running")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+def _parts(n: int, per: int) -> list[range]:
+    """Indices ``0 .. n-1`` in consecutive parts of ``per`` (a staging buffer's worth of chunks)."""
+    per = max(1, per)
+    return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
 
 def _group_of(key: bytes) -> int:

@@ -5,7 +5,9 @@ Primitives:
 * :class:`StagingPool` — one preallocated ``uint8`` slab (pinned when CUDA is available,
   plain otherwise) handed out as byte ranges by a first-fit allocator. ``try_acquire`` never
   blocks: an exhausted pool returns ``None`` and the caller defers or drops the work
-  (back-pressure), counted in :attr:`StagingPool.refusals`.
+  (back-pressure), counted in :attr:`StagingPool.refusals`. ``try_acquire_part`` hands out
+  whole units (chunks) of the largest free range, for work larger than the whole pool that
+  is staged in parts.
 * :class:`KVGroupTensors` — the KV cache of one group: tensors whose first dimension is the
   block id (one per layer, or one packed tensor). A chunk's payload is, tensor by tensor, the
   bytes of its blocks in order.
@@ -75,6 +77,29 @@ class StagingPool:
                     return StagingBuffer(off, size, nbytes, self._slab[off : off + nbytes])
             self.refusals += 1
             return None
+
+    def try_acquire_part(self, unit: int, max_bytes: int) -> StagingBuffer | None:
+        """A buffer of as many whole ``unit``-byte pieces as the largest free range holds (at
+        most ``max_bytes``), or ``None`` at once when not even one fits now. For work larger
+        than the pool, staged through the buffer piece by piece."""
+        if unit <= 0:
+            raise ValueError(f"unit must be positive, got {unit}")
+        with self._lock:
+            best = max(range(len(self._free)), key=lambda i: self._free[i][1], default=None)
+            n = 0 if best is None else min(self._free[best][1], max_bytes) // unit
+            if best is None or n == 0:
+                self.refusals += 1
+                return None
+            off, free = self._free[best]
+            nbytes = n * unit
+            size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)  # <= free: free ranges are aligned
+            if free == size:
+                del self._free[best]
+            else:
+                self._free[best] = (off + size, free - size)
+            self.in_use += size
+            self.high_water = max(self.high_water, self.in_use)
+            return StagingBuffer(off, size, nbytes, self._slab[off : off + nbytes])
 
     def release(self, buf: StagingBuffer) -> None:
         """Return ``buf`` to the pool (coalescing neighbours). Releasing twice is a bug."""

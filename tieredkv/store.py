@@ -119,7 +119,9 @@ class TieredStore:
 
     def store(self, group: int, chunks: Iterable[ChunkArg]) -> int | None:
         """Submit whole chunks ``(key, block_ids)`` of ``group`` for storing. Returns the job id at
-        once, or None when refused (staging full: back-pressure; offer the chunks again later)."""
+        once, or None when refused (staging full: back-pressure; offer the chunks again later).
+        A job larger than the whole staging pool is accepted once some staging is free and moves
+        through it in parts (see :meth:`tieredkv.pipeline.Pipeline.submit_store`)."""
         job_id = next(self._ids)
         if not self.pipeline.submit_store(StoreJob(job_id, group, _refs(chunks))):
             return None
@@ -128,7 +130,8 @@ class TieredStore:
 
     def load(self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0) -> int | None:
         """Submit a load of whole chunks into their blocks (see :class:`~tieredkv.pipeline.LoadJob`).
-        Returns the job id at once, or None when refused (back-pressure)."""
+        Returns the job id at once, or None when refused (back-pressure). A job larger than the
+        whole staging pool moves through it in parts, like :meth:`store`."""
         job_id = next(self._ids)
         if not self.pipeline.submit_load(LoadJob(job_id, group, _refs(chunks), skip_blocks)):
             return None

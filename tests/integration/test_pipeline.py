@@ -310,3 +310,28 @@ def test_tier_dead_at_start_is_an_open_breaker_that_heals() -> None:
             assert p.stats()["breakers"]["redis"] == "closed"
     finally:
         srv.stop()
+
+
+def test_job_larger_than_staging_moves_in_parts_and_a_missing_chunk_fails_the_load(tmp_path: Path) -> None:
+    chunk_bytes = BPC * 2 * 4096
+    src, dst = kv(17), kv(18)
+    with make([lmdb(tmp_path)], staging_bytes=2 * chunk_bytes) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.register_group(1, dst, blocks_per_chunk=BPC)
+        cs = chunks(7)
+        assert p.submit_store(StoreJob(1, 0, cs))  # 7 chunks through room for 2
+        res = wait_results(p, 1)[1]
+        assert res.ok and res.done == tuple(c.key for c in cs) and res.tiers == {"lmdb": 7}
+        moved = tuple(ChunkRef(c.key, tuple(b + 32 for b in c.block_ids)) for c in cs)
+        assert p.submit_load(LoadJob(2, 1, moved))
+        assert wait_results(p, 1)[2].ok
+        for s, d in zip(src, dst):
+            assert torch.equal(d[32:60], s[0:28])
+        gone = NS.key(b"never stored".ljust(32, b"-"), 0)
+        with_miss = moved[:5] + (ChunkRef(gone, moved[5].block_ids),) + moved[6:]
+        assert p.submit_load(LoadJob(3, 1, with_miss))
+        res = wait_results(p, 1)[3]
+        assert not res.ok and res.failed == (gone,) and res.done == ()
+        assert "1 of 7 chunks not found" in (res.error or "")
+        assert p.stats()["counters"]["store_in_parts"] == 1 and p.stats()["counters"]["load_in_parts"] == 2
+        assert p.staging.in_use == 0

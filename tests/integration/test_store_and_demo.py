@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import tieredkv
@@ -45,6 +46,46 @@ def test_open_store_round_trip_of_whole_chunks(tmp_path: Path) -> None:
         assert torch.equal(k[20:24], k0[3:7]) and torch.equal(v[20:24], v0[3:7])
         assert not k[24:26].any()
         assert store.poll() == []
+
+
+@pytest.mark.parametrize("tiers", [["lmdb"], ["cpu", "lmdb"]])
+def test_a_job_larger_than_the_staging_pool_is_stored_in_parts_and_loads_back(tmp_path: Path, tiers: list[str]) -> None:
+    # 2 KiB per block (two tensors), 2 blocks per chunk: 4 KiB chunks; staging holds 3 of them.
+    k = torch.randint(0, 256, (65, 16, 64), dtype=torch.uint8)
+    v = torch.randn(65, 16, 32).to(torch.float16)
+    conf = cfg(tmp_path, pipeline={"staging_bytes": "12KiB"})
+    conf["tiers"] = [t for t in conf["tiers"] if t["kind"] in tiers]
+    with tieredkv.open_store(conf) as store:
+        store.register_group(0, [k, v], blocks_per_chunk=2)
+        keys = [store.key(bytes([i]) * 32, 0) for i in range(16)]
+        job = store.store(0, [(keys[i], (1 + 2 * i, 2 + 2 * i)) for i in range(16)])  # 64 KiB
+        assert job is not None, "a job larger than the staging pool must not be refused for good"
+        res = store.wait([job])[job]
+        assert res.ok and res.done == tuple(keys) and res.nbytes == 16 * 4096
+        assert store.lookup(keys) == [(KeyState.HIT, tiers[0])] * 16
+        k0, v0 = k.clone(), v.clone()
+        k[33:].zero_()
+        v[33:].zero_()
+        job = store.load(0, [(keys[i], (33 + 2 * i, 34 + 2 * i)) for i in range(16)])
+        assert job is not None
+        assert store.wait([job])[job].ok
+        assert torch.equal(k[33:65], k0[1:33]) and torch.equal(v[33:65], v0[1:33])  # byte-exact
+        assert torch.equal(k[:33], k0[:33]) and torch.equal(v[:33], v0[:33])
+
+        # With most of the pool busy, such a job goes through the room that is free.
+        held = store.pipeline.staging.try_acquire(8192)
+        assert held is not None
+        more = [store.key(bytes([100 + i]) * 32, 0) for i in range(5)]
+        job = store.store(0, [(more[i], (1 + 2 * i, 2 + 2 * i)) for i in range(5)])
+        assert job is not None and store.wait([job])[job].ok
+        store.pipeline.staging.release(held)
+        assert store.stats()["counters"]["store_in_parts"] == 2
+        assert store.stats()["counters"]["load_in_parts"] == 1
+        assert store.pipeline.staging.in_use == 0
+
+        # Only a single chunk larger than the whole pool can never be staged.
+        store.register_group(1, [k, v], blocks_per_chunk=8)  # 16 KiB chunks
+        assert store.store(1, [(store.key(b"x" * 32, 1), tuple(range(1, 9)))]) is None
 
 
 def test_namespace_from_config_isolates_models(tmp_path: Path) -> None:

@@ -71,6 +71,25 @@ def test_staging_pool_bounds_coalesces_and_counts_refusals() -> None:
     assert pool.high_water == 64 * 1024
 
 
+def test_staging_pool_part_is_whole_units_of_the_largest_free_range() -> None:
+    pool = StagingPool(64 * 1024, pin=False)
+    a = pool.try_acquire(16 * 1024)  # [0, 16K)
+    b = pool.try_acquire(8 * 1024)  # [16K, 24K): free is [24K, 64K), 40 KiB
+    assert a and b
+    pool.release(a)  # free: [0, 16K) and [24K, 64K)
+    part = pool.try_acquire_part(6000, 1 << 20)
+    assert part is not None and part.offset == 24 * 1024 and part.nbytes == 6 * 6000  # 6 units of 40 KiB
+    small = pool.try_acquire_part(6000, 7000)  # capped: one unit
+    assert small is not None and small.nbytes == 6000 and small.offset == 0
+    pool.release(part)
+    pool.release(small)
+    pool.release(b)
+    assert pool.free_bytes == pool.capacity
+    assert pool.try_acquire_part(65 * 1024, 1 << 20) is None and pool.refusals == 1  # not one unit fits
+    with pytest.raises(ValueError):
+        pool.try_acquire_part(0, 1)
+
+
 def test_copier_gather_scatter_layout_and_skip() -> None:
     g = torch.Generator().manual_seed(0)
     k = torch.randint(0, 256, (8, 3, 5), dtype=torch.uint8, generator=g)

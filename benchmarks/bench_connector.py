@@ -12,6 +12,7 @@ holds finished requests' blocks up to its hold budget).
 Not part of the test suite. Usage (vLLM venv, from the repository root):
 
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/bench_connector.py [--requests 6 24 96]
+    .venv-vllm/bin/python benchmarks/bench_connector.py --table REPORT.json   # the suite's table
 """
 
 from __future__ import annotations
@@ -37,11 +38,36 @@ def workload(n: int, seed: int = 0) -> list[list[ReqSpec]]:
     return [first, again]
 
 
+def render(report_path: str) -> None:
+    """Markdown table of a ``CONNECTOR_REPORT`` JSON written by ``tests/vllm/test_connector.py``."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads(Path(report_path).read_text())
+    print("| groups | bpc | async | variant | hits OffloadingConnector | hits TieredKVConnector | "
+          "first-load hits O → T | lost O → T | keys offered O → T | µs/step O → T |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rec in rows:
+        for variant, runs in rec["variants"].items():
+            o, t = runs["OffloadingConnector"], runs["TieredKVConnector"]
+
+            def hits(r: dict, key: str = "hits") -> str:
+                return "/".join(str(v) for v in r[key].values())
+
+            print(f"| {rec['groups']} | {rec['bpc']} | {int(rec['async'])} | {variant} | {hits(o)} | {hits(t)} | "
+                  f"{hits(o, 'first_hits')} → {hits(t, 'first_hits')} | {o['lost']} → {t['lost']} | "
+                  f"{o['keys_offered']} → {t['keys_offered']} | {o['us_per_step']} → {t['us_per_step']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, nargs="+", default=[6, 24, 96])
     ap.add_argument("--fault", nargs="+", default=["none", "always"])
+    ap.add_argument("--table", metavar="REPORT_JSON", help="only render a CONNECTOR_REPORT as markdown")
     args = ap.parse_args()
+    if args.table:
+        render(args.table)
+        return
     groups = ("full", "swa", "mamba")
     print(f"{'requests':>8} {'fault':>7} {'connector':>20} {'steps':>6} {'us/step':>8} {'keys offered':>12} "
           f"{'hits full/swa/mamba':>20} {'wrong':>5}")

@@ -99,7 +99,7 @@ __all__ = [
 NULL_BLOCK = 0
 
 #: Default bound on the chunks one store plan of a request visits.
-DEFAULT_MAX_CHUNKS_PER_PLAN = 64
+DEFAULT_MAX_CHUNKS_PER_PLAN = 256
 
 # Per-chunk status bytes. WAITING chunks are also listed in _GroupState.waiting.
 _UNSEEN, _WAITING, _DONE, _DEAD = 0, 1, 2, 3

@@ -763,7 +763,7 @@ def test_a_group_with_nothing_to_offer_leaves_its_share_to_the_others() -> None:
 
 
 def test_per_plan_work_does_not_grow_with_the_backlog() -> None:
-    s = OffloadScheduler(layout(FULL))  # the default bound, 64
+    s = OffloadScheduler(layout(FULL), max_chunks_per_plan=64)
     backlog(s, 1000)
     plan = s.plan_store("r", num_computed_tokens=4001)
     assert len(plan.keys) == 32  # the first (64-chunk) plan was refused whole: bound halved

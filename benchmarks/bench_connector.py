@@ -11,7 +11,7 @@ holds finished requests' blocks up to its hold budget).
 
 Not part of the test suite. Usage (vLLM venv, from the repository root):
 
-    PYTHONPATH=. .venv-vllm/bin/python benchmarks/bench_connector.py [--requests 6 24 96]
+    .venv-vllm/bin/python benchmarks/bench_connector.py [--requests 6 24 96]
     .venv-vllm/bin/python benchmarks/bench_connector.py --table REPORT.json   # the suite's table
 """
 
@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness lives in tests/vllm
 
 from tests.vllm.engine import ReqSpec, reference_extra_config, run_engine
 from tests.vllm.faults import StoreFault
@@ -41,7 +44,6 @@ def workload(n: int, seed: int = 0) -> list[list[ReqSpec]]:
 def render(report_path: str) -> None:
     """Markdown table of a ``CONNECTOR_REPORT`` JSON written by ``tests/vllm/test_connector.py``."""
     import json
-    from pathlib import Path
 
     rows = json.loads(Path(report_path).read_text())
     print("| groups | bpc | async | variant | hits OffloadingConnector | hits TieredKVConnector | "

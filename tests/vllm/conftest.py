@@ -33,15 +33,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
     """The engine-loop and connector tables: hit tokens per group next to vLLM's own path, per row."""
     import sys
 
-    mod = sys.modules.get("tests.vllm.test_engine_loop")
-    lines = mod.report_table() if mod is not None else []
-    if lines:
-        terminalreporter.section("engine loop: hit tokens per group (full/swa/mamba), steps")
-        for line in lines:
-            terminalreporter.write_line(line)
-    mod = sys.modules.get("tests.vllm.test_connector")
-    lines = mod.report_table() if mod is not None else []
-    if lines:
-        terminalreporter.section("OffloadingConnector -> TieredKVConnector: hits per group, lost keys")
-        for line in lines:
-            terminalreporter.write_line(line)
+    for name, title in (
+        ("tests.vllm.test_engine_loop", "engine loop: hit tokens per group (full/swa/mamba), steps"),
+        ("tests.vllm.test_connector", "OffloadingConnector -> TieredKVConnector: hits per group, lost keys"),
+    ):
+        mod = sys.modules.get(name)
+        lines = mod.report_table() if mod is not None else []
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)

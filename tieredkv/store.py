@@ -32,10 +32,11 @@ from tieredkv.backends.base import Tier
 from tieredkv.backends.registry import build_tier
 from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import TierTimeoutError
-from tieredkv.keys import GroupGeometry, Namespace
+from tieredkv.keys import GroupGeometry, Namespace, ParallelLayout
 from tieredkv.metrics import MetricsServer, TieredKVMetrics, start_metrics_server
 from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, StoreJob
 from tieredkv.policy import GroupRoute, TierPolicy
+from tieredkv.staging import KVGroupTensors
 
 __all__ = ["KeyState", "TieredStore", "open_store"]
 
@@ -51,11 +52,19 @@ class TieredStore:
         *,
         namespace: Namespace | None = None,
         tiers: Sequence[Tier] | None = None,
+        parallel: ParallelLayout | None = None,
     ) -> None:
         self.config = config
         ns = config.namespace
+        # A namespace given whole (the vLLM integrations build theirs from vLLM's config) is used as
+        # is. One built from the config is completed from what the engine itself says: the dtype
+        # and per-group geometry of the registered tensors, and the parallel layout (``parallel``
+        # if given, else torch.distributed's rank and world size when it is initialized).
+        self._derive = namespace is None
+        self._geometry: dict[int, tuple[GroupGeometry, tuple[str, ...]]] = {}
         self.namespace = namespace or Namespace(
-            model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt
+            model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
+            parallel=parallel or _distributed_layout(),
         )
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
         self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])
@@ -100,12 +109,37 @@ class TieredStore:
     def register_group(
         self, group: int, tensors: Sequence[Any], *, blocks_per_chunk: int = 1, kind: str = "full"
     ) -> GroupRoute:
-        """Declare KV group ``group``: its tensors (block id first), chunk size in blocks, kind."""
-        return self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
+        """Declare KV group ``group``: its tensors (block id first), chunk size in blocks, kind.
+
+        Register every group before making keys: unless the store was given a whole namespace,
+        the group's dtype and geometry join the namespace fingerprint (an fp16 and a bf16 engine
+        on one YAML never share a record). Registering a group again with another shape raises
+        ``ValueError``."""
+        kv = KVGroupTensors(tensors)
+        geometry = GroupGeometry(kind=str(kind), tokens_per_block=0, blocks_per_chunk=int(blocks_per_chunk),
+                                 bytes_per_block=kv.bytes_per_block)
+        dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
+        old = self._geometry.get(group)
+        if old is not None and old != (geometry, dtypes):
+            raise ValueError(
+                f"register_group({group}): group {group} is registered already as {old[0]} {list(old[1])}; "
+                f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)")
+        route = self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
+        self._geometry[group] = (geometry, dtypes)
+        if self._derive:
+            ordered = [self._geometry[g] for g in sorted(self._geometry)]
+            self.namespace = dataclasses.replace(
+                self.namespace,
+                groups=tuple(geo for geo, _ in ordered),
+                dtype="+".join(sorted({d for _, ds in ordered for d in ds})),
+            )
+        return route
 
     def with_geometry(self, groups: Sequence[GroupGeometry]) -> TieredStore:
-        """Bind the namespace to the KV geometry (call before storing anything)."""
+        """Bind the namespace to the KV geometry (call before storing anything); it then stays as
+        given (registered tensors no longer change it)."""
         self.namespace = dataclasses.replace(self.namespace, groups=tuple(groups))
+        self._derive = False
         return self
 
     def key(self, block_hash: bytes, group: int) -> bytes:
@@ -176,6 +210,19 @@ class TieredStore:
             self._open_jobs.discard(r.job_id)
 
 
+def _distributed_layout() -> ParallelLayout:
+    """torch.distributed's rank and world size when it is initialized (each rank's KV bytes are its
+    own shard), else a single worker."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return ParallelLayout(tp_size=dist.get_world_size(), rank=dist.get_rank())
+    except (ImportError, RuntimeError):
+        pass
+    return ParallelLayout()
+
+
 def _refs(chunks: Iterable[ChunkArg]) -> tuple[ChunkRef, ...]:
     return tuple(ChunkRef(bytes(k), tuple(int(b) for b in ids)) for k, ids in chunks)
 
@@ -184,7 +231,11 @@ def open_store(
     config: TieredKVConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
     *,
     namespace: Namespace | None = None,
+    parallel: ParallelLayout | None = None,
 ) -> TieredStore:
-    """Build and start a :class:`TieredStore` from a config (object, path, dict or defaults)."""
+    """Build and start a :class:`TieredStore` from a config (object, path, dict or defaults).
+
+    ``parallel`` (tensor-parallel size and this worker's rank) wins over torch.distributed's; both
+    are ignored when a whole ``namespace`` is given."""
     cfg = config if isinstance(config, TieredKVConfig) else load_config(config)
-    return TieredStore(cfg, namespace=namespace).start()
+    return TieredStore(cfg, namespace=namespace, parallel=parallel).start()

@@ -671,7 +671,7 @@ class Pipeline:
             error = self._job_error(e, "load", job.job_id)
         finally:
             if borrowed:
-                cpu.give_back([keys[i] for i in borrowed])  # type: ignore[union-attr]
+                cpu.give_back([keys[i] for i in borrowed], list(borrowed.values()))  # type: ignore[union-attr]
             self.staging.release(buf)
             ok_keys = tuple(keys) if not error else ()
             gc = self.group_counters[job.group]

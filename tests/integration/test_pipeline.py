@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -335,3 +336,80 @@ def test_job_larger_than_staging_moves_in_parts_and_a_missing_chunk_fails_the_lo
         assert "1 of 7 chunks not found" in (res.error or "")
         assert p.stats()["counters"]["store_in_parts"] == 1 and p.stats()["counters"]["load_in_parts"] == 2
         assert p.staging.in_use == 0
+
+
+class GatedTier(FaultyTier):
+    """Fault injection only: the real tier, with ``get_many`` held at a gate until it opens."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, ops={"get_many"})
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    async def _fault(self, op: str) -> None:
+        await super()._fault(op)
+        if op == "get_many" and not self.gate.is_set():
+            self.entered.set()
+            while not self.gate.is_set():
+                await asyncio.sleep(0.001)
+
+
+def test_overwrite_of_a_borrowed_cpu_slot_never_hands_the_load_other_bytes(tmp_path: Path) -> None:
+    """A load borrows K's CPU slot and waits (its other chunk is read from LMDB, held at a gate);
+    K is overwritten and new keys are stored meanwhile. The load still copies K's old bytes."""
+    src = kv(21)
+    dst = [torch.zeros_like(t) for t in src]
+    top = cpu()
+    low = GatedTier(lmdb(tmp_path))
+    low.gate.set()
+    with make([top, low], [PolicyRule(tiers=["cpu", low.name])]) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.register_group(1, dst, blocks_per_chunk=BPC)
+        k, m = chunks(2)
+        assert p.submit_store(StoreJob(1, 0, (k, m)))
+        assert wait_results(p, 1)[1].ok
+        assert p._call(top.delete_many([m.key]), timeout=10) == 1  # m now only in LMDB
+        low.gate.clear()
+        assert p.submit_load(LoadJob(2, 1, (ChunkRef(k.key, (40, 41, 42, 43)), ChunkRef(m.key, (44, 45, 46, 47)))))
+        assert low.entered.wait(60), "the load never reached the lower tier"
+        # overwrite k with other bytes, then store other keys into whatever slots are free
+        assert p.submit_store(StoreJob(3, 0, (ChunkRef(k.key, (8, 9, 10, 11)),)))
+        assert wait_results(p, 1)[3].ok
+        others = tuple(ChunkRef(NS.key(bytes([200 + i]) * 32, 0), (12, 13, 14, 15)) for i in range(4))
+        assert p.submit_store(StoreJob(4, 0, others))
+        assert wait_results(p, 1)[4].ok
+        low.gate.set()
+        res = wait_results(p, 1)[2]
+        if res.ok:
+            for s, d in zip(src, dst):
+                assert torch.equal(d[40:44], s[0:4]), "the load copied bytes that are not k's old value"
+                assert torch.equal(d[44:48], s[4:8])
+        else:
+            assert k.key in res.failed or not res.done
+        # the borrowed slot is back and free once the load is over: k reads its new value
+        assert p.submit_load(LoadJob(5, 1, (ChunkRef(k.key, (48, 49, 50, 51)),)))
+        assert wait_results(p, 1)[5].ok
+        for s, d in zip(src, dst):
+            assert torch.equal(d[48:52], s[8:12])
+        assert not top.is_pinned(k.key)
+
+
+async def test_cpu_slot_lent_to_a_reader_is_not_reused_until_given_back() -> None:
+    seg = 64 << 10
+    async with CPUTier(CPUTierConfig(capacity_bytes=2 * seg, segment_bytes=seg, min_slot_bytes=seg // 2)) as tier:
+        key = [NS.key(bytes([i]) * 32, 0) for i in range(8)]
+        old, new = b"\x01" * (seg // 2), b"\x02" * (seg // 2)
+        await tier.put_many([(key[0], old)])
+        (slot,) = tier.borrow([key[0]])
+        assert slot is not None
+        await tier.put_many([(key[0], new)])  # overwrite: a new slot; the lent one stays as it is
+        for i in range(1, 4):  # fill, evict and reclaim everything that can be
+            await tier.put_many([(key[i], bytes([16 + i]) * (seg // 2))])
+        await tier.put_many([(key[4], b"\x05" * seg)])
+        assert bytes(tier.slot_view(slot).numpy()) == old
+        assert (await tier.get_many([key[0]]))[0] in (new, None)
+        tier.give_back([key[0]], [slot])
+        assert not tier.is_pinned(key[0])
+        await tier.put_many([(key[5], b"\x06" * (seg // 2)), (key[6], b"\x07" * (seg // 2))])
+        await tier.put_many([(key[7], b"\x08" * seg)])  # the freed slot is usable again
+        assert (await tier.get_many([key[7]]))[0] == b"\x08" * seg

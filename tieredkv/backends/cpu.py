@@ -12,7 +12,13 @@ whose records are all unpinned (they are evicted). Otherwise the batch fails wit
 :class:`~tieredkv.errors.TierFullError` and nothing of it is stored.
 
 An overwrite writes a new slot and switches the index afterwards (copy-on-write), so a
-slot being written is never readable. All work runs synchronously on the caller's event
+slot being written is never readable.
+
+Slot lifetime has one owner, :meth:`CPUTier._release`: a slot lent to a reader by
+:meth:`CPUTier.borrow` (the pipeline copies straight from it) carries a reference count,
+and a slot that loses its key while lent (an overwrite, a promotion into this tier, a
+corrupt record dropped) is not freed but parked until the last reader gives it back; its
+segment is not reclaimed meanwhile. So a lent slot's bytes never change under the reader. All work runs synchronously on the caller's event
 loop (a 4 MiB copy takes well under a millisecond; a thread hop would cost more). A tier
 instance belongs to one event loop.
 """
@@ -41,6 +47,8 @@ class _Slot:
     length: int  # payload bytes
     header: bytes
     stamp: float
+    refs: int = 0  # readers holding this slot (borrow .. give_back)
+    dead: bool = False  # dropped from the index while lent: freed by the last give_back
 
 
 class CPUTier(Tier):
@@ -88,11 +96,15 @@ class CPUTier(Tier):
         self._index: dict[bytes, _Slot] = {}
         self._used = 0
         self._seg_reserved: dict[int, int] = {}  # segment -> slots reserved, not yet committed
+        self._seg_lent: dict[int, int] = {}  # segment -> references lent to readers (borrow)
+        self._lent: dict[bytes, list[_Slot]] = {}  # key -> slots lent under it, oldest first
+        self._parked = 0  # slots dropped while lent, freed when given back
 
     async def _close(self) -> None:
         self._mv = None
         self._slab = None
         self._index = {}
+        self._lent = {}
 
     # ---- public extras -----------------------------------------------------------------
 
@@ -174,6 +186,8 @@ class CPUTier(Tier):
                 "free_segments": len(self._free_segs),
                 "segments": self._nseg,
                 "slot_classes": {s: len(l) for s, l in zip(self._class_sizes, self._lru) if l},
+                "lent_slots": sum(len(v) for v in self._lent.values()),
+                "parked_slots": self._parked,
             },
         )
 
@@ -263,7 +277,9 @@ class CPUTier(Tier):
             self._seg_reserved.pop(slot.seg, None)
 
     def borrow(self, keys: list[bytes]) -> list[_Slot | None]:
-        """Verified slots of ``keys`` (None: a miss), pinned until :meth:`give_back`."""
+        """Verified slots of ``keys`` (None: a miss), lent until :meth:`give_back`: the key is
+        pinned (not evicted or deleted) and the slot is never freed or reused meanwhile, even
+        when the key is overwritten (the overwrite takes a new slot)."""
         mv = self._mv
         if mv is None:
             raise TierClosedError(f"tier {self.name!r} is not open")
@@ -283,6 +299,9 @@ class CPUTier(Tier):
                 continue
             slot.stamp = now
             self._lru[slot.cls].move_to_end(key)
+            slot.refs += 1
+            self._seg_lent[slot.seg] = self._seg_lent.get(slot.seg, 0) + 1
+            self._lent.setdefault(key, []).append(slot)
             out.append(slot)
         found = [k for k, s in zip(keys, out) if s is not None]
         self.pin_many(found)
@@ -291,8 +310,34 @@ class CPUTier(Tier):
         self._count("get_bytes", sum(s.length for s in out if s is not None))
         return out
 
-    def give_back(self, keys: list[bytes]) -> None:
-        self.unpin_many(keys)
+    def give_back(self, keys: list[bytes], slots: list[_Slot] | None = None) -> None:
+        """End borrows: unpin each key and return its slot (the one :meth:`borrow` lent; pass
+        ``slots`` when one key may be borrowed more than once, else the latest lent is taken). A
+        slot that lost its key meanwhile is freed by its last give-back."""
+        for i, key in enumerate(keys):
+            lent = self._lent.get(key)
+            if not lent:
+                continue
+            slot = lent[-1] if slots is None else slots[i]
+            for j in range(len(lent) - 1, -1, -1):
+                if lent[j] is slot:
+                    del lent[j]
+                    break
+            else:
+                continue  # not lent under this key: nothing to return
+            if not lent:
+                del self._lent[key]
+            self.unpin_many([key])
+            slot.refs -= 1
+            n = self._seg_lent[slot.seg] - 1
+            if n > 0:
+                self._seg_lent[slot.seg] = n
+            else:
+                del self._seg_lent[slot.seg]
+            if slot.refs == 0 and slot.dead:
+                slot.dead = False
+                self._parked -= 1
+                self._release(slot)
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -337,8 +382,8 @@ class CPUTier(Tier):
         """Evict a whole segment of another class (all unpinned) and carve it for ``cls``."""
         best: int | None = None
         for seg, owner in self._seg_cls.items():
-            if owner == cls or seg in segs or seg in self._seg_reserved:  # slots handed out, not yet indexed
-                continue
+            if owner == cls or seg in segs or seg in self._seg_reserved or seg in self._seg_lent:
+                continue  # slots handed out (reserved, not yet indexed; or lent to a reader)
             keys = self._seg_keys[seg]
             if any(k in reserved or self.is_pinned(k) for k in keys):
                 continue
@@ -373,4 +418,10 @@ class CPUTier(Tier):
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
+        """The one place a slot becomes free: at once, or (lent to a reader) at its last give-back."""
+        if slot.refs > 0:
+            if not slot.dead:
+                slot.dead = True
+                self._parked += 1
+            return
         self._free[slot.cls].append(slot.offset)

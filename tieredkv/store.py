@@ -23,16 +23,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import operator
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from tieredkv.backends.base import Tier
 from tieredkv.backends.registry import build_tier
 from tieredkv.config import TieredKVConfig, load_config
-from tieredkv.errors import TierTimeoutError
-from tieredkv.keys import GroupGeometry, Namespace, ParallelLayout
+from tieredkv.errors import TierClosedError, TierTimeoutError
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, GroupGeometry, Namespace, ParallelLayout, stored_key_group
 from tieredkv.metrics import MetricsServer, TieredKVMetrics, start_metrics_server
 from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, StoreJob
 from tieredkv.policy import GroupRoute, TierPolicy
@@ -41,6 +44,9 @@ from tieredkv.staging import KVGroupTensors
 __all__ = ["KeyState", "TieredStore", "open_store"]
 
 ChunkArg = tuple[bytes, Sequence[int]]
+
+#: Longest stored key any tier takes (LMDB's default key limit is 511 bytes).
+MAX_KEY_BYTES = 511
 
 
 class TieredStore:
@@ -61,7 +67,12 @@ class TieredStore:
         # and per-group geometry of the registered tensors, and the parallel layout (``parallel``
         # if given, else torch.distributed's rank and world size when it is initialized).
         self._derive = namespace is None
+        # keys must carry this namespace's fingerprint only when the store made it (an integration
+        # that passes its own namespace may move it on, e.g. a new cache generation)
+        self._own_namespace = namespace is None
         self._geometry: dict[int, tuple[GroupGeometry, tuple[str, ...]]] = {}
+        self._num_blocks: dict[int, int] = {}
+        self._closed = False
         self.namespace = namespace or Namespace(
             model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
             parallel=parallel or _distributed_layout(),
@@ -93,6 +104,7 @@ class TieredStore:
     def close(self, timeout: float = 10.0) -> None:
         """Finish (or cancel after ``timeout``) every job, close the tiers and the metrics endpoint.
         Idempotent."""
+        self._closed = True
         self.pipeline.close(timeout)
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -115,6 +127,13 @@ class TieredStore:
         the group's dtype and geometry join the namespace fingerprint (an fp16 and a bf16 engine
         on one YAML never share a record). Registering a group again with another shape raises
         ``ValueError``."""
+        self._check_open("register_group")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**32:
+            raise ValueError(f"register_group: group={group!r} is invalid: expected an integer 0..2**32-1")
+        if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
+            raise ValueError(f"register_group({group}): blocks_per_chunk={blocks_per_chunk!r} is invalid: "
+                             "expected an integer >= 1 (GPU blocks per stored chunk)")
+        _check_tensors(group, tensors)
         kv = KVGroupTensors(tensors)
         geometry = GroupGeometry(kind=str(kind), tokens_per_block=0, blocks_per_chunk=int(blocks_per_chunk),
                                  bytes_per_block=kv.bytes_per_block)
@@ -126,6 +145,7 @@ class TieredStore:
                 f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)")
         route = self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
         self._geometry[group] = (geometry, dtypes)
+        self._num_blocks[group] = min(int(t.shape[0]) for t in tensors)
         if self._derive:
             ordered = [self._geometry[g] for g in sorted(self._geometry)]
             self.namespace = dataclasses.replace(
@@ -156,8 +176,9 @@ class TieredStore:
         once, or None when refused (staging full: back-pressure; offer the chunks again later).
         A job larger than the whole staging pool is accepted once some staging is free and moves
         through it in parts (see :meth:`tieredkv.pipeline.Pipeline.submit_store`)."""
+        refs = self._checked(group, chunks, "store")
         job_id = next(self._ids)
-        if not self.pipeline.submit_store(StoreJob(job_id, group, _refs(chunks))):
+        if not self.pipeline.submit_store(StoreJob(job_id, group, refs)):
             return None
         self._open_jobs.add(job_id)
         return job_id
@@ -166,8 +187,13 @@ class TieredStore:
         """Submit a load of whole chunks into their blocks (see :class:`~tieredkv.pipeline.LoadJob`).
         Returns the job id at once, or None when refused (back-pressure). A job larger than the
         whole staging pool moves through it in parts, like :meth:`store`."""
+        refs = self._checked(group, chunks, "load")
+        bpc = self._geometry[group][0].blocks_per_chunk
+        if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int) or not 0 <= skip_blocks < bpc:
+            raise ValueError(f"load: skip_blocks={skip_blocks!r} is invalid: expected 0..{bpc - 1} "
+                             f"(blocks to skip inside the first chunk of group {group})")
         job_id = next(self._ids)
-        if not self.pipeline.submit_load(LoadJob(job_id, group, _refs(chunks), skip_blocks)):
+        if not self.pipeline.submit_load(LoadJob(job_id, group, refs, skip_blocks)):
             return None
         self._open_jobs.add(job_id)
         return job_id
@@ -204,10 +230,75 @@ class TieredStore:
     def stats(self) -> dict[str, Any]:
         return self.pipeline.stats()
 
+    # ---- input checks (at the call: nothing a caller passes reaches a writer lane unchecked) ----
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise TierClosedError(f"{op}: the store is closed; open a new one with tieredkv.open_store()")
+
+    def _checked(self, group: int, chunks: Iterable[ChunkArg], op: str) -> tuple[ChunkRef, ...]:
+        """Validate a store/load call's chunks: registered group, well-formed keys of that group and
+        this namespace, whole chunks of in-range block ids. Raises ``ValueError`` / ``TypeError``."""
+        self._check_open(op)
+        if group not in self._geometry:
+            raise ValueError(f"{op}: group={group!r} is not registered; call register_group({group!r}, ...) first")
+        bpc = self._geometry[group][0].blocks_per_chunk
+        n_blocks = self._num_blocks[group]
+        fp = self.namespace.fingerprint
+        refs = []
+        for i, item in enumerate(chunks):
+            try:
+                key, ids = item
+            except (TypeError, ValueError):
+                raise TypeError(f"{op}: chunk {i} is {item!r}; expected (key: bytes, block_ids)") from None
+            if not isinstance(key, (bytes, bytearray, memoryview)):
+                raise TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
+            key = bytes(key)
+            if len(key) < FINGERPRINT_BYTES + GROUP_BYTES + 1 or len(key) > MAX_KEY_BYTES:
+                raise ValueError(f"{op}: chunk {i} key is {len(key)} bytes; expected "
+                                 f"{FINGERPRINT_BYTES + GROUP_BYTES + 1}..{MAX_KEY_BYTES} bytes from store.key()")
+            if self._own_namespace and key[:FINGERPRINT_BYTES] != fp:
+                raise ValueError(f"{op}: chunk {i} key belongs to another namespace (fingerprint "
+                                 f"{key[:FINGERPRINT_BYTES].hex()}, this store's is {fp.hex()}); build keys "
+                                 "with this store's key() after registering its groups")
+            if stored_key_group(key) != group:
+                raise ValueError(f"{op}: chunk {i} key is of group {stored_key_group(key)}, not of group {group}")
+            try:
+                block_ids = tuple(operator.index(b) for b in ids)
+            except TypeError:
+                raise TypeError(f"{op}: chunk {i} block ids {ids!r} are not integers") from None
+            if len(block_ids) != bpc:
+                raise ValueError(f"{op}: chunk {i} has {len(block_ids)} block ids; group {group} chunks are "
+                                 f"{bpc} blocks (blocks_per_chunk)")
+            bad = [b for b in block_ids if not 0 <= b < n_blocks]
+            if bad:
+                raise ValueError(f"{op}: chunk {i} block ids {bad} are out of range 0..{n_blocks - 1} "
+                                 f"of group {group}'s tensors")
+            refs.append(ChunkRef(key, block_ids))
+        return tuple(refs)
+
     def _collect(self) -> None:
         for r in self.pipeline.poll_finished():
             self._results[r.job_id] = r
             self._open_jobs.discard(r.job_id)
+
+
+def _check_tensors(group: int, tensors: Sequence[Any]) -> None:
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence) or not tensors:
+        raise TypeError(f"register_group({group}): tensors must be a non-empty list of tensors (block id first)")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"register_group({group}): tensors[{i}] is {type(t).__name__}; expected a torch.Tensor")
+        if t.dim() < 1 or t.shape[0] < 1:
+            raise ValueError(f"register_group({group}): tensors[{i}] has shape {tuple(t.shape)}; "
+                             "expected the block id as the first dimension")
+        if not t[0].is_contiguous():
+            raise ValueError(f"register_group({group}): tensors[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) "
+                             "does not hold each block contiguously; pass the KV cache tensor itself, not a "
+                             "transposed or strided view")
+    if len({int(t.shape[0]) for t in tensors}) > 1:
+        raise ValueError(f"register_group({group}): tensors have different block counts "
+                         f"{[int(t.shape[0]) for t in tensors]}")
 
 
 def _distributed_layout() -> ParallelLayout:

@@ -111,3 +111,52 @@ def test_torch_distributed_rank_joins_the_namespace(tmp_path: Path) -> None:
     for o in outs:
         assert o["dist"] == o["explicit"]
     assert outs[0]["override"] == outs[1]["override"] != outs[0]["dist"]
+
+
+# ---- every public entry checks its input at the call ------------------------------------------
+
+
+def test_bad_calls_raise_at_the_call_and_the_store_keeps_working(tmp_path: Path) -> None:
+    """A short key, a key of another group or namespace, a short chunk, out-of-range block ids,
+    a strided tensor, blocks_per_chunk <= 0, an unregistered group, a call after close(): each
+    raises a clear error at the call; the store then still stores and loads."""
+    from tieredkv.errors import TierClosedError
+
+    s = tieredkv.open_store(cfg(tmp_path))
+    t = torch.arange(8 * 64, dtype=torch.float16).view(8, 64)
+    with pytest.raises(ValueError, match="blocks_per_chunk=0 is invalid"):
+        s.register_group(0, [t], blocks_per_chunk=0)
+    with pytest.raises(ValueError, match="does not hold each block contiguously"):
+        s.register_group(0, [t.view(8, 8, 8).transpose(1, 2)], blocks_per_chunk=2)
+    s.register_group(0, [t], blocks_per_chunk=2)
+    s.register_group(1, [t.clone()], blocks_per_chunk=2)
+    key = s.key(b"h" * 32, 0)
+    cases = [
+        ((0, [(key[:10], (1, 2))]), ValueError, "key is 10 bytes"),
+        ((0, [(b"x" * 600, (1, 2))]), ValueError, "key is 600 bytes"),
+        ((0, [(s.key(b"h" * 32, 1), (1, 2))]), ValueError, "key is of group 1, not of group 0"),
+        ((0, [(b"\0" * 16 + b"h" * 32 + b"\0" * 4, (1, 2))]), ValueError, "another namespace"),
+        ((0, [(key, (1,))]), ValueError, "has 1 block ids; group 0 chunks are 2 blocks"),
+        ((0, [(key, (-1, 2))]), ValueError, r"block ids \[-1\] are out of range"),
+        ((0, [(key, (7, 8))]), ValueError, r"block ids \[8\] are out of range 0..7"),
+        ((0, [(key, ("a", 2))]), TypeError, "are not integers"),
+        ((0, ["nope"]), TypeError, "expected \\(key: bytes, block_ids\\)"),
+        ((5, [(key, (1, 2))]), ValueError, "group=5 is not registered"),
+    ]
+    for (group, chunks), exc, msg in cases:
+        for op in (s.store, s.load):
+            with pytest.raises(exc, match=msg):
+                op(group, chunks)
+    with pytest.raises(ValueError, match="skip_blocks=2 is invalid"):
+        s.load(0, [(key, (1, 2))], skip_blocks=2)
+    # nothing above reached a writer lane: the store still works
+    s.wait([s.store(0, [(key, (1, 2))])])
+    t[1:3] = 0
+    r = s.wait([s.load(0, [(key, (1, 2))])])
+    assert all(res.ok for res in r.values())
+    assert torch.equal(t[1:3], torch.arange(8 * 64, dtype=torch.float16).view(8, 64)[1:3])
+    s.close()
+    for call in (lambda: s.store(0, [(key, (1, 2))]), lambda: s.load(0, [(key, (1, 2))]),
+                 lambda: s.register_group(2, [t], blocks_per_chunk=2)):
+        with pytest.raises(TierClosedError, match="the store is closed"):
+            call()

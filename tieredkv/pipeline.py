@@ -16,7 +16,10 @@ Inside the loop, each tier has one writer task that batches queued chunks (one L
 transaction or one Redis pipeline per batch) and one :class:`~tieredkv.policy.CircuitBreaker`:
 a dead tier means dropped (counted) stores and misses, never an exception into the engine, and
 it heals through half-open probes without a restart. ``drain()`` waits for everything in
-flight; ``close()`` drains, cancels what is left, closes the tiers and joins the thread.
+flight (write-backs included); ``close()`` drains, writes every chunk a write-back route
+acknowledged in the CPU tier down to the next tier (bounded by its timeout; what cannot be
+written is counted in ``write_back_lost`` and logged), cancels what is left, closes the tiers
+and joins the thread.
 
 A key is *pending* from ``submit_store`` until its writes finish, so a lookup never reports a
 hit for bytes that are not written yet. The engine must leave a store's GPU blocks alone until
@@ -253,6 +256,10 @@ class Pipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Loop thread only: chunks a write-back route acknowledged in its CPU tier and not yet
+        #: sent down (evicted or flushed at close), with their route.
+        self._dirty: dict[bytes, GroupRoute] = {}
+        self._write_backs: set[asyncio.Future[_Outcome]] = set()  # eviction write-backs in flight
         self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=100_000)
         )
@@ -308,7 +315,10 @@ class Pipeline:
         return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Drain (up to ``timeout``), cancel what is left, close the tiers, join the thread.
+        """Drain (up to ``timeout``), flush write-backs (up to ``timeout`` more), cancel what is
+        left, close the tiers, join the thread. Never hangs on a dead tier: chunks a write-back
+        route acknowledged that could not be written down are counted (``counters
+        ["write_back_lost"]``, ``write_back_flushed`` for the rest) and logged as an error.
 
         Idempotent."""
         if self._closed:
@@ -318,18 +328,78 @@ class Pipeline:
             return
         self.drain(timeout)
         try:
-            self._call(self._shutdown(), timeout=timeout + 5)
+            self._call(self._shutdown(flush_s=timeout), timeout=2 * timeout + 5)
         finally:
             self._stop_loop()
             self.staging.free()  # do not wait for the garbage collector to return the pool
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, flush_s: float = 0.0) -> None:
+        if flush_s > 0:
+            try:
+                await self._flush_write_backs(flush_s)
+            except Exception:  # noqa: BLE001 - closing goes on; the loss is counted and logged
+                log.exception("write-back flush at close failed")
         tasks = [*self._tasks, *(lane.task for lane in self._lanes.values() if lane.task)]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for tier in self.tiers.values():
             await tier.close()
+
+    async def _flush_write_backs(self, timeout: float) -> None:
+        """Write every dirty chunk (acknowledged by a write-back route in its CPU tier, not yet
+        sent down) to the route's next tier, in writer-sized batches, and wait for eviction
+        write-backs already queued, all within ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        dirty, self._dirty = self._dirty, {}
+        todo: dict[tuple[str, str], list[bytes]] = collections.defaultdict(list)
+        for key, route in dirty.items():
+            todo[(route.tiers[0], route.tiers[1])].append(key)
+        flushed = lost = gone = 0
+        for (top, down), keys in todo.items():
+            lane = self._lanes[down]
+            for start in range(0, len(keys), lane.max_items):
+                batch = keys[start : start + lane.max_items]
+                left = deadline - loop.time()
+                if left <= 0:
+                    lost += len(batch)
+                    continue
+                try:
+                    payloads = await self.tiers[top].get_many(batch)
+                except TieredKVError as e:
+                    log.error("close: cannot read %d write-back chunks from tier %s: %s", len(batch), top, e)
+                    lost += len(batch)
+                    continue
+                futs = [lane.write(k, v) for k, v in zip(batch, payloads) if v is not None]
+                gone += len(batch) - len(futs)  # deleted from the CPU tier meanwhile: nothing to keep
+                if not futs:
+                    continue
+                done, pending = await asyncio.wait(futs, timeout=left)
+                ok = sum(1 for f in done if f.result() is _Outcome.OK)
+                flushed += ok
+                lost += len(futs) - ok
+        queued = [f for f in self._write_backs if not f.done()]
+        if queued:
+            left = max(0.0, deadline - loop.time())
+            done, pending = await asyncio.wait(queued, timeout=left) if left > 0 else (set(), set(queued))
+            lost += len(pending) + sum(1 for f in done if f.result() is not _Outcome.OK)
+        self.counters["write_back_flushed"] += flushed
+        self.counters["write_back_lost"] += lost
+        if lost:
+            log.error("close: %d write-back chunks acknowledged in the CPU tier could not be written to"
+                      " the next tier (tier down, full, or past the %.1fs close timeout): they are lost;"
+                      " %d were written", lost, timeout, flushed)
+        elif flushed:
+            log.info("close: %d write-back chunks written to the next tier", flushed)
+        if gone:
+            log.debug("close: %d write-back chunks were deleted before the flush", gone)
+
+    def _mark_dirty(self, route: GroupRoute, keys: Sequence[bytes]) -> None:
+        """Record chunks a write-back route just acknowledged in its CPU tier (they live only there)."""
+        if route.write == "back" and len(route.tiers) > 1 and isinstance(self.tiers[route.tiers[0]], CPUTier):
+            for k in keys:
+                self._dirty[k] = route
 
     def _stop_loop(self) -> None:
         loop, thread = self._loop, self._thread
@@ -516,6 +586,7 @@ class Pipeline:
         results = [await asyncio.gather(*f) for f in futs]
         written = {lane.tier.name: sum(r is _Outcome.OK for r in res) for lane, res in zip(lanes, results)}
         done = [k for i, k in enumerate(keys) if any(res[i] is _Outcome.OK for res in results)]
+        self._mark_dirty(route, done)
         return done, written
 
     async def _read_items(self, tiers: Sequence[str], keys: list[bytes], views: list[Any], nbytes: int | None,
@@ -622,6 +693,7 @@ class Pipeline:
             cpu.abort(slots)
             raise
         cpu.commit(list(zip(keys, slots)))
+        self._mark_dirty(grp.route, keys)
         return keys, {cpu.name: len(keys)}
 
     async def _load(self, job: LoadJob, grp: _Group, buf: StagingBuffer, t0: float) -> None:
@@ -780,17 +852,23 @@ class Pipeline:
 
     def _on_evict(self, key: bytes, payload: bytes) -> None:
         """CPU tier eviction (loop thread): write-back groups send the chunk one tier down."""
-        route = self.policy.get(_group_of(key))
+        route = self._dirty.pop(key, None) or self.policy.get(_group_of(key))
         if route.write != "back" or len(route.tiers) < 2:
             return
-        with self._lock:
+        with self._lock:  # pending for lookups, in flight for drain(), until written
             self._pending[key] += 1
+            self._inflight += 1
         fut = self._lanes[route.tiers[1]].write(key, payload)
+        self._write_backs.add(fut)
         self.counters["write_backs"] += 1
 
-        def done(_: Any) -> None:
-            with self._lock:
+        def done(f: Any) -> None:
+            self._write_backs.discard(f)
+            with self._idle:
                 self._unpend(key)
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
 
         fut.add_done_callback(done)
 

@@ -62,6 +62,14 @@ def wait_results(p: Pipeline, n: int, timeout: float = 20.0) -> dict[int, Any]:
     return got
 
 
+def wait_until(cond: Any, what: str, limit: float = 120.0) -> None:
+    """Wait for ``cond()``, bounded by a generous limit (a busy machine is slow, never wrong)."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
 def test_store_lookup_load_round_trip_with_partial_first_chunk(tmp_path: Path) -> None:
     src, dst = kv(1), kv(2)
     with make([cpu(), lmdb(tmp_path)]) as p:
@@ -113,7 +121,8 @@ def test_write_back_demotes_on_cpu_eviction(tmp_path: Path) -> None:
         for i, c in enumerate(cs):
             p.submit_store(StoreJob(i, 0, (c,)))
             wait_results(p, 1)
-        assert p.drain(10)
+        assert p.drain(120)  # write-backs are in flight for drain() too
+        wait_until(lambda: not any(p.is_pending(c.key) for c in cs), "write-backs still pending")
         states = p.lookup([c.key for c in cs])
         assert [s for s, _ in states] == [KeyState.HIT] * 8
         assert {t for _, t in states[:4]} == {"lmdb"} and {t for _, t in states[4:]} == {"cpu"}
@@ -413,3 +422,48 @@ async def test_cpu_slot_lent_to_a_reader_is_not_reused_until_given_back() -> Non
         await tier.put_many([(key[5], b"\x06" * (seg // 2)), (key[6], b"\x07" * (seg // 2))])
         await tier.put_many([(key[7], b"\x08" * seg)])  # the freed slot is usable again
         assert (await tier.get_many([key[7]]))[0] == b"\x08" * seg
+
+
+def wb_items(n: int) -> list[tuple[bytes, bytes]]:
+    """``n`` write-back chunks whose bytes name their key."""
+    out = []
+    for i in range(n):
+        key = NS.key(i.to_bytes(32, "big"), 7)
+        out.append((key, (key + i.to_bytes(4, "big")) * 64))
+    return out
+
+
+def test_write_back_chunks_acknowledged_in_cpu_survive_a_clean_close(tmp_path: Path) -> None:
+    items = wb_items(100)
+    p = make([cpu(), lmdb(tmp_path)], [PolicyRule(tiers=["cpu", "lmdb"], write="back")]).start()
+    try:
+        assert p.policy.route(7, len(items[0][1])).write == "back"
+        assert p.submit_put(1, items)
+        res = wait_results(p, 1)[1]
+        assert res.ok and res.tiers == {"cpu": 100}
+        assert {t for _, t in p.lookup([k for k, _ in items])} == {"cpu"}  # nothing written down yet
+    finally:
+        p.close()
+    assert p.stats()["counters"]["write_back_flushed"] == 100
+    assert p.stats()["counters"].get("write_back_lost", 0) == 0
+
+    async def read_back() -> list[bytes | None]:
+        async with lmdb(tmp_path) as low:
+            return await low.get_many([k for k, _ in items])
+
+    assert asyncio.run(read_back()) == [v for _, v in items]
+
+
+def test_write_back_flush_at_close_with_the_lower_tier_down_counts_the_loss_and_returns(tmp_path: Path) -> None:
+    for fault in ({"fail_with": OSError("disk gone")}, {"delay_s": 60.0}):
+        items = wb_items(20)
+        down = FaultyTier(lmdb(tmp_path / str(len(fault))), ops={"put_many"}, **fault)  # type: ignore[arg-type]
+        p = make([cpu(), down], [PolicyRule(tiers=["cpu", down.name], write="back")]).start()
+        p.policy.route(7, len(items[0][1]))
+        assert p.submit_put(1, items)
+        assert wait_results(p, 1)[1].ok
+        p.close(timeout=0.5)  # bounded: a dead or hanging tier never holds close() up
+        c = p.stats()["counters"]
+        assert c["write_back_lost"] == 20 and c.get("write_back_flushed", 0) == 0, c
+        names = [t.name for t in threading.enumerate()]
+        assert not any(n.startswith("tieredkv-pipeline") for n in names), names

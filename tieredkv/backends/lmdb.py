@@ -1,8 +1,10 @@
 """LMDBTier: one LMDB environment on local disk, LRU-evicted below a size cap.
 
-Layout: named DB ``records`` (stored key → record) and named DB ``access`` (stored key →
-``<d Q`` last-access Unix time, record bytes). The access DB survives restarts; at open it
-is read once to rebuild the in-memory LRU order and the byte count.
+Layout: named DB ``records`` (stored key → record), named DB ``access`` (stored key →
+``<d Q`` last-access Unix time, record bytes) and, in the main DB, ``tieredkv:used-bytes``
+(``<Q``: the sum of every record's bytes, kept in the same write transaction as the records it
+counts). The access DB survives restarts; at open it is read once to rebuild the in-memory LRU
+order.
 
 * Every blocking LMDB call runs on one dedicated thread (a single-worker executor), never
   on the event loop; all LRU state is touched only from that thread.
@@ -12,17 +14,35 @@ is read once to rebuild the in-memory LRU order and the byte count.
 * ``get_many`` is one read transaction with ``buffers=True``: each record is verified and its
   payload copied straight from the memory map into the caller's buffer (one copy).
   Access stamps are bumped in memory and written with the next write transaction.
-* ``MapFullError`` grows the map (doubling, up to ``max_map_size_bytes``) and retries; at the
-  limit it evicts further; it never crashes. ``MapResizedError`` (another process grew it)
-  adopts the new size and retries.
+* ``MapFullError`` first clears stale reader slots (a killed reader pins old pages), then grows
+  the map (doubling, up to ``max_map_size_bytes``) and retries; at the limit it evicts further;
+  it never crashes. (When the map is so full that even the eviction cannot commit, the map takes
+  a one-time reserve of max(max_map/64, 256 KiB) past the limit.)
 * ``sync_mode='durable'`` fsyncs every commit. ``'fast'`` skips the per-commit fsync and syncs
   on close: a process crash loses nothing committed; a power loss may lose recent puts (never
   corrupts older ones). ``writemap`` is never used: with it, a full disk kills the process with
   SIGBUS while writing through the map; without it the commit fails with ENOSPC, which this tier
   reports as :class:`~tieredkv.errors.TierFullError`.
 
-The in-memory LRU assumes this process is the environment's only writer; other processes
-(the admin CLI) may read, and records they delete simply turn into misses here.
+Several processes on one directory (engines, ``tieredkv verify/migrate/evict``):
+
+* The size cap holds for the environment, not per process: the used-bytes counter lives in the
+  environment and is read and updated inside each write transaction (LMDB serializes writers
+  across processes), so whichever process writes evicts until the whole environment fits. A
+  process evicts the oldest records of its own LRU first; when those do not cover the excess
+  it re-reads the shared access stamps and evicts the oldest records of any process.
+* ``MapResizedError`` (another process grew the map past this one's) is handled on every path —
+  reads, writes, probes, open: the map is adopted (``set_mapsize(0)``, with no transaction of
+  this process open) and the operation retried.
+* Stale reader slots (a SIGKILLed reader) are cleared (``reader_check``) at open, before the map
+  grows, and at most once a second before a write.
+* Inside one process all tiers on one directory share one environment (LMDB forbids opening
+  it twice: fcntl locks belong to the process, so closing a second handle would drop the
+  first's locks). A registry keyed by the directory's identity refcounts it; the last close
+  closes it. A read/write lock lets any number of transactions run together and gives
+  ``set_mapsize``/``close`` the environment to themselves.
+* Pins protect keys only from the process that pinned them: a record another process evicts
+  turns into a miss here, like one it deletes.
 """
 
 from __future__ import annotations
@@ -34,8 +54,9 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import lmdb
@@ -48,7 +69,11 @@ from tieredkv.format import HEADER_SIZE, encode_record_into, verify_record
 __all__ = ["LMDBTier"]
 
 _ACCESS = struct.Struct("<dQ")
+_USED = struct.Struct("<Q")
+_USED_KEY = b"tieredkv:used-bytes"  # main DB: sum of record bytes in the environment
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_RESIZE_RETRIES = 3  # adopt a map another process grew, then retry (a few times: it may grow again)
+_READER_CHECK_EVERY_S = 1.0
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -57,6 +82,207 @@ def _disk_full(exc: BaseException) -> bool:
     return isinstance(exc, lmdb.Error) and any(os.strerror(e) in str(exc) for e in _DISK_FULL)
 _T = TypeVar("_T")
 _SCAN_PAGE = 1024
+
+
+class _SharedEnv:
+    """One open LMDB environment of this process, shared by every tier on its directory.
+
+    ``txn()`` brackets every transaction (shared; re-entrant per thread); ``exclusive()`` is for
+    what LMDB forbids beside an open transaction of the process: ``set_mapsize`` and ``close``.
+    A waiting exclusive holder stops new shared ones, so a resize is never starved.
+    """
+
+    def __init__(self, key: tuple[int, int], path: str, env: Any, sync_mode: str) -> None:
+        self.key = key
+        self.path = path
+        self.env = env
+        self.sync_mode = sync_mode
+        self.refs = 0
+        self.closed = False
+        self.rec: Any = None
+        self.acc: Any = None
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._exclusive = False
+        self._waiting = 0
+        self._held = threading.local()
+        self._last_reader_check = 0.0
+
+    # ---- the read/write lock -------------------------------------------------------------
+
+    def acquire_shared(self, blocking: bool = True) -> bool:
+        n = getattr(self._held, "n", 0)
+        if n:
+            self._held.n = n + 1
+            return True
+        with self._cond:
+            while self._exclusive or self._waiting:
+                if not blocking:
+                    return False
+                self._cond.wait()
+            self._readers += 1
+        self._held.n = 1
+        return True
+
+    def release_shared(self) -> None:
+        self._held.n -= 1
+        if self._held.n == 0:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        self.acquire_shared()
+        try:
+            yield
+        finally:
+            self.release_shared()
+
+    def acquire_exclusive(self, blocking: bool = True) -> bool:
+        if getattr(self._held, "n", 0):
+            raise RuntimeError("lmdb: set_mapsize/close from inside a transaction of this thread")
+        with self._cond:
+            if not blocking and (self._exclusive or self._readers):
+                return False
+            self._waiting += 1
+            try:
+                while self._exclusive or self._readers:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        return True
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        self.acquire_exclusive()
+        try:
+            yield
+        finally:
+            self.release_exclusive()
+
+    # ---- map and reader table --------------------------------------------------------------
+
+    def adopt_map(self, blocking: bool = True) -> bool:
+        """Take the map size another process grew the environment to (no transaction open)."""
+        if not self.acquire_exclusive(blocking):
+            return False
+        try:
+            if not self.closed:
+                self.env.set_mapsize(0)
+        finally:
+            self.release_exclusive()
+        return True
+
+    def grow_map(self, target: int) -> None:
+        with self.exclusive():
+            if not self.closed and self.env.info()["map_size"] < target:
+                self.env.set_mapsize(target)
+
+    def reader_check(self) -> int:
+        """Clear reader slots of dead processes (they pin old pages: the file would only grow)."""
+        self._last_reader_check = time.monotonic()
+        return int(self.env.reader_check())
+
+    def reader_check_due(self) -> bool:
+        return time.monotonic() - self._last_reader_check >= _READER_CHECK_EVERY_S
+
+
+_REGISTRY: dict[tuple[int, int], _SharedEnv] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _env_identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
+
+
+def _acquire_env(path: str, cfg: LMDBTierConfig) -> _SharedEnv:
+    """This process's environment on ``path``: opened now, or the one already open (refcounted)."""
+    with _REGISTRY_LOCK:
+        key = _env_identity(path)
+        shared = _REGISTRY.get(key)
+        if shared is None:
+            shared = _open_env(key, path, cfg)
+            _REGISTRY[key] = shared
+        elif shared.sync_mode != cfg.sync_mode:
+            raise ConfigError(
+                f"{path!r} is already open in this process with sync_mode={shared.sync_mode!r}; tiers on one"
+                f" directory share one LMDB environment, so sync_mode={cfg.sync_mode!r} cannot apply — use one mode"
+            )
+        shared.refs += 1
+    try:
+        if shared.env.info()["map_size"] < int(cfg.map_size_bytes):
+            shared.grow_map(int(cfg.map_size_bytes))
+    except BaseException:
+        _release_env(shared)
+        raise
+    return shared
+
+
+def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEnv:
+    """Open, clear stale readers, open the named DBs and make sure the used-bytes counter exists,
+    adopting a map another process grows meanwhile; on any failure the environment is closed
+    (never left half open: a later open starts clean)."""
+    fast = cfg.sync_mode == "fast"
+    for attempt in range(_RESIZE_RETRIES + 1):
+        try:
+            env = lmdb.open(
+                path,
+                map_size=int(cfg.map_size_bytes),
+                max_dbs=2,
+                max_readers=cfg.max_readers,
+                writemap=False,  # writes go through pwrite: a full disk is an error, never a SIGBUS
+                sync=not fast,
+                metasync=not fast,
+                readahead=False,
+                meminit=False,
+                lock=True,
+            )
+            break
+        except lmdb.MapResizedError:
+            if attempt == _RESIZE_RETRIES:
+                raise
+    shared = _SharedEnv(key, path, env, cfg.sync_mode)
+    try:
+        env.reader_check()
+        for attempt in range(_RESIZE_RETRIES + 1):
+            try:
+                shared.rec = env.open_db(b"records")
+                shared.acc = env.open_db(b"access")
+                with env.begin(write=True) as txn:
+                    if txn.get(_USED_KEY) is None:  # created by an older version: count once
+                        total = sum(_ACCESS.unpack(v)[1] for v in txn.cursor(db=shared.acc).iternext(keys=False))
+                        txn.put(_USED_KEY, _USED.pack(total))
+                break
+            except lmdb.MapResizedError:
+                if attempt == _RESIZE_RETRIES:
+                    raise
+                env.set_mapsize(0)  # nothing of this environment is open yet
+    except BaseException:
+        shared.closed = True
+        env.close()
+        raise
+    return shared
+
+
+def _release_env(shared: _SharedEnv) -> None:
+    with _REGISTRY_LOCK:
+        shared.refs -= 1
+        if shared.refs > 0:
+            return
+        if _REGISTRY.get(shared.key) is shared:
+            del _REGISTRY[shared.key]
+    with shared.exclusive():  # no probe's read transaction may outlive the environment
+        shared.closed = True
+        shared.env.close()
 
 
 class LMDBTier(Tier):
@@ -71,14 +297,14 @@ class LMDBTier(Tier):
         self._cap = int(cfg.size_cap_bytes)
         self._max_map = int(cfg.max_map_size_bytes)
         self._pool: ThreadPoolExecutor | None = None
-        # Held by a probe's read transaction (scheduler thread) and by whatever may not run beside
-        # one: set_mapsize (LMDB requires no transaction open in the process) and close.
-        self._probe_lock = threading.Lock()
-        self._env: Any = None
+        self._shared: _SharedEnv | None = None
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> record bytes, oldest first
         self._dirty: dict[bytes, float] = {}
-        self._used = 0
         self._scratch = memoryview(bytearray(0))
+
+    @property
+    def _env(self) -> Any:
+        return None if self._shared is None else self._shared.env
 
     # ---- thread plumbing ---------------------------------------------------------------
 
@@ -96,6 +322,22 @@ class LMDBTier(Tier):
             return TierUnavailableError(f"tier {self.name!r} (lmdb at {self.path}): {op} failed: {exc}")
         return super()._translate(exc, op)
 
+    def _txn(self, fn: Callable[[Any], _T], write: bool = False, db: Any = None, buffers: bool = False) -> _T:
+        """``fn(txn)`` in one transaction (committed when ``write``), bracketed by the shared lock;
+        a map another process grew is adopted and ``fn`` retried."""
+        sh = self._shared
+        assert sh is not None
+        for attempt in range(_RESIZE_RETRIES + 1):
+            try:
+                with sh.shared(), sh.env.begin(write=write, db=db, buffers=buffers) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                if attempt == _RESIZE_RETRIES:
+                    raise
+                sh.adopt_map()
+                self._count("map_adoptions")
+        raise AssertionError("unreachable")
+
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def _open(self) -> None:
@@ -108,7 +350,6 @@ class LMDBTier(Tier):
             raise
 
     def _open_sync(self) -> None:
-        cfg: LMDBTierConfig = self.config
         try:
             os.makedirs(self.path, exist_ok=True)
             probe = os.path.join(self.path, ".tieredkv-write-test")
@@ -120,29 +361,25 @@ class LMDBTier(Tier):
                 f"tiers.{self.name}.path: {self.path!r} cannot hold an LMDB environment ({e.strerror});"
                 " point it at a writable directory"
             ) from e
-        fast = cfg.sync_mode == "fast"
-        self._env = lmdb.open(
-            self.path,
-            map_size=int(cfg.map_size_bytes),
-            max_dbs=2,
-            max_readers=cfg.max_readers,
-            writemap=False,  # writes go through pwrite: a full disk is an error, never a SIGBUS
-            sync=not fast,
-            metasync=not fast,
-            readahead=False,
-            meminit=False,
-            lock=True,
-        )
-        self._rec = self._env.open_db(b"records")
-        self._acc = self._env.open_db(b"access")
-        entries: list[tuple[float, bytes, int]] = []
-        with self._env.begin(db=self._acc) as txn:
-            for k, v in txn.cursor():
-                stamp, size = _ACCESS.unpack(v)
-                entries.append((stamp, bytes(k), size))
+        shared = _acquire_env(self.path, self.config)
+        self._shared = shared
+        try:
+            self._count("stale_readers_cleared", shared.reader_check())
+
+            def scan(txn: Any) -> list[tuple[float, bytes, int]]:
+                entries = []
+                for k, v in txn.cursor(db=shared.acc):
+                    stamp, size = _ACCESS.unpack(v)
+                    entries.append((stamp, bytes(k), size))
+                return entries
+
+            entries = self._txn(scan)
+        except BaseException:
+            self._shared = None
+            _release_env(shared)
+            raise
         entries.sort()
         self._lru = OrderedDict((k, size) for _, k, size in entries)
-        self._used = sum(self._lru.values())
 
     async def _close(self) -> None:
         if self._pool is None:
@@ -154,16 +391,71 @@ class LMDBTier(Tier):
             self._pool = None
 
     def _close_sync(self) -> None:
-        if self._env is None:
+        shared = self._shared
+        if shared is None:
             return
         try:
             if self._dirty:
                 self._write(lambda txn: None)
-            self._env.sync(True)
+            shared.env.sync(True)
         finally:
-            with self._probe_lock:  # no probe's read transaction may outlive the environment
-                self._env.close()
-                self._env = None
+            self._shared = None
+            _release_env(shared)  # the last tier on this directory closes the environment
+
+    # ---- shared accounting (inside a write transaction) ---------------------------------
+
+    def _used_in(self, txn: Any) -> int:
+        raw = txn.get(_USED_KEY)
+        return 0 if raw is None else _USED.unpack(raw)[0]
+
+    def _size_in(self, txn: Any, key: bytes) -> int:
+        raw = txn.get(key, db=self._shared.acc)
+        return 0 if raw is None else _ACCESS.unpack(raw)[1]
+
+    def _evict_in(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> None:
+        """Delete the least-recently-used unpinned records (not in ``protect``) covering ``excess``
+        bytes of the environment, adding them to ``evicted``. This process's LRU goes first; if it
+        falls short (the bytes are other processes' records) the shared access stamps decide.
+        Raises TierFullError (the caller's transaction is then aborted) when everything is pinned."""
+        sh = self._shared
+        assert sh is not None
+
+        def take(k: bytes, size: int) -> None:
+            txn.delete(k, db=sh.rec)
+            txn.delete(k, db=sh.acc)
+            evicted[k] = size
+
+        for k in self._lru:
+            if excess <= 0:
+                return
+            if k in protect or k in evicted or self.is_pinned(k):
+                continue
+            size = self._size_in(txn, k)
+            if size:  # else already gone (another process deleted or evicted it)
+                take(k, size)
+                excess -= size
+        if excess <= 0:
+            return
+        self._count("shared_lru_scans")
+        for stamp, k, size in sorted(
+            (_ACCESS.unpack(v)[0], bytes(k), _ACCESS.unpack(v)[1]) for k, v in txn.cursor(db=sh.acc)
+        ):
+            if excess <= 0:
+                return
+            if k in protect or k in evicted or self.is_pinned(k):
+                continue
+            take(k, size)
+            excess -= size
+        if excess > 0:
+            raise TierFullError(
+                f"tier {self.name!r}: size cap of {self._cap} bytes reached and every record that"
+                " could be evicted is pinned (in use)"
+            )
+
+    def _forget(self, keys: Any) -> None:
+        for k in keys:
+            self._lru.pop(k, None)
+            self._dirty.pop(k, None)
 
     # ---- writes ------------------------------------------------------------------------
 
@@ -174,33 +466,36 @@ class LMDBTier(Tier):
         """One write transaction: evict to fit under the cap (all or nothing), then write every
         item — encoded as a record, or (``raw``) already a record."""
         sizes = {k: len(p) if raw else HEADER_SIZE + len(p) for k, p in items}
-        need = sum(sizes.values()) - sum(self._lru.get(k, 0) for k in sizes)
-        if sum(sizes.values()) > self._cap:
-            raise TierFullError(
-                f"tier {self.name!r}: a batch of {sum(sizes.values())} bytes exceeds size_cap_bytes ({self._cap})"
-            )
-        victims = self._pick_victims(self._used + need - self._cap, sizes)
+        total = sum(sizes.values())
+        if total > self._cap:
+            raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes exceeds size_cap_bytes ({self._cap})")
         now = time.time()
         scratch = self._scratch_for(0 if raw else max(sizes.values()))
+        evicted: dict[bytes, int] = {}
+        sh = self._shared
+        assert sh is not None
 
         def body(txn: Any) -> None:
-            for k in victims:
-                txn.delete(k, db=self._rec)
-                txn.delete(k, db=self._acc)
+            evicted.clear()
+            used = self._used_in(txn)
+            used -= sum(self._size_in(txn, k) for k in sizes)  # overwritten records
+            if used + total > self._cap:
+                self._evict_in(txn, used + total - self._cap, set(sizes), evicted)
+                used -= sum(evicted.values())
             for k, payload in items:
                 if raw:
-                    txn.put(k, payload, db=self._rec)
+                    txn.put(k, payload, db=sh.rec)
                 else:
                     n = encode_record_into(scratch, k, payload)
-                    txn.put(k, scratch[:n], db=self._rec)
-                txn.put(k, _ACCESS.pack(now, sizes[k]), db=self._acc)
+                    txn.put(k, scratch[:n], db=sh.rec)
+                txn.put(k, _ACCESS.pack(now, sizes[k]), db=sh.acc)
+            txn.put(_USED_KEY, _USED.pack(used + total))
 
-        victims = self._write(body, victims, sizes)
-        for k in victims:
-            self._used -= self._lru.pop(k, 0)
-        self._count("evictions", len(victims))
+        self._write(body, protect=set(sizes))
+        self._forget(evicted)
+        self._count("evictions", len(evicted))
         for k, size in sizes.items():
-            self._used += size - self._lru.pop(k, 0)
+            self._lru.pop(k, None)
             self._lru[k] = size
             self._dirty.pop(k, None)
 
@@ -210,64 +505,65 @@ class LMDBTier(Tier):
             self._scratch = memoryview(bytearray(max(n, 2 * len(self._scratch))))
         return self._scratch
 
-    def _pick_victims(self, excess: int, protect: dict[bytes, int] | set[bytes]) -> list[bytes]:
-        """Oldest unpinned keys (not in ``protect``) whose bytes cover ``excess``."""
-        victims: list[bytes] = []
-        for k, size in self._lru.items():
-            if excess <= 0:
-                break
-            if k in protect or self.is_pinned(k):
-                continue
-            victims.append(k)
-            excess -= size
-        if excess > 0:
-            raise TierFullError(
-                f"tier {self.name!r}: size cap of {self._cap} bytes reached and every record that"
-                " could be evicted is pinned (in use)"
-            )
-        return victims
-
-    def _write(
-        self, body: Callable[[Any], None], victims: list[bytes] | None = None, protect: dict[bytes, int] | None = None
-    ) -> list[bytes]:
+    def _write(self, body: Callable[[Any], None], protect: set[bytes] | None = None) -> None:
         """Run ``body`` in one write transaction (plus dirty stamps), handling a full map.
 
-        On MapFullError the map doubles, up to ``max_map_size_bytes``; at the limit, more
-        least-recently-used records are evicted in a transaction of their own (LMDB reuses
-        freed pages only after a commit) and ``body`` is retried. Returns ``victims``.
+        On MapFullError stale reader slots are cleared first (their pages become reusable) and
+        ``body`` retried; else the map doubles, up to ``max_map_size_bytes``; at the limit, more
+        least-recently-used records (an eighth of the used bytes) are evicted in a transaction of
+        their own (LMDB reuses freed pages only after a commit) and ``body`` is retried.
         """
-        victims = list(victims or [])
+        sh = self._shared
+        assert sh is not None
+        if sh.reader_check_due():
+            self._count("stale_readers_cleared", sh.reader_check())
+
+        def full(txn: Any) -> None:
+            self._flush_stamps(txn)
+            body(txn)
+
         while True:
             try:
-                with self._env.begin(write=True) as txn:
-                    self._flush_stamps(txn)
-                    body(txn)
-                return victims
-            except lmdb.MapResizedError:
-                with self._probe_lock:  # set_mapsize needs no transaction open in this process
-                    self._env.set_mapsize(0)
+                self._txn(full, write=True)
+                return
             except lmdb.MapFullError:
-                size = self._env.info()["map_size"]
+                cleared = sh.reader_check()
+                if cleared:
+                    self._count("stale_readers_cleared", cleared)
+                    continue
+                size = sh.env.info()["map_size"]
                 if size < self._max_map:
-                    with self._probe_lock:
-                        self._env.set_mapsize(min(size * 2, self._max_map))
+                    sh.grow_map(min(size * 2, self._max_map))
                     self._count("map_growths")
                     continue
-                more = self._pick_victims(max(self._used // 8, 1), {*(protect or {}), *victims})
-                with self._env.begin(write=True) as txn:
-                    for k in more:
-                        txn.delete(k, db=self._rec)
-                        txn.delete(k, db=self._acc)
-                for k in more:
-                    self._used -= self._lru.pop(k, 0)
-                    self._dirty.pop(k, None)
+                more: dict[bytes, int] = {}
+
+                def evict(txn: Any) -> None:
+                    more.clear()
+                    used = self._used_in(txn)
+                    self._evict_in(txn, max(used // 8, 1), protect or set(), more)
+                    txn.put(_USED_KEY, _USED.pack(used - sum(more.values())))
+
+                try:
+                    self._txn(evict, write=True)
+                except lmdb.MapFullError:
+                    # Even a deletion needs a few copy-on-write pages, and pages freed by the last
+                    # commit are not reusable yet: take a small reserve past max_map, once.
+                    reserve = max(self._max_map // 64, 64 * 4096)
+                    if sh.env.info()["map_size"] >= self._max_map + reserve:
+                        raise
+                    sh.grow_map(self._max_map + reserve)
+                    self._count("map_reserve_used")
+                    self._txn(evict, write=True)
+                self._forget(more)
                 self._count("evictions", len(more))
 
     def _flush_stamps(self, txn: Any) -> None:
+        acc = self._shared.acc
         for k, stamp in self._dirty.items():
             size = self._lru.get(k)
-            if size is not None:
-                txn.put(k, _ACCESS.pack(stamp, size), db=self._acc, overwrite=True)
+            if size is not None and txn.get(k, db=acc) is not None:  # not deleted meanwhile
+                txn.put(k, _ACCESS.pack(stamp, size), db=acc, overwrite=True)
         self._dirty.clear()
 
     # ---- reads -------------------------------------------------------------------------
@@ -281,11 +577,12 @@ class LMDBTier(Tier):
     def _get_sync(
         self, keys: list[bytes], into: list[memoryview | None]
     ) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]]]:
-        out: list[int | bytes | None] = []
-        bad: list[tuple[bytes, Exception]] = []
-        gone: list[bytes] = []
         now = time.time()
-        with self._env.begin(db=self._rec, buffers=True) as txn:
+
+        def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[bytes]]:
+            out: list[int | bytes | None] = []
+            bad: list[tuple[bytes, Exception]] = []
+            gone: list[bytes] = []
             for key, dst in zip(keys, into):
                 rec = txn.get(key)
                 if rec is None:
@@ -304,10 +601,11 @@ class LMDBTier(Tier):
                     self._lru.move_to_end(key)
                 else:  # written by another process
                     self._lru[key] = len(rec)
-                    self._used += len(rec)
                 self._dirty[key] = now
-        for key in gone:  # deleted by another process
-            self._used -= self._lru.pop(key, 0)
+            return out, bad, gone
+
+        out, bad, gone = self._txn(read, db=self._shared.rec, buffers=True)
+        self._forget(gone)  # deleted by another process
         if bad:
             self._delete_sync([k for k, _ in bad])
         return out, bad
@@ -317,40 +615,58 @@ class LMDBTier(Tier):
 
     def probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         """One read transaction on the memory-mapped B-tree (LMDB readers never wait on writers);
-        None while the environment is not open or when LMDB refuses (e.g. a map another process
-        grew: the asynchronous path handles that)."""
-        if self._env is None or self._closed or not self._probe_lock.acquire(blocking=False):
-            return None  # closing or resizing the map right now: the asynchronous lookup answers
-        try:
-            if self._env is None:
-                return None
-            return self._contains_sync(list(keys))
-        except Exception:  # noqa: BLE001 - advisory: the asynchronous lookup will answer
+        None while the environment is not open or is being resized or closed (the asynchronous
+        lookup answers then). A map another process grew is adopted here when nothing else of
+        this process holds a transaction, else left to the asynchronous path."""
+        sh = self._shared
+        if sh is None or self._closed:
             return None
-        finally:
-            self._probe_lock.release()
+        wanted = list(keys)
+        for _ in range(2):
+            if not sh.acquire_shared(blocking=False):
+                return None  # resizing the map or closing right now
+            try:
+                if sh.closed or self._shared is not sh:
+                    return None
+                with sh.env.begin(db=sh.rec, buffers=True) as txn:
+                    return [txn.get(k) is not None for k in wanted]
+            except lmdb.MapResizedError:
+                pass
+            except Exception:  # noqa: BLE001 - advisory: the asynchronous lookup will answer
+                return None
+            finally:
+                sh.release_shared()
+            try:
+                if not sh.adopt_map(blocking=False):
+                    return None
+            except Exception:  # noqa: BLE001
+                return None
+            self._count("map_adoptions")
+        return None
 
     def _contains_sync(self, keys: list[bytes]) -> list[bool]:
-        with self._env.begin(db=self._rec, buffers=True) as txn:
-            return [txn.get(k) is not None for k in keys]
+        return self._txn(lambda txn: [txn.get(k) is not None for k in keys], db=self._shared.rec, buffers=True)
 
     async def _delete_many(self, keys: list[bytes]) -> int:
         return await self._run(self._delete_sync, keys)
 
     def _delete_sync(self, keys: list[bytes]) -> int:
         deleted: list[bytes] = []
+        sh = self._shared
+        assert sh is not None
 
         def body(txn: Any) -> None:
             deleted.clear()
+            used = self._used_in(txn)
             for k in keys:
-                if txn.delete(k, db=self._rec):
+                used -= self._size_in(txn, k)
+                if txn.delete(k, db=sh.rec):
                     deleted.append(k)
-                txn.delete(k, db=self._acc)
+                txn.delete(k, db=sh.acc)
+            txn.put(_USED_KEY, _USED.pack(max(used, 0)))
 
         self._write(body)
-        for k in keys:
-            self._used -= self._lru.pop(k, 0)
-            self._dirty.pop(k, None)
+        self._forget(keys)
         return len(deleted)
 
     async def _scan(self, fingerprint: bytes | None) -> AsyncIterator[RecordInfo]:
@@ -364,8 +680,8 @@ class LMDBTier(Tier):
             after = page[-1].key
 
     def _scan_page(self, fingerprint: bytes | None, after: bytes | None) -> list[RecordInfo]:
-        page: list[RecordInfo] = []
-        with self._env.begin(db=self._acc) as txn:
+        def read(txn: Any) -> list[RecordInfo]:
+            page: list[RecordInfo] = []
             cur = txn.cursor()
             start = after if after is not None else (fingerprint or b"")
             if not cur.set_range(start):
@@ -379,30 +695,48 @@ class LMDBTier(Tier):
                 page.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
                 if len(page) >= _SCAN_PAGE:
                     break
-        return page
+            return page
+
+        return self._txn(read, db=self._shared.acc)
 
     async def _stats(self) -> TierStats:
         return await self._run(self._stats_sync)
 
     def _stats_sync(self) -> TierStats:
-        info = self._env.info()
-        with self._env.begin(db=self._rec) as txn:
-            records = txn.stat(self._rec)["entries"]
+        sh = self._shared
+        assert sh is not None
+
+        def read(txn: Any) -> tuple[int, int, int]:
+            pages = 0
+            for db in (sh.rec, sh.acc):
+                st = txn.stat(db)
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+            return txn.stat(sh.rec)["entries"], self._used_in(txn), pages
+
+        records, used, pages = self._txn(read)
+        info = sh.env.info()
+        psize = sh.env.stat()["psize"]
         return TierStats(
             name=self.name,
             kind=self.kind,
             capacity_bytes=self._cap,
-            used_bytes=self._used,
+            used_bytes=used,
             records=records,
-            extra={"path": self.path, "map_size": info["map_size"], "sync_mode": self.config.sync_mode},
+            extra={
+                "path": self.path,
+                "map_size": info["map_size"],
+                "sync_mode": self.config.sync_mode,
+                "data_pages_bytes": pages * psize,  # B-tree pages of records and access stamps
+                "file_high_water_bytes": (info["last_pgno"] + 1) * psize,
+                "readers": info["num_readers"],
+            },
         )
 
     # ---- raw records (admin, migration, fault injection) -------------------------------
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         def read() -> list[bytes | None]:
-            with self._env.begin(db=self._rec) as txn:
-                return [txn.get(k) for k in keys]
+            return self._txn(lambda txn: [txn.get(k) for k in keys], db=self._shared.rec)
 
         return await self._run(read)
 

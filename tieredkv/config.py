@@ -26,8 +26,9 @@ scalars. Examples::
 from __future__ import annotations
 
 import difflib
-import re
 import os
+import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -336,14 +337,12 @@ def _read_source(source: Any) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return _plain(source)
     path = Path(source)
+    where = f"config file {str(path)!r}"
+    text = _read_config_file(path, where)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"config file {str(path)!r}: cannot read it ({e.strerror}); check the path") from e
-    try:
-        data = yaml.safe_load(text)
+        data = safe_yaml(text, where)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r}: not valid YAML: {e}") from e
+        raise ConfigError(f"{where}: not valid YAML: {e}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -351,6 +350,143 @@ def _read_source(source: Any) -> dict[str, Any]:
             f"config file {str(path)!r}: top level must be a mapping of fields, got {type(data).__name__}"
         )
     return data
+
+
+#: The largest config file read, in bytes (a config is a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
+#: The most values a YAML document may hold once every alias (``*name``) is expanded.
+MAX_YAML_VALUES = 100_000
+
+
+def _read_config_file(path: Path, where: str) -> str:
+    """The text of a regular file of at most :data:`MAX_CONFIG_BYTES` (UTF-8).
+
+    Opened non-blocking and checked with ``fstat`` on the open descriptor, so a FIFO, a device
+    (``/dev/zero``) or a directory is refused without blocking or reading it.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror}); check the path") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(
+                f"{where}: is {_file_kind(st.st_mode)}, not a regular file; give the path of a YAML config file"
+            )
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(_too_big(where, st.st_size))
+        chunks: list[bytes] = []
+        got = 0
+        while got <= MAX_CONFIG_BYTES:  # the file may grow after fstat
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > MAX_CONFIG_BYTES:
+            raise ConfigError(_too_big(where, got))
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror}); check the path") from e
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{where}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); save the config as UTF-8 YAML"
+        ) from None
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def _too_big(where: str, size: int) -> str:
+    got = f"{size:,} bytes"
+    if size == MAX_CONFIG_BYTES + 1:  # read until the limit: the true size is unknown
+        got = f"more than {MAX_CONFIG_BYTES:,} bytes"
+    return (
+        f"{where}: got {got} — a config file may hold at most {MAX_CONFIG_BYTES:,} bytes (1 MiB);"
+        " a tieredkv config is a few KiB, check that this is the right file"
+    )
+
+
+def safe_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, refusing documents that expand too far through aliases.
+
+    An alias (``*name``) stands for a copy of its anchor's value, so a few hundred bytes of
+    nested aliases ("billion laughs") expand to billions of values when walked. The composed
+    node graph is measured first (linear in its size) and refused above :data:`MAX_YAML_VALUES`
+    values; a recursive alias (a value containing itself) is refused too.
+
+    Raises:
+        ConfigError: too many values, recursion, or nesting too deep, naming ``where``.
+        yaml.YAMLError: not valid YAML (the caller words it).
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, where)
+        return loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError(
+            f"{where}: the YAML is nested too deeply to read; a tieredkv config is a few levels deep"
+        ) from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_expansion(root: yaml.Node, where: str) -> None:
+    """Raise if ``root`` expands past :data:`MAX_YAML_VALUES` values or contains itself."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()  # the nodes whose subtree is being measured (the current path)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            total = 1 + sum(size[id(c)] for c in _yaml_children(node))
+            if total > MAX_YAML_VALUES:
+                raise ConfigError(
+                    f"{where}: the YAML expands to more than {MAX_YAML_VALUES:,} values (each alias *name"
+                    " counts as a copy of its anchor's value) — a tieredkv config has a few hundred;"
+                    " use fewer nested anchors/aliases"
+                )
+            size[key] = total
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise ConfigError(
+                f"{where}: the value at line {node.start_mark.line + 1} holds an alias to itself (a recursive"
+                " structure); a config cannot be recursive — write the values out instead of the alias"
+            )
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _yaml_children(node) if id(c) not in size)
 
 
 def _plain(obj: Any) -> Any:
@@ -373,7 +509,7 @@ def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str
         if not parts:
             continue
         try:
-            value = yaml.safe_load(env[name])
+            value = safe_yaml(env[name], name)
         except yaml.YAMLError:
             value = env[name]
         _set_path(out, parts, value, name)
@@ -601,8 +737,8 @@ def _env_sets(text: str, rest: tuple[Any, ...]) -> bool:
     if not rest:
         return True
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        value = safe_yaml(text, "")
+    except (yaml.YAMLError, ConfigError):
         return False
     return _has_path(value, rest)
 

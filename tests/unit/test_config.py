@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import resource
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig, TieredKVConfig, load_config
+from tieredkv.config import (
+    CPUTierConfig,
+    LMDBTierConfig,
+    RedisTierConfig,
+    TieredKVConfig,
+    load_config,
+)
 from tieredkv.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,3 +115,122 @@ def test_env_override_bad_value_and_unknown_tier() -> None:
 def test_tier_lookup_error_lists_names() -> None:
     with pytest.raises(ConfigError, match=r"no tier named 'x'; configured: \['cpu', 'lmdb'\]"):
         load_config(env={}).tier("x")
+
+
+# ---- bounded reading: only regular files, at most 1 MiB, no alias bombs ---------------------
+
+_LOAD_CHILD = """
+import sys
+from tieredkv.config import load_config
+from tieredkv.errors import ConfigError
+try:
+    load_config(sys.argv[1], env={})
+except ConfigError as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def _load_in_child(path: Path | str) -> subprocess.CompletedProcess[str]:
+    """``load_config(path)`` in a child process held to 1 GiB of address space: a regression that
+    reads ``/dev/zero`` or expands an alias bomb dies of MemoryError there (or hits the timeout)
+    instead of eating this machine's memory; a correct loader answers at once."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD_CHILD, str(path)],
+        capture_output=True, text=True, timeout=100, preexec_fn=limit, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_a_fifo_as_config_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    result: list[BaseException | None] = []
+    done = threading.Event()
+
+    def load() -> None:
+        try:
+            load_config(fifo, env={})
+            result.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            result.append(e)
+        done.set()
+
+    threading.Thread(target=load, daemon=True).start()
+    if not done.wait(timeout=60):  # a regression blocks in open(): release it with a writer's EOF
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        done.wait(timeout=60)
+        pytest.fail("load_config blocked on a FIFO (waiting for a writer)")
+    assert isinstance(result[0], ConfigError), result
+    msg = str(result[0])
+    assert f"config file {str(fifo)!r}: is a FIFO (named pipe), not a regular file" in msg
+    assert "give the path of a YAML config file" in msg
+
+
+def test_a_device_or_directory_as_config_is_refused_without_reading_it(tmp_path: Path) -> None:
+    r = _load_in_child("/dev/zero")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "config file '/dev/zero': is a character device, not a regular file" in r.stdout
+    with pytest.raises(ConfigError, match=r"is a directory, not a regular file; give the path of a YAML config"):
+        load_config(tmp_path, env={})
+
+
+def test_a_config_over_1_mib_is_refused(tmp_path: Path) -> None:
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\nversion: 1\n")
+    with pytest.raises(ConfigError, match=r"got 1,048,\d+ bytes — a config file may hold at most 1,048,576 bytes"):
+        load_config(big, env={})
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("# " + "x" * 100_000 + "\nversion: 1\n")
+    assert load_config(ok, env={}).version == 1
+
+
+def test_a_config_that_is_not_utf8_names_the_byte(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"namespace: {model: caf\xe9}\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 22\); save the config as UTF-8"):
+        load_config(bad, env={})
+
+
+BILLION_LAUGHS = "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else ', '.join(['lol'] * 9)}]\n"
+    for prev, name in zip(["", *"abcdefgh"], "abcdefghi")
+)
+
+
+def test_a_yaml_alias_bomb_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BILLION_LAUGHS)
+    assert len(BILLION_LAUGHS) < 600  # a few hundred bytes that expand to 9**9 strings
+    r = _load_in_child(bomb)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"config file {str(bomb)!r}: the YAML expands to more than 100,000 values" in r.stdout
+    assert "use fewer nested anchors/aliases" in r.stdout
+    with pytest.raises(ConfigError, match="TIEREDKV_NAMESPACE__MODEL: the YAML expands to more than 100,000"):
+        load_config(env={"TIEREDKV_NAMESPACE__MODEL": BILLION_LAUGHS})
+
+
+def test_a_recursive_alias_or_deep_nesting_is_refused(tmp_path: Path) -> None:
+    rec = tmp_path / "rec.yaml"
+    rec.write_text("version: 1\nloop: &a [1, *a]\n")
+    with pytest.raises(ConfigError, match=r"the value at line 2 holds an alias to itself \(a recursive structure\)"):
+        load_config(rec, env={})
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ConfigError, match="nested too deeply to read"):
+        load_config(deep, env={})
+
+
+def test_plain_anchors_aliases_and_merge_keys_still_load(tmp_path: Path) -> None:
+    cfg = tmp_path / "dry.yaml"
+    cfg.write_text(
+        "namespace: {model: &m org/model}\n"
+        "tiers:\n"
+        "  - &disk {kind: lmdb, name: a, path: /tmp/a, map_size_bytes: 64MiB, size_cap_bytes: 32MiB}\n"
+        "  - <<: *disk\n    name: b\n    path: /tmp/b\n"
+    )
+    c = load_config(cfg, env={})
+    assert [t.label for t in c.tiers] == ["a", "b"] and c.tiers[1].map_size_bytes == 64 << 20

@@ -656,7 +656,23 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
 
 #: Fields whose values are masked wherever a config is shown.
 SECRET_FIELDS = frozenset({"password"})
-_URL_CREDS = re.compile(r"(?P<scheme>[a-z]+://)(?P<user>[^:@/]*):(?P<pw>[^@/]+)@")
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<rest>.*)", re.DOTALL)
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&;]password=)[^&#]*", re.IGNORECASE)
+
+
+def _mask_url(m: re.Match[str]) -> str:
+    """``scheme://user:PASSWORD@host...`` with the password masked, whatever it contains.
+
+    The user info ends at the *last* ``@`` (a password may hold ``@``, ``/``, ``?`` or ``#``;
+    an ``@`` in a query string is masked with it, which errs on the side of hiding); the user
+    name ends at the first ``:``. A ``password=`` query parameter (``unix://`` URLs) is masked too.
+    """
+    userinfo, at, rest = m["rest"].rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.partition(':')[0]}:***@{rest}"
+    else:
+        rest = m["rest"]
+    return m["scheme"] + _QUERY_PASSWORD.sub(lambda q: f"{q['key']}***", rest)
 
 
 def mask_secrets(data: Any) -> Any:
@@ -666,7 +682,7 @@ def mask_secrets(data: Any) -> Any:
     if isinstance(data, list):
         return [mask_secrets(v) for v in data]
     if isinstance(data, str):
-        return _URL_CREDS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", data)
+        return _URL.sub(_mask_url, data)
     return data
 
 

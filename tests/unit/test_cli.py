@@ -75,3 +75,13 @@ def test_demo_human_summary() -> None:
     assert "loaded blocks equal what was stored" in r.stdout
     assert "sliding_window" in r.stdout.replace("\n", "") or "slidin" in r.stdout
     assert "lmdb" in r.stdout and "cpu" in r.stdout and "p99 ms" in r.stdout
+
+
+def test_config_show_masks_a_url_password_that_contains_at_signs(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers:\n  - kind: redis\n    url: redis://user:p@ss@host:6379/0\n")
+    for args in (("config", "show"), ("config", "show", "--json"), ("config", "show", "--json", "--sources")):
+        r = run(*args, env={"TIEREDKV_CONFIG": str(cfg)})
+        assert r.returncode == 0, r.stderr
+        assert "redis://user:***@host:6379/0" in r.stdout, r.stdout
+        assert "p@ss" not in r.stdout and "ss@host" not in r.stdout

@@ -17,6 +17,7 @@ from tieredkv.config import (
     RedisTierConfig,
     TieredKVConfig,
     load_config,
+    mask_secrets,
 )
 from tieredkv.errors import ConfigError
 
@@ -234,3 +235,26 @@ def test_plain_anchors_aliases_and_merge_keys_still_load(tmp_path: Path) -> None
     )
     c = load_config(cfg, env={})
     assert [t.label for t in c.tiers] == ["a", "b"] and c.tiers[1].map_size_bytes == 64 << 20
+
+
+# ---- secrets in URLs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("redis://app:s3cret@127.0.0.1:6379/0", "redis://app:***@127.0.0.1:6379/0"),
+        ("redis://user:p@ss@host:6379/0", "redis://user:***@host:6379/0"),
+        ("rediss://:p@s/s?x#y@host:6380", "rediss://:***@host:6380"),
+        ("unix:///run/redis.sock?db=0&password=p@ss", "unix:///run/redis.sock?db=0&password=***"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ],
+)
+def test_url_passwords_are_masked_whatever_they_contain(url: str, masked: str) -> None:
+    assert mask_secrets({"tiers": [{"url": url}]}) == {"tiers": [{"url": masked}]}
+
+
+def test_a_bad_url_field_error_masks_an_at_sign_password() -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config({"tiers": [{"kind": "redis", "url": "http://user:p@ss@host:6379/0"}]}, env={})
+    assert "http://user:***@host:6379/0" in str(ei.value) and "ss@" not in str(ei.value)

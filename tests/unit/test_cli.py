@@ -85,3 +85,14 @@ def test_config_show_masks_a_url_password_that_contains_at_signs(tmp_path: Path)
         assert r.returncode == 0, r.stderr
         assert "redis://user:***@host:6379/0" in r.stdout, r.stdout
         assert "p@ss" not in r.stdout and "ss@host" not in r.stdout
+
+
+def test_config_check_of_a_fifo_or_device_exits_2_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null"):  # a regression blocks on the FIFO until run()'s timeout
+        r = run("config", "check", path)
+        err = " ".join(r.stderr.split())
+        assert r.returncode == 2, r.stderr
+        assert f"config file {path!r}: is a" in err and "not a regular file" in err, err
+        assert "Traceback" not in r.stderr

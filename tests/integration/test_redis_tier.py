@@ -263,6 +263,64 @@ async def test_cluster_node_killed_fails_fast_then_recovers() -> None:
                     await asyncio.sleep(0.2)
 
 
+def _slots_of(port: int) -> list[tuple[int, int]]:
+    """Slot ranges node ``port`` owns, from its own CLUSTER NODES line."""
+    for line in redis_command(port, "CLUSTER", "NODES").decode().splitlines():
+        f = line.split()
+        if "myself" in f[2]:
+            return [(int(a), int(b or a)) for a, _, b in (s.partition("-") for s in f[8:] if not s.startswith("["))]
+    raise AssertionError(f"no 'myself' line in CLUSTER NODES of {port}")
+
+
+def _flagged_failed(observer: int, victim: int) -> bool:
+    for line in redis_command(observer, "CLUSTER", "NODES").decode().splitlines():
+        f = line.split()
+        if f[1].split("@")[0].endswith(f":{victim}"):
+            return "fail" in f[2].split(",")
+    return False
+
+
+@pytest.mark.asyncio
+async def test_cluster_master_down_live_keys_always_served_under_concurrency() -> None:
+    """A dead master costs exactly its own keys, every time: concurrent loads and stores that
+    each span every node, repeated before and after the survivors flag the master failed.
+    (redis-py's cluster pipeline used to close every node's connections when one node failed,
+    breaking the other pipelines in flight.)"""
+    args = ["--cluster-require-full-coverage", "no"]
+    with RedisCluster(extra_args=args, node_timeout_ms=1000) as c:
+        ns = _ns()
+        keys = _keys(ns, 90)
+        async with _tier(c.url, True, hash_tag_buckets=64, op_timeout_s=10.0) as tier:
+            await tier.put_many([(k, b"v" + k[-8:]) for k in keys])
+            victim, observer = c.servers[1], c.servers[0]
+            ranges = _slots_of(victim.port)
+            on_dead = [any(a <= key_slot(tier.redis_key(k)) <= b for a, b in ranges) for k in keys]
+            live = [k for k, d in zip(keys, on_dead, strict=True) if not d]
+            assert live and len(live) < len(keys)
+            victim.kill()
+
+            async def round_(i: int) -> None:
+                loads = [tier.get_many(keys) for _ in range(4)]
+                store = tier.put_many([(k, b"v" + k[-8:]) for k in live])
+                *got, _ = await asyncio.gather(*loads, store)
+                for g in got:
+                    assert [x is None for x in g] == on_dead, f"round {i}: a live key missed or a dead one served"
+                    assert all(x == b"v" + k[-8:] for x, k in zip(g, keys, strict=True) if x is not None)
+
+            rounds = 0
+            deadline = time.monotonic() + 30
+            while not _flagged_failed(observer.port, victim.port):  # before the survivors agree
+                assert time.monotonic() < deadline, "the survivors never flagged the dead master"
+                await round_(rounds)
+                rounds += 1
+            for _ in range(20):  # and after
+                await round_(rounds)
+                rounds += 1
+            assert tier.counters["node_errors"] >= rounds
+            with pytest.raises(TierUnavailableError):  # a store touching the dead master fails, fast
+                await tier.put_many([(k, b"w") for k in keys])
+
+
 @pytest.mark.asyncio
 async def test_noeviction_oom_is_tier_full_and_rolls_back() -> None:
     ns = _ns()

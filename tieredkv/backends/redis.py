@@ -17,6 +17,14 @@ group of a block lands in the same slot. Hex keeps keys printable and unambiguou
 
 Values are whole records (:func:`tieredkv.format.encode_record`), written with one ``SET``
 each (atomic per record; ``EX`` when ``ttl_s`` is set) and verified on every ``GET``.
+
+On a Redis Cluster every batch is split per node (a pipeline each, run concurrently). A node
+that fails costs its own keys only: they are retried after a topology refresh (at most twice
+on the same node, so a dead master fails fast), then are misses (loads) or an error (puts,
+which are all-or-nothing). redis-py's own cluster retry is off (``retries=0``): it reacts to
+one node's connection error by closing every node's connections, under the other pipelines in
+flight ('NoneType' object has no attribute 'writelines').
+
 Capacity is the server's (``maxmemory``): the tier does not evict (``evicts_locally`` is
 false). A put that Redis refuses (``OOM``) raises :class:`~tieredkv.errors.TierFullError`
 after deleting the records of that call that were already written (best effort).
@@ -37,12 +45,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
+    ClusterDownError,
     ClusterError,
     NoPermissionError,
     OutOfMemoryError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -72,6 +82,12 @@ _SMALL_BATCH = 2048
 _SCAN_COUNT = 1000
 #: Record size assumed for splitting GET pipelines before any record was seen.
 _DEFAULT_RECORD_GUESS = 256 << 10
+#: Times a cluster batch may try one node: the first try, then one retry after a topology
+#: refresh (a pooled connection that died with a restarted node is replaced; a failed-over
+#: slot is routed to its new master, which counts as another node).
+_NODE_TRIES = 2
+#: Rounds of a cluster batch at most (first try + retries of the failed nodes' keys).
+_CLUSTER_ROUNDS = 3
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 
 # Deletes a key only if it still holds the bytes we judged corrupt (SHA-1 match), so a
@@ -186,8 +202,10 @@ class RedisTier(Tier):
             "socket_timeout": c.socket_timeout_s,
             "socket_connect_timeout": c.connect_timeout_s,
             # One immediate retry: enough to replace a pooled connection that died with a
-            # restarted server, few enough that a dead server fails in milliseconds.
-            "retry": Retry(NoBackoff(), 1),
+            # restarted server, few enough that a dead server fails in milliseconds. On a
+            # cluster none: the tier retries per node (see _per_key), because redis-py's
+            # cluster retry closes every node's connections under the pipelines in flight.
+            "retry": Retry(NoBackoff(), 0 if c.cluster else 1),
         }
         if c.username is not None:
             kw["username"] = c.username
@@ -213,64 +231,94 @@ class RedisTier(Tier):
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)
 
-    def _by_node(self, rkeys: list[bytes]) -> list[list[int]]:
-        """Indices of ``rkeys`` grouped by the cluster node owning their slot (one group on a
-        single node), so a dead master fails only its own keys."""
+    def _by_node(self, rkeys: list[bytes], todo: list[int]) -> dict[str, list[int]]:
+        """Indices ``todo`` of ``rkeys`` grouped by the name of the cluster node owning their slot
+        (one group on a single node), from the client's current slot map."""
         if not self.config.cluster:
-            return [list(range(len(rkeys)))]
+            return {"": todo}
         groups: dict[str, list[int]] = {}
-        for i, rk in enumerate(rkeys):
+        for i in todo:
             try:
-                node = self._client.get_node_from_key(rk)
+                node = self._client.get_node_from_key(rkeys[i])
                 name = node.name if node is not None else "?"
             except RedisClusterException:
                 name = "?"
             groups.setdefault(name, []).append(i)
-        return list(groups.values())
+        return groups
 
-    async def _per_key(self, rkeys: list[bytes], add: Callable[[Any, bytes], Any]) -> list[Any]:
-        """One command per key (``add(pipe, rkey)``), a pipeline per node run concurrently.
+    async def _per_key(self, rkeys: list[bytes], add: Callable[[Any, int], Any], *, ncmd: int = 1) -> list[Any]:
+        """``ncmd`` commands per key (``add(pipe, i)`` queues them for ``rkeys[i]``), a pipeline
+        per node run concurrently.
 
-        Returns each key's reply — an exception object for a command the server refused (e.g.
-        WRONGTYPE) or for every key of a node that could not be reached. Raises only when every
-        node failed, so a dead master costs its own keys, never the batch."""
-        out = await self._per_key_once(rkeys, add)
-        # A node failing can make the client refresh its topology under the other pipelines: a
-        # key of a live node may then fail once. One retry of just those keys settles it.
-        again = [i for i, v in enumerate(out) if isinstance(v, BaseException) and not _wrongtype(v)]
-        if again and self.config.cluster and len(again) < len(rkeys):
-            for i, v in zip(again, await self._per_key_once([rkeys[i] for i in again], add, raise_if_all=False)):
-                out[i] = v
-        return out
+        Returns each key's reply (a tuple of ``ncmd`` replies when ``ncmd > 1``) — an exception
+        object for a command the server refused (e.g. WRONGTYPE), or for every key of a node
+        that could not be reached. Raises only when every key's node failed, so a dead master
+        costs its own keys, never the batch.
 
-    async def _per_key_once(self, rkeys: list[bytes], add: Callable[[Any, bytes], Any], *,
-                            raise_if_all: bool = True) -> list[Any]:
-        groups = self._by_node(rkeys)
-
-        async def run(idx: list[int]) -> list[Any]:
-            pipe = self._pipeline()
-            for i in idx:
-                add(pipe, rkeys[i])
-            return await pipe.execute(raise_on_error=False)
-
-        results = await asyncio.gather(*(run(g) for g in groups), return_exceptions=True)
+        On a cluster, the keys of a node that failed (or whose replies are connection errors /
+        CLUSTERDOWN / TRYAGAIN) are retried after a topology refresh, each node at most
+        :data:`_NODE_TRIES` times and the batch at most :data:`_CLUSTER_ROUNDS` rounds: bounded
+        in attempts, not in wall time (each attempt is bounded by the socket timeouts)."""
         out: list[Any] = [None] * len(rkeys)
-        failed: list[BaseException] = []
-        for idx, res in zip(groups, results, strict=True):
-            if isinstance(res, asyncio.CancelledError):
-                raise res
-            if isinstance(res, BaseException):
-                failed.append(res)
-                res = [res] * len(idx)
-            for i, v in zip(idx, res, strict=True):
-                out[i] = v
-        if failed and len(failed) == len(groups) and raise_if_all:
-            raise failed[0]
-        if failed:
-            self._count("node_errors", len(failed))
-            log.warning("tier %s: %d of %d nodes failed, their keys are misses: %s",
-                        self.name, len(failed), len(groups), failed[0])
+        down: dict[int, BaseException] = {}  # key index -> its node's failure (last round)
+        tries: dict[str, int] = {}
+        todo = list(range(len(rkeys)))
+        rounds = _CLUSTER_ROUNDS if self.config.cluster else 1
+        for rnd in range(rounds):
+            groups = {n: idx for n, idx in self._by_node(rkeys, todo).items() if tries.get(n, 0) < _NODE_TRIES}
+            if not groups:
+                break
+            for name in groups:
+                tries[name] = tries.get(name, 0) + 1
+
+            async def run(idx: list[int]) -> list[Any]:
+                pipe = self._pipeline()
+                for i in idx:
+                    add(pipe, i)
+                return await pipe.execute(raise_on_error=False)
+
+            results = await asyncio.gather(*(run(idx) for idx in groups.values()), return_exceptions=True)
+            again: list[int] = []
+            failed: list[str] = []
+            for (name, idx), res in zip(groups.items(), results, strict=True):
+                if isinstance(res, asyncio.CancelledError):
+                    raise res
+                if isinstance(res, BaseException):
+                    for i in idx:
+                        out[i] = down[i] = res
+                    failed.append(name)
+                    again.extend(idx)
+                    continue
+                for j, i in enumerate(idx):
+                    v = res[j] if ncmd == 1 else tuple(res[j * ncmd : (j + 1) * ncmd])
+                    out[i] = v
+                    down.pop(i, None)
+                    if any(isinstance(x, _RETRY_REPLY) for x in (v if ncmd > 1 else (v,))):
+                        again.append(i)
+            if not again or rnd == rounds - 1:
+                break
+            await self._refresh_topology(failed[0] if failed else None)
+            todo = again
+        if down and len(down) == len(rkeys):
+            raise next(iter(down.values()))
+        if down:
+            errs = list(dict.fromkeys(down.values()))
+            self._count("node_errors", len(errs))
+            log.warning("tier %s: %d of %d keys are on %d unreachable node(s) and were not served: %s",
+                        self.name, len(down), len(rkeys), len(errs), errs[0])
         return out
+
+    async def _refresh_topology(self, failed_node: str | None) -> None:
+        """Re-read the cluster's slot map (redis-py marks pooled connections for a lazy reconnect,
+        never closing one in use). A failure is left to the retry that follows to report."""
+        nodes = self._client.nodes_manager
+        try:
+            try:
+                await nodes.initialize(last_failed_node_name=failed_node)
+            except TypeError:  # redis-py without last_failed_node_name
+                await nodes.initialize()
+        except (RedisError, OSError) as e:
+            log.debug("tier %s: cluster topology refresh failed: %s", self.name, e)
 
     def _note_size(self, record_len: int) -> None:
         # Running estimate of record size, used to split GET pipelines by bytes.
@@ -306,11 +354,13 @@ class RedisTier(Tier):
         written: list[bytes] = []
         try:
             for run in _chunks(items, lambda it: HEADER_SIZE + len(it[1]), self._max_batch):
-                pipe = self._pipeline()
                 rkeys = [self.redis_key(k) for k, _ in run]
-                for rk, (key, payload) in zip(rkeys, run, strict=True):
-                    pipe.set(rk, encode_record(key, payload), ex=ttl)
-                results = await pipe.execute(raise_on_error=False)
+
+                def add(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
+                    key, payload = run[i]
+                    pipe.set(rkeys[i], encode_record(key, payload), ex=ttl)
+
+                results = await self._per_key(rkeys, add)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 written.extend(rk for rk, r in zip(rkeys, results, strict=True) if not isinstance(r, BaseException))
                 if failed:
@@ -327,10 +377,7 @@ class RedisTier(Tier):
             return
         try:
             for run in _chunks(rkeys, lambda _: 1, _SMALL_BATCH):
-                pipe = self._pipeline()
-                for rk in run:
-                    pipe.delete(rk)
-                await pipe.execute(raise_on_error=False)
+                await self._per_key(run, lambda pipe, i, run=run: pipe.delete(run[i]))
         except RedisError as e:  # best effort: the put's own error is what the caller sees
             log.warning("tier %s: could not roll back %d records of a failed put: %s", self.name, len(rkeys), e)
 
@@ -344,7 +391,7 @@ class RedisTier(Tier):
 
         for run in _chunks(range(len(keys)), size, self._max_batch):
             rkeys = [self.redis_key(keys[i]) for i in run]
-            values = await self._per_key(rkeys, lambda pipe, rk: pipe.get(rk))
+            values = await self._per_key(rkeys, lambda pipe, j, rkeys=rkeys: pipe.get(rkeys[j]))
             for i, rk, value in zip(run, rkeys, values, strict=True):
                 if value is None:
                     continue
@@ -393,17 +440,20 @@ class RedisTier(Tier):
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
         for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
-            replies = await self._per_key([self.redis_key(k) for k in run], lambda pipe, rk: pipe.exists(rk))
+            rkeys = [self.redis_key(k) for k in run]
+            replies = await self._per_key(rkeys, lambda pipe, i, rkeys=rkeys: pipe.exists(rkeys[i]))
             out.extend(r is True or (isinstance(r, int) and r > 0) for r in replies)
         return out
 
     async def _delete_many(self, keys: list[bytes]) -> int:
         removed = 0
         for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
-            pipe = self._pipeline()
-            for k in run:
-                pipe.delete(self.redis_key(k))
-            removed += sum(int(r) for r in await pipe.execute())
+            rkeys = [self.redis_key(k) for k in run]
+            replies = await self._per_key(rkeys, lambda pipe, i, rkeys=rkeys: pipe.delete(rkeys[i]))
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+            removed += sum(int(r) for r in replies)
         return removed
 
     # ---- scan -------------------------------------------------------------------------
@@ -423,7 +473,8 @@ class RedisTier(Tier):
                 keyed = [(rk, sk) for rk, sk in keyed if sk[:FINGERPRINT_BYTES] == fingerprint]
             if not keyed:
                 continue
-            lengths = await self._per_key([rk for rk, _ in keyed], lambda pipe, rk: pipe.strlen(rk))
+            rks = [rk for rk, _ in keyed]
+            lengths = await self._per_key(rks, lambda pipe, i, rks=rks: pipe.strlen(rks[i]))
             for (_, sk), n in zip(keyed, lengths, strict=True):
                 # 0: deleted since SCAN saw it; an error: a foreign non-string value (WRONGTYPE)
                 if isinstance(n, int) and n >= HEADER_SIZE:
@@ -510,6 +561,10 @@ class RedisTier(Tier):
         if isinstance(exc, (ClusterError, RedisClusterException)):
             return TierUnavailableError(f"{where}: {op}: the cluster is unavailable ({detail})")
         return TierUnavailableError(f"{where}: {op} failed ({detail})")
+
+
+#: Replies that mean "the node did not get to answer": retried on a cluster like a failed node.
+_RETRY_REPLY = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
 
 
 def _wrongtype(e: BaseException) -> bool:

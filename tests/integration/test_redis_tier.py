@@ -424,6 +424,104 @@ async def test_foreign_record_under_our_key_is_a_miss(server: RedisServer, raw_s
         assert await tier.get_many([foreign, sibling]) == [b"other model's bytes", b"other block"]
 
 
+def _count_reply_bytes(tier: RedisTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the bytes of every value reply the tier's pipelines receive (one entry per reply)."""
+    seen: list[int] = []
+    real = tier._pipeline
+
+    def counting() -> Any:
+        pipe = real()
+        orig = pipe.execute
+
+        async def execute(*a: Any, **kw: Any) -> Any:
+            replies = await orig(*a, **kw)
+            seen.extend(len(r) for r in replies if isinstance(r, (bytes, bytearray)))
+            return replies
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(tier, "_pipeline", counting)
+    return seen
+
+
+@pytest.mark.asyncio
+async def test_oversized_foreign_value_is_not_read(url_cluster: tuple[str, bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A huge value someone else wrote under one of our keys is a miss, counted corrupt and
+    deleted, and the tier reads at most the destination's record size (+1 byte) of it."""
+    url, cluster = url_cluster
+    ns = _ns()
+    chunk = 256 << 10
+    k1, k2, k3, k4 = _keys(ns, 4)
+    huge = os.urandom(4 << 20)
+    raw = _raw(url, cluster)
+    try:
+        async with _tier(url, cluster, max_batch_bytes=1 << 20) as tier:
+            await tier.put_many([(k, os.urandom(chunk)) for k in (k1, k2, k3)])
+            for k in (k1, k2):
+                await raw.set(tier.redis_key(k), huge)
+            # our record for k3 with 3 MB of trailing junk: longer than its header says
+            (rec,) = await tier.raw_get_many([k3])
+            await raw.set(tier.redis_key(k3), rec + huge[: 3 << 20])
+            seen = _count_reply_bytes(tier, monkeypatch)
+            dst = [bytearray(chunk) for _ in range(4)]
+            assert await tier.get_many([k1, k2, k3, k4], into=dst) == [None] * 4
+            assert tier.counters["corrupt"] == 3
+            assert seen and max(seen) <= HEADER_SIZE + chunk + 1
+            assert [await raw.exists(tier.redis_key(k)) for k in (k1, k2, k3)] == [0, 0, 0]  # deleted
+            # bytes wanted (no destination): bounded by max_batch_bytes
+            await raw.set(tier.redis_key(k1), huge)
+            seen.clear()
+            assert await tier.get_many([k1]) == [None]
+            assert tier.counters["corrupt"] == 4
+            assert seen and max(seen) <= (1 << 20) + 1
+            assert await raw.exists(tier.redis_key(k1)) == 0
+    finally:
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_records_larger_than_the_read_bound(url_cluster: tuple[str, bool]) -> None:
+    """Our own records past the read bound: too big for the destination is an ``oversize`` miss
+    that stays stored; with no destination, a record over max_batch_bytes is still served."""
+    url, cluster = url_cluster
+    ns = _ns()
+    key, empty = _keys(ns, 2)
+    data = os.urandom(3 << 20)
+    raw = _raw(url, cluster)
+    try:
+        async with _tier(url, cluster, max_batch_bytes=1 << 20) as tier:
+            await tier.put_many([(key, data)])
+            assert await tier.get_many([key], into=[bytearray(256 << 10)]) == [None]
+            assert tier.counters["oversize"] == 1 and tier.counters["corrupt"] == 0
+            assert await tier.get_many([key]) == [data]
+            assert await tier.get_many([key], into=[bytearray(len(data))]) == [len(data)]
+            # an empty value is corrupt (not an absent key), and deleted
+            await raw.set(tier.redis_key(empty), b"")
+            assert await tier.get_many([empty]) == [None]
+            assert tier.counters["corrupt"] == 1
+            assert await raw.exists(tier.redis_key(empty)) == 0
+    finally:
+        await raw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_corrupt_delete_of_a_prefix_spares_a_concurrent_rewrite(
+    server: RedisServer, raw_single: aioredis.Redis
+) -> None:
+    ns = _ns()
+    key = ns.key(os.urandom(32), 0)
+    async with _tier(server.url) as tier:
+        rk = tier.redis_key(key)
+        huge = os.urandom(2 << 20)
+        await raw_single.set(rk, huge)
+        await tier._drop_corrupt([(rk, huge[:1000], False)])  # still starts with what was seen: deleted
+        assert await raw_single.exists(rk) == 0
+        await raw_single.set(rk, bytes(encode_record(key, b"fresh")))
+        await tier._drop_corrupt([(rk, huge[:1000], False)])  # rewritten since: spared
+        assert await tier.get_many([key]) == [b"fresh"]
+
+
 @pytest.mark.asyncio
 async def test_corrupt_delete_spares_a_concurrent_rewrite(server: RedisServer, raw_single: aioredis.Redis) -> None:
     ns = _ns()
@@ -432,9 +530,9 @@ async def test_corrupt_delete_spares_a_concurrent_rewrite(server: RedisServer, r
         rk = tier.redis_key(key)
         fresh = bytes(encode_record(key, b"fresh"))
         # the record was garbage when read, but another client rewrote it before the delete
-        await tier._drop_corrupt([(rk, b"garbage seen by the reader")])
+        await tier._drop_corrupt([(rk, b"garbage seen by the reader", True)])
         await raw_single.set(rk, fresh)
-        await tier._drop_corrupt([(rk, b"garbage seen by the reader")])
+        await tier._drop_corrupt([(rk, b"garbage seen by the reader", True)])
         assert await tier.get_many([key]) == [b"fresh"]
 
 

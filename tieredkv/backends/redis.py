@@ -16,7 +16,14 @@ group of a block lands in the same slot. Hex keeps keys printable and unambiguou
 ``parse_redis_key`` recovers the stored key for ``scan``.
 
 Values are whole records (:func:`tieredkv.format.encode_record`), written with one ``SET``
-each (atomic per record; ``EX`` when ``ttl_s`` is set) and verified on every ``GET``.
+each (atomic per record; ``EX`` when ``ttl_s`` is set) and verified on every read. Reads are
+bounded: ``GETRANGE key 0 cap`` (with ``EXISTS`` in the same pipeline, to tell an empty value
+from no key) where ``cap`` is the destination's record size (or ``max_batch_bytes`` when the
+caller wants bytes), so a huge foreign value under one of our keys costs at most ``cap + 1``
+bytes on the wire and in memory; it is a miss, counted ``corrupt`` and deleted. A longer value
+whose header is ours for that key is a record too big for the destination (an ``oversize``
+miss, kept), or, when bytes are wanted, read in full by a second ``GETRANGE`` up to the size
+its header states.
 
 On a Redis Cluster every batch is split per node (a pipeline each, run concurrently). A node
 that fails costs its own keys only: they are retried after a topology refresh (at most twice
@@ -67,7 +74,7 @@ from tieredkv.errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from tieredkv.format import HEADER_SIZE, encode_record, verify_record
+from tieredkv.format import HEADER_SIZE, decode_header, encode_record, verify_record
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
 
 __all__ = ["RedisTier", "parse_redis_key", "redis_key"]
@@ -90,11 +97,17 @@ _NODE_TRIES = 2
 _CLUSTER_ROUNDS = 3
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 
-# Deletes a key only if it still holds the bytes we judged corrupt (SHA-1 match), so a
-# fresh record written concurrently by another client is never dropped.
+# Deletes a key only if it still holds the bytes we judged corrupt, so a fresh record written
+# concurrently by another client is never dropped. ARGV: SHA-1 of the bytes seen, their length,
+# "1" if they were the whole value (else a prefix: the value must still start with them). The
+# value is never read past those bytes (it may be huge).
 _DEL_IF_SAME = """
-local v = redis.call('GET', KEYS[1])
-if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+local len = tonumber(ARGV[2])
+local n = redis.call('STRLEN', KEYS[1])
+if n < len or (ARGV[3] == '1' and n ~= len) then return 0 end
+local v = ''
+if len > 0 then v = redis.call('GETRANGE', KEYS[1], 0, len - 1) end
+if redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -383,7 +396,13 @@ class RedisTier(Tier):
 
     async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
         out: list[int | bytes | None] = [None] * len(keys)
-        corrupt: list[tuple[bytes, bytes]] = []
+        corrupt: list[tuple[bytes, bytes, bool]] = []  # (redis key, bytes seen, whole value?)
+        rest: list[tuple[int, bytes, bytes, int]] = []  # (index, redis key, head read, record size its header claims)
+
+        def cap(i: int) -> int:
+            """The most bytes key ``i`` may hold to be served: a longer value is not read."""
+            dst = into[i]
+            return self._max_batch if dst is None else HEADER_SIZE + len(dst)
 
         def size(i: int) -> int:
             dst = into[i]
@@ -391,32 +410,69 @@ class RedisTier(Tier):
 
         for run in _chunks(range(len(keys)), size, self._max_batch):
             rkeys = [self.redis_key(keys[i]) for i in run]
-            values = await self._per_key(rkeys, lambda pipe, j, rkeys=rkeys: pipe.get(rkeys[j]))
-            for i, rk, value in zip(run, rkeys, values, strict=True):
-                if value is None:
+            caps = [cap(i) for i in run]
+
+            def add(pipe: Any, j: int, rkeys: list[bytes] = rkeys, caps: list[int] = caps) -> None:
+                pipe.exists(rkeys[j])  # tells an empty value (corrupt) from no key (a plain miss)
+                pipe.getrange(rkeys[j], 0, caps[j])  # at most caps[j] + 1 bytes: longer means too long
+
+            replies = await self._per_key(rkeys, add, ncmd=2)
+            for i, rk, limit, reply in zip(run, rkeys, caps, replies, strict=True):
+                if isinstance(reply, BaseException):  # its node is down: a miss (counted node_errors)
                     continue
+                exists, value = reply
                 if isinstance(value, BaseException):
                     if _wrongtype(value):  # a foreign non-string value under our key: a miss
                         self._on_corrupt(keys[i], value)
                     continue
-                try:
-                    payload = verify_record(value, keys[i])
-                except CorruptRecordError as e:
-                    self._on_corrupt(keys[i], e)
-                    corrupt.append((rk, value))
+                if not value and not (isinstance(exists, int) and exists > 0):
+                    continue  # no such key
+                if len(value) > limit:
+                    claimed = _claimed_record_size(value, keys[i])
+                    if claimed is None or claimed <= limit:  # not our record, or longer than it says
+                        self._on_corrupt(keys[i], CorruptRecordError(
+                            f"value of over {limit} bytes under this key is not a record of {claimed or '?'}"
+                            " bytes for it (not read further)"))
+                        corrupt.append((rk, value, False))
+                    elif into[i] is not None:  # a record for this key, larger than the destination
+                        self._count("oversize")
+                        log.warning("tier %s: record of %d bytes does not fit a %d-byte buffer; miss",
+                                    self.name, claimed - HEADER_SIZE, len(into[i]))  # type: ignore[arg-type]
+                    else:  # bytes wanted and the header vouches for the size: read the rest
+                        rest.append((i, rk, value, claimed))
                     continue
-                self._note_size(len(value))
-                out[i] = self._deliver(keys[i], payload, into[i])
+                out[i] = self._verify_deliver(keys[i], rk, value, into[i], corrupt)
+        if rest:
+            rks = [rk for _, rk, _, _ in rest]
+            tails = await self._per_key(
+                rks, lambda pipe, j: pipe.getrange(rks[j], len(rest[j][2]), rest[j][3]))  # ≤ claimed + 1 bytes
+            for (i, rk, head, claimed), tail in zip(rest, tails, strict=True):
+                if isinstance(tail, BaseException):
+                    continue
+                out[i] = self._verify_deliver(keys[i], rk, head + tail, None, corrupt,
+                                              whole=len(head) + len(tail) <= claimed)
         if corrupt:
             await self._drop_corrupt(corrupt)
         return out
 
-    async def _drop_corrupt(self, corrupt: list[tuple[bytes, bytes]]) -> None:
-        """Delete records that failed verification, unless rewritten meanwhile (rare path)."""
-        for rk, value in corrupt:
-            digest = hashlib.sha1(value, usedforsecurity=False).hexdigest()
-            try:
-                await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest)  # a Lua script
+    def _verify_deliver(self, key: bytes, rk: bytes, value: bytes, dst: memoryview | None,
+                        corrupt: list[tuple[bytes, bytes, bool]], *, whole: bool = True) -> int | bytes | None:
+        try:
+            payload = verify_record(value, key)
+        except CorruptRecordError as e:
+            self._on_corrupt(key, e)
+            corrupt.append((rk, value, whole))
+            return None
+        self._note_size(len(value))
+        return self._deliver(key, payload, dst)
+
+    async def _drop_corrupt(self, corrupt: list[tuple[bytes, bytes, bool]]) -> None:
+        """Delete values judged corrupt (``(redis key, bytes seen, whether they were the whole
+        value)``), unless rewritten meanwhile (rare path)."""
+        for rk, seen, whole in corrupt:
+            digest = hashlib.sha1(seen, usedforsecurity=False).hexdigest()
+            try:  # a Lua script
+                await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest, len(seen), int(whole))
             except ResponseError:  # scripting disabled (managed Redis): plain DEL
                 await self._client.delete(rk)
 
@@ -550,7 +606,7 @@ class RedisTier(Tier):
         if isinstance(exc, NoPermissionError):
             return TierUnavailableError(
                 f"{where}: {op}: the ACL user lacks a permission ({detail}); it needs"
-                " +get +set +del +exists +strlen +scan +eval +info +dbsize on the key prefix"
+                " +get +getrange +set +del +exists +strlen +scan +eval +info +dbsize on the key prefix"
             )
         if isinstance(exc, RedisTimeoutError):
             return TierTimeoutError(
@@ -565,6 +621,21 @@ class RedisTier(Tier):
 
 #: Replies that mean "the node did not get to answer": retried on a cluster like a failed node.
 _RETRY_REPLY = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
+
+
+def _claimed_record_size(head: bytes, key: bytes) -> int | None:
+    """The record size (header + payload) the header at the start of ``head`` states, if it is a
+    well-formed header for stored key ``key``; else ``None``. The checksum is not checked."""
+    if len(head) < HEADER_SIZE:
+        return None
+    n = int.from_bytes(head[32:40], "little")
+    try:
+        hdr = decode_header(head[:HEADER_SIZE], n)
+    except CorruptRecordError:
+        return None
+    if hdr.fingerprint != key[:FINGERPRINT_BYTES] or hdr.group != int.from_bytes(key[-GROUP_BYTES:], "big"):
+        return None
+    return HEADER_SIZE + n
 
 
 def _wrongtype(e: BaseException) -> bool:

@@ -319,6 +319,7 @@ async def _direct_task(cpu: CPUTier, model: Model, nops: int, rng: random.Random
         await asyncio.sleep(0)
 
 
+@pytest.mark.timeout(max(120, OPS // 100))  # a hang guard that grows with STRESS_OPS
 @pytest.mark.parametrize("second", ["lmdb", "redis"])
 def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes(
     tmp_path: Path, request: pytest.FixtureRequest, second: str

@@ -7,13 +7,14 @@ import threading
 import time
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import CPUTierConfig, LMDBTierConfig
-from tieredkv.errors import ConfigError
+from tieredkv.errors import ConfigError, TierUnavailableError
 from tieredkv.keys import Namespace
 from tieredkv.testing.contract import payload
 
@@ -248,3 +249,41 @@ async def test_lmdb_raw_records_respect_the_size_cap(tmp_path: Path) -> None:
         st = await tier.stats()
         assert st.used_bytes <= 4 * rec_bytes and st.records == 4
         assert tier.counters["evictions"] == 4
+
+
+class _ResizingEnv:
+    """An lmdb.Environment whose first ``fail`` open_db calls raise MapResizedError, as when another
+    process grows the map between mdb_env_open and the first transaction."""
+
+    def __init__(self, env: object, fail: int) -> None:
+        self._env, self.fail = env, fail
+
+    def open_db(self, *a: object, **kw: object) -> object:
+        if self.fail:
+            self.fail -= 1
+            raise lmdb.MapResizedError("injected: another process grew the map")
+        return self._env.open_db(*a, **kw)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._env, name)
+
+
+async def test_lmdb_open_during_a_resize_adopts_and_never_stays_half_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = lmdb.open
+
+    def opening(fail: int) -> object:
+        return lambda *a, **kw: _ResizingEnv(real_open(*a, **kw), fail)
+
+    monkeypatch.setattr(lmdb, "open", opening(1))
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:  # resized once while opening: adopted, retried
+        await tier.put_many([(k(1), payload(1000, 1))])
+    monkeypatch.setattr(lmdb, "open", opening(1_000))
+    with pytest.raises(TierUnavailableError, match="grew the map"):
+        await LMDBTier(lmdb_cfg(tmp_path)).open()
+    monkeypatch.undo()
+    # the failed open closed its environment instead of leaving it half open: it opens again here
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
+        assert await tier.contains_many([k(1)]) == [True]
+        assert (await tier.stats()).used_bytes == 1000 + 64

@@ -1,0 +1,357 @@
+"""Drills: one LMDB directory shared by several processes (two engines, or an engine plus
+``tieredkv verify/migrate/evict``).
+
+Every other process is a real one (``python -c`` snippets). Processes move in lockstep over their
+stdin/stdout pipes — a command line, an answer line — with bounded waits; nothing sleeps for
+timing. Each drill prints its figures (``-s`` shows them).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tieredkv.backends.lmdb import _REGISTRY, LMDBTier
+from tieredkv.config import LMDBTierConfig
+from tieredkv.errors import ConfigError
+from tieredkv.format import HEADER_SIZE
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+
+REPO = str(Path(__file__).resolve().parents[2])
+NS = Namespace(model="multiprocess")
+KiB, MiB = 1024, 1024 * 1024
+WAIT_S = 120.0  # bound on any one answer from a child (a loaded 2-core box is slow, never stuck)
+
+PRELUDE = """
+import asyncio, fcntl, os, sys
+import lmdb
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import LMDBTierConfig
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+NS = Namespace(model="multiprocess")
+KiB, MiB = 1024, 1024 * 1024
+def k(i): return NS.key(i.to_bytes(32, "big"), 0)
+def say(*a): print(*a, flush=True)
+def order():
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(3)
+    return line.split()
+"""
+
+
+def k(i: int) -> bytes:
+    return NS.key(i.to_bytes(32, "big"), 0)
+
+
+class Child:
+    """A ``python -c`` process: ``send`` a line to its stdin, ``expect`` a line it prints."""
+
+    def __init__(self, code: str) -> None:
+        self.err = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=REPO,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()[-3000:]
+
+    def expect(self, word: str, timeout: float = WAIT_S) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.kill()
+                pytest.fail(f"no {word!r} from the child within {timeout}s; stderr:\n{self._stderr()}")
+            if line is None:
+                self.proc.wait(timeout=WAIT_S)
+                pytest.fail(f"child exited ({self.proc.returncode}) before {word!r}; stderr:\n{self._stderr()}")
+            parts = line.split()
+            if parts and parts[0] == word:
+                return parts[1:]
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> None:
+        self.send("quit")
+        rc = self.proc.wait(timeout=WAIT_S)
+        assert rc == 0, f"child failed ({rc}):\n{self._stderr()}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=WAIT_S)
+
+
+@pytest.fixture
+def children() -> list[Child]:
+    started: list[Child] = []
+    yield started
+    for c in started:
+        c.kill()
+
+
+def cfg(path: Path, **kw: object) -> LMDBTierConfig:
+    return LMDBTierConfig(**{"path": str(path), **kw})
+
+
+# ---- 1: another process grows the map under a reader ---------------------------------------
+
+WRITER_GROWS = """
+async def main():
+    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=1 * MiB, size_cap_bytes=900 * KiB,
+                         max_map_size_bytes=64 * MiB)
+    async with LMDBTier(cfg) as tier:
+        say("open")
+        while (cmd := order())[0] == "put":
+            r = int(cmd[1])
+            await tier.put_many([(k(j), payload(4097, j)) for j in range(r * 20, r * 20 + 20)])
+            st = await tier.stats()
+            say("put", r, st.extra["map_size"], tier.counters["map_growths"])
+asyncio.run(main())
+"""
+
+
+async def test_reader_keeps_reading_while_another_process_grows_the_map(tmp_path: Path, children: list[Child]) -> None:
+    """B opens with a 1 MiB map; A (another process) writes until it has grown the map past it.
+    B's reads, contains and probes adopt the grown map and keep answering right (before: every
+    read of B failed with MDB_MAP_RESIZED until B restarted)."""
+    rounds = 12
+    async with LMDBTier(cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=900 * KiB,
+                            max_map_size_bytes=64 * MiB)) as b:
+        a = Child(WRITER_GROWS.replace("sys.argv[1]", repr(str(tmp_path))))
+        children.append(a)
+        a.expect("open")
+        reads = read_bytes = probes_answered = 0
+        a_map = growths = 0
+        for r in range(rounds):
+            a.send(f"put {r}")
+            _, a_map_s, growths_s = a.expect("put")
+            a_map, growths = int(a_map_s), int(growths_s)
+            batch = [k(j) for j in range(r * 20, r * 20 + 20)]
+            got = await b.get_many(batch)
+            want = [payload(4097, j).numpy().tobytes() for j in range(r * 20, r * 20 + 20)]
+            assert got == want, f"round {r}: B read {sum(g == w for g, w in zip(got, want))}/20 right"
+            assert await b.contains_many(batch) == [True] * 20
+            reads += len(batch)
+            read_bytes += sum(len(g) for g in got if g is not None)
+            answer = b.probe(batch)
+            if answer is not None:
+                assert answer == [True] * 20
+                probes_answered += 1
+        a.finish()
+        st = await b.stats()
+        print(f"\n[drill 1] A grew the map {growths}x to {a_map} B; B (opened at {1 * MiB} B) read {reads} records"
+              f" ({read_bytes} B) in {rounds} rounds, adopted the map {b.counters['map_adoptions']}x (now"
+              f" {st.extra['map_size']} B), {probes_answered}/{rounds} probes answered")
+        assert growths >= 1 and a_map > 1 * MiB
+        assert b.counters["map_adoptions"] >= 1 and st.extra["map_size"] > 1 * MiB
+        assert probes_answered >= rounds // 2
+
+
+# ---- 2: two writers, one cap ------------------------------------------------------------------
+
+WRITER = """
+async def main():
+    base, cap = int(sys.argv[2]), int(sys.argv[3])
+    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=8 * cap, size_cap_bytes=cap, max_map_size_bytes=16 * cap)
+    async with LMDBTier(cfg) as tier:
+        say("open")
+        last = []
+        while (cmd := order())[0] == "put":
+            r = int(cmd[1])
+            last = [k(base + j) for j in range(r * 4, r * 4 + 4)]
+            await tier.put_many([(key, payload(60000, base + j)) for j, key in zip(range(r * 4, r * 4 + 4), last)])
+            say("put", r)
+        st = await tier.stats()
+        newest = await tier.contains_many(last)
+        say("done", tier.counters["evictions"], tier.counters["shared_lru_scans"], st.used_bytes,
+            sum(newest), st.extra["map_size"])
+asyncio.run(main())
+"""
+
+
+def env_figures(path: Path) -> dict[str, int]:
+    """What any process sees in the environment: record bytes summed, pages of the record and
+    access B-trees, the file's high-water mark."""
+    env = lmdb.open(str(path), max_dbs=2, readonly=True, lock=True)
+    try:
+        rec = env.open_db(b"records", create=False)
+        acc = env.open_db(b"access", create=False)
+        with env.begin() as txn:
+            total = sum(len(v) for v in txn.cursor(db=rec).iternext(keys=False))
+            entries = txn.stat(rec)["entries"]
+            pages = sum(txn.stat(db)[f] for db in (rec, acc) for f in ("branch_pages", "leaf_pages", "overflow_pages"))
+        info, psize = env.info(), env.stat()["psize"]
+        return {"record_bytes": total, "records": entries, "data_pages_bytes": pages * psize,
+                "file_high_water_bytes": (info["last_pgno"] + 1) * psize}
+    finally:
+        env.close()
+
+
+def test_two_writer_processes_share_one_size_cap(tmp_path: Path, children: list[Child]) -> None:
+    """Two engines with size_cap_bytes=C on one directory each write 2×C: the environment holds at
+    most C of records (before: each process counted only its own, so the file held 2×C)."""
+    cap, rec = 4 * MiB, 60000 + HEADER_SIZE
+    rounds = (2 * cap // rec) // 4 + 1
+    code = WRITER.replace("sys.argv[1]", repr(str(tmp_path)))
+    ws = [Child(code.replace("sys.argv[2]", str(base)).replace("sys.argv[3]", str(cap))) for base in (0, 1_000_000)]
+    children.extend(ws)
+    for w in ws:
+        w.expect("open")
+    for r in range(rounds):  # lockstep: both are open and writing all along
+        for w in ws:
+            w.send(f"put {r}")
+        for w in ws:
+            w.expect("put")
+    done = []
+    for w in ws:
+        w.send("quit")
+        done.append([int(x) for x in w.expect("done")])
+        w.finish()
+    fig = env_figures(tmp_path)
+    written = 2 * rounds * 4 * rec
+    print(f"\n[drill 2] 2 writers x {rounds} rounds x 4 records of {rec} B = {written} B written, cap {cap} B:"
+          f" env holds {fig['records']} records, {fig['record_bytes']} B of records"
+          f" ({fig['record_bytes'] / cap:.3f} of the cap), {fig['data_pages_bytes']} B of data pages,"
+          f" file high-water {fig['file_high_water_bytes']} B; per writer [evictions, shared-LRU scans,"
+          f" used, newest-of-4 present, map]: {done}")
+    assert fig["record_bytes"] <= cap, "the environment holds more than one size cap of records"
+    assert fig["record_bytes"] >= cap - 2 * 4 * rec, "evicted far more than needed"
+    slack = 0.05  # 60064-byte records take 15 overflow pages (61440 B) plus B-tree leaves
+    assert fig["data_pages_bytes"] <= cap * (1 + slack)
+    assert fig["file_high_water_bytes"] < 2 * cap
+    assert all(d[3] == 4 for d in done), "a writer lost its newest records"
+
+
+# ---- 3: a SIGKILLed reader ------------------------------------------------------------------------
+
+STUCK_READER = """
+env = lmdb.open(sys.argv[1], max_dbs=2)
+rec = env.open_db(b"records", create=False)
+txn = env.begin(db=rec)  # a snapshot: a killed `tieredkv ls` leaves this reader slot behind
+say("holding", txn.stat(rec)["entries"], os.getpid())
+order()
+"""
+
+
+async def test_writer_recovers_the_pages_of_a_killed_reader(tmp_path: Path, children: list[Child]) -> None:
+    """A reader process is SIGKILLed inside a read transaction; its reader slot stays and pins the
+    snapshot's pages. The writer clears the stale slot and reuses the pages: the map never grows
+    and the tier keeps about a cap of records (before: the file grew to the map limit, then the
+    limit's evictions emptied the tier)."""
+    cap, rec, map0 = 2 * MiB, 60000 + HEADER_SIZE, 4 * MiB
+    async with LMDBTier(cfg(tmp_path, map_size_bytes=map0, size_cap_bytes=cap, max_map_size_bytes=2 * map0)) as w:
+        n0 = cap // rec
+        await w.put_many([(k(i), payload(60000, i)) for i in range(n0)])
+        r = Child(STUCK_READER.replace("sys.argv[1]", repr(str(tmp_path))))
+        children.append(r)
+        held, pid = (int(x) for x in r.expect("holding"))
+        assert held == n0
+        os.kill(pid, signal.SIGKILL)
+        assert r.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        batches = 10 * n0 // 4  # ten caps of fresh records through the tier
+        for b in range(batches):
+            base = 1000 + 4 * b
+            await w.put_many([(k(base + j), payload(60000, base + j)) for j in range(4)])
+        st = await w.stats()
+        last = [k(1000 + 4 * (batches - 1) + j) for j in range(4)]
+        print(f"\n[drill 3] reader pid {pid} killed holding a snapshot of {held} records; then {4 * batches}"
+              f" records ({4 * batches * rec} B) written through a {cap} B cap: stale readers cleared"
+              f" {w.counters['stale_readers_cleared']}, map growths {w.counters['map_growths']}, map"
+              f" {st.extra['map_size']} B (max {2 * map0}), file high-water {st.extra['file_high_water_bytes']} B,"
+              f" {st.records} records / {st.used_bytes} B held, evictions {w.counters['evictions']}")
+        assert w.counters["stale_readers_cleared"] >= 1
+        assert w.counters["map_growths"] == 0 and st.extra["map_size"] == map0
+        assert st.extra["file_high_water_bytes"] <= map0
+        assert st.used_bytes >= cap - 2 * 4 * rec, "the tier emptied itself"
+        assert await w.contains_many(last) == [True] * 4
+
+
+# ---- 4: two stores on one directory in one process ---------------------------------------------
+
+LOCK_PROBE = """
+fd = os.open(os.path.join(sys.argv[1], "lock.mdb"), os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, 0)  # LMDB's "am I alone" lock
+    say("alone")
+except OSError:
+    say("shared")
+"""
+
+
+def lmdb_exclusive_lock_free(path: Path) -> bool:
+    """Whether another process would find the environment unused (it would then reset the lock
+    table under any reader still in it)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PRELUDE + LOCK_PROBE.replace("sys.argv[1]", repr(str(path)))],
+        capture_output=True, text=True, timeout=WAIT_S, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[0] == "alone"
+
+
+async def test_two_stores_on_one_directory_in_one_process_share_the_environment(tmp_path: Path) -> None:
+    """A second store on the same directory (here reached through a symlink) shares the first one's
+    environment: both see each other's records and one used-bytes figure; closing one leaves the
+    other working and the environment locked; the last close releases it (before: the second
+    open failed, 'already open in this process')."""
+    real = tmp_path / "env"
+    link = tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real, target_is_directory=True)
+    t1 = LMDBTier(cfg(real, map_size_bytes=16 * MiB, size_cap_bytes=8 * MiB))
+    t2 = LMDBTier(cfg(link, map_size_bytes=32 * MiB, size_cap_bytes=8 * MiB))
+    await t1.open()
+    try:
+        await t2.open()
+        assert t1._shared is t2._shared and t1._shared.refs == 2
+        await t1.put_many([(k(1), payload(1000, 1))])
+        await t2.put_many([(k(2), payload(2000, 2))])
+        assert await t2.get_many([k(1)]) == [payload(1000, 1).numpy().tobytes()]
+        assert await t1.contains_many([k(1), k(2)]) == [True, True]
+        s1, s2 = await t1.stats(), await t2.stats()
+        assert s1.used_bytes == s2.used_bytes == 3000 + 2 * HEADER_SIZE
+        assert s2.extra["map_size"] >= 32 * MiB  # the larger map of the two configs
+        with pytest.raises(ConfigError, match="already open in this process with sync_mode"):
+            await LMDBTier(cfg(real, map_size_bytes=16 * MiB, size_cap_bytes=8 * MiB, sync_mode="durable")).open()
+        await t1.close()
+        assert await t2.get_many([k(1), k(2)]) == [payload(1000, 1).numpy().tobytes(), payload(2000, 2).numpy().tobytes()]
+        assert not lmdb_exclusive_lock_free(real), "closing one store dropped the environment's locks"
+    finally:
+        await t1.close()
+        await t2.close()
+    assert not _REGISTRY and lmdb_exclusive_lock_free(real)
+    print(f"\n[drill 4] two stores on {real} (one via a symlink) shared one environment: 2 puts seen by both,"
+          f" used {s1.used_bytes} B in both, map {s2.extra['map_size']} B; after one close the other read 2"
+          " records and the env stayed locked; after both, released")

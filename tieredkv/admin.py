@@ -129,15 +129,47 @@ def parse_duration(text: str | None) -> float | None:
 
 
 def parse_size(text: str | None, option: str) -> int | None:
-    """``"512MiB"``, ``"2GB"``, ``"1000"`` → bytes (pydantic ByteSize rules)."""
+    """``"512MiB"``, ``"2GB"``, ``"1000"`` → bytes (pydantic ByteSize syntax).
+
+    At least 1 byte; a fraction of a byte (``0.5``, ``2.7B``) is refused rather than truncated
+    (pydantic turns ``"0.5"`` into 0, which for ``evict --to-size`` meant "evict everything").
+    A fraction with a larger unit (``1.5GiB``) is rounded down to whole bytes.
+    """
     if text is None:
         return None
+    from decimal import Decimal
+
     from pydantic import ByteSize, TypeAdapter, ValidationError
 
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
+        n = int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
         raise AdminError(EXIT_BAD_INPUT, f"{option}: got {text!r} — use a size such as 512MiB or 2GB") from None
+    m = ByteSize.byte_string_re.match(text)
+    unit = (m.group(2) or "b").lower() if m else ""
+    if m and unit in ByteSize.byte_sizes:
+        exact = Decimal(m.group(1)) * Decimal(str(ByteSize.byte_sizes[unit]))
+    else:  # a plain int pydantic read another way ('1_000')
+        exact = Decimal(n)
+    if exact < 1:
+        hint = (
+            "; to delete every selected record leave out --to-size (e.g. `tieredkv evict --namespace HEX`)"
+            " or use `tieredkv flush`"
+            if option == "--to-size"
+            else ""
+        )
+        raise AdminError(
+            EXIT_BAD_INPUT,
+            f"{option}: got {text!r} — that is {exact.normalize():f} bytes, below 1 byte;"
+            f" give a size of at least 1 byte such as 512MiB or 2GB{hint}",
+        )
+    if exact != exact.to_integral_value() and unit in ("b", "bit"):
+        raise AdminError(
+            EXIT_BAD_INPUT,
+            f"{option}: got {text!r} — not a whole number of bytes; give whole bytes ({int(exact)})"
+            " or a unit such as 512MiB or 2GB",
+        )
+    return n
 
 
 # ---------------------------------------------------------------------------------------

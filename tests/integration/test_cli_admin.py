@@ -202,6 +202,7 @@ def test_status_reads_breaker_state_from_a_running_engines_metrics(tmp_path: Pat
     assert all(r["breaker"] is None for r in gone["tiers"])
 
 
+
 # ---- ls / inspect -----------------------------------------------------------------------
 
 
@@ -385,6 +386,22 @@ def test_evict_by_age_namespace_and_size_target(tmp_path: Path, monkeypatch: pyt
     bad = run("evict", "-c", str(cfg), "--older-than", "soon")
     assert bad.returncode == 2 and "--older-than" in bad.stderr
 
+
+def test_evict_to_size_below_one_byte_or_fractional_is_refused_and_deletes_nothing(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
+    keys = seed(cfg, "nvme", 5, groups=1)
+    for size, why in (("0.5", "that is 0.5 bytes, below 1 byte"), ("0", "that is 0 bytes, below 1 byte"),
+                      ("0.0001KiB", "that is 0.1024 bytes, below 1 byte"),
+                      ("2.7", "not a whole number of bytes; give whole bytes (2)")):  # fmt: skip
+        r = run("evict", "-c", str(cfg), "--to-size", size)
+        err = " ".join(r.stderr.split())
+        assert r.returncode == 2, (size, r.stdout, r.stderr)
+        assert f"--to-size: got '{size}' — {why}" in err and "512MiB" in err and "Traceback" not in r.stderr
+        assert all(present(cfg, "nvme", keys)), f"--to-size {size} deleted records"
+    zero = " ".join(run("evict", "-c", str(cfg), "--to-size", "0").stderr.split())
+    assert "leave out --to-size" in zero and "tieredkv flush" in zero
+    ok = run_json("evict", "-c", str(cfg), "--to-size", "1.5KiB", "--dry-run")
+    assert ok["tiers"][0]["victims"] > 0 and ok["tiers"][0]["evicted"] == 0
 
 def test_evict_by_group_on_the_cluster(tmp_path: Path, redis_cluster: RedisCluster) -> None:
     cfg = write_config(tmp_path, redis_tier(redis_cluster.url, "cluster", cluster=True))

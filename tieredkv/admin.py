@@ -308,7 +308,16 @@ def _record_row(tier: str, info: RecordInfo, now: float) -> dict[str, Any]:
 # status
 
 
-async def status(cfg: TieredKVConfig, names: Sequence[str] | None, metrics_url: str | None = None) -> dict[str, Any]:
+async def status(
+    cfg: TieredKVConfig,
+    names: Sequence[str] | None,
+    metrics_url: str | None = None,
+    *,
+    metrics_from: str = "--metrics-url",
+) -> dict[str, Any]:
+    """``metrics_from`` names where ``metrics_url`` came from: ``"--metrics-url"`` (a URL that does
+    not serve Prometheus text is bad input, exit 2) or ``"metrics.port"`` (a warning, like an
+    unreachable engine)."""
     rows: list[dict[str, Any]] = []
     for tcfg in select_tiers(cfg, names, allow_in_process=True):
         row: dict[str, Any] = {"tier": tcfg.label, "kind": tcfg.kind}
@@ -344,7 +353,16 @@ async def status(cfg: TieredKVConfig, names: Sequence[str] | None, metrics_url: 
     source_error: str | None = None
     engine: dict[str, dict[str, float]] = {}
     if metrics_url:
-        breakers, engine, source_error = _read_engine_metrics(metrics_url)
+        try:
+            breakers, engine, source_error = _read_engine_metrics(metrics_url)
+        except _NotMetrics as e:
+            if metrics_from == "--metrics-url":
+                raise AdminError(
+                    EXIT_BAD_INPUT,
+                    f"--metrics-url: got {metrics_url!r} — {e}; give a running engine's metrics URL,"
+                    " such as http://127.0.0.1:9400/metrics (the port is the engine's metrics.port)",
+                ) from None
+            source_error = f"{metrics_from}: {metrics_url} does not serve engine metrics: {e}"
     for row in rows:
         row["breaker"] = breakers.get(row["tier"])
         em = engine.get(row["tier"], {})
@@ -363,20 +381,44 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
-def _read_engine_metrics(url: str) -> tuple[dict[str, str], dict[str, dict[str, float]], str | None]:
-    """Breaker states and usage gauges from a running engine's ``/metrics``."""
-    import urllib.request
+#: The most bytes read from a metrics endpoint (tieredkv's /metrics is a few KiB).
+_MAX_METRICS_BYTES = 16 << 20
 
-    from prometheus_client.parser import text_string_to_metric_families
+
+class _NotMetrics(Exception):
+    """The URL answered, but not with Prometheus text."""
+
+
+def _read_engine_metrics(url: str) -> tuple[dict[str, str], dict[str, dict[str, float]], str | None]:
+    """Breaker states and usage gauges from a running engine's ``/metrics``.
+
+    An unreachable URL is reported as the third item (breaker state unknown). A body that is
+    not Prometheus text (an HTML page, garbage, over 16 MiB) raises :class:`_NotMetrics`.
+    """
+    import urllib.request
 
     try:
         with urllib.request.urlopen(url, timeout=2.0) as resp:  # noqa: S310 - operator-given URL
-            text = resp.read().decode()
+            body = resp.read(_MAX_METRICS_BYTES + 1)
     except OSError as e:
         return {}, {}, f"cannot read engine metrics at {url}: {e}"
+    if len(body) > _MAX_METRICS_BYTES:
+        raise _NotMetrics(f"the response is over {_MAX_METRICS_BYTES >> 20} MiB")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _NotMetrics(f"the response is not UTF-8 text (byte {body[e.start]:#04x} at offset {e.start})") from None
+    try:
+        families = _parse_metrics(text)
+    except Exception as e:  # noqa: BLE001 - the parser's errors on garbage are ValueError, IndexError, ...
+        first = text.lstrip()[:40].splitlines()[0] if text.strip() else ""
+        detail = f"{e}" if str(e) else type(e).__name__
+        raise _NotMetrics(
+            f"the response is not Prometheus text format ({_clip(detail)}; it starts {first!r})"
+        ) from None
     breakers: dict[str, str] = {}
     engine: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families:
         for s in fam.samples:
             tier = s.labels.get("tier")
             if tier is None:
@@ -388,6 +430,38 @@ def _read_engine_metrics(url: str) -> tuple[dict[str, str], dict[str, dict[str, 
             elif s.name == "tieredkv_tier_records":
                 engine.setdefault(tier, {})["records"] = s.value
     return breakers, engine, None
+
+
+def _parse_metrics(text: str) -> list[Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return list(text_string_to_metric_families(text))
+
+
+def _clip(text: str, n: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def parse_metrics_url(text: str | None) -> str | None:
+    """``--metrics-url``: an http(s) URL with a host."""
+    if text is None:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text.strip())
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # a bad port raises ValueError
+    except ValueError:
+        ok = False
+    if not ok:
+        raise AdminError(
+            EXIT_BAD_INPUT,
+            f"--metrics-url: got {text!r} — expected the http:// URL of a running engine's metrics,"
+            " such as http://127.0.0.1:9400/metrics",
+        )
+    return text.strip()
 
 
 # ---------------------------------------------------------------------------------------
@@ -967,10 +1041,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one closure per command
         """Tiers, capacity, usage, record counts, breaker state. Exit 3 if a tier is unreachable."""
 
         def body() -> Any:
+            url = parse_metrics_url(metrics_url)
             cfg = load(config)
-            url = metrics_url
             if url is None and cfg.metrics.port:
-                url = f"http://127.0.0.1:{cfg.metrics.port}/metrics"
+                return status(cfg, tier, f"http://127.0.0.1:{cfg.metrics.port}/metrics", metrics_from="metrics.port")
             return status(cfg, tier, url)
 
         s = run(body)

@@ -4,12 +4,14 @@ directory, a real redis-server and a real 3-master Redis Cluster (session fixtur
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -202,6 +204,58 @@ def test_status_reads_breaker_state_from_a_running_engines_metrics(tmp_path: Pat
     assert all(r["breaker"] is None for r in gone["tiers"])
 
 
+
+class _Garbage(http.server.BaseHTTPRequestHandler):
+    """Serves what a wrong --metrics-url may point at: an HTML page, garbage, non-UTF-8 bytes."""
+
+    BODIES = {
+        "/metrics": b"<html><body><h1>Welcome to nginx!</h1></body></html>\n",
+        "/garbage": b"lorem ipsum dolor\n",
+        "/binary": b"\xff\xfe\x00garbage",
+    }
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = self.BODIES.get(self.path, b"")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_status_with_a_metrics_url_that_is_not_prometheus_exits_2_with_one_clear_line(tmp_path: Path) -> None:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Garbage)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        cfg = write_config(tmp_path, "- kind: cpu\n  capacity_bytes: 16MiB\n  segment_bytes: 1MiB\n")
+        for path, why in (("/metrics", "not Prometheus text format"), ("/garbage", "not Prometheus text format"),
+                          ("/binary", "not UTF-8 text")):  # fmt: skip
+            url = f"http://127.0.0.1:{port}{path}"
+            r = run("status", "-c", str(cfg), "--metrics-url", url)
+            err = " ".join(r.stderr.split())
+            assert r.returncode == 2, (path, r.stdout, r.stderr)
+            assert err.startswith(f"error: --metrics-url: got '{url}' — the response is {why}"), err
+            assert "http://127.0.0.1:9400/metrics" in err and "Traceback" not in r.stderr
+            assert r.stderr.count("error:") == 1
+        bad = run("status", "-c", str(cfg), "--metrics-url", "127.0.0.1:9400")
+        assert bad.returncode == 2 and "--metrics-url: got '127.0.0.1:9400' — expected the http:// URL" in " ".join(
+            bad.stderr.split()
+        )
+        # from the config's metrics.port (no --metrics-url): a warning, like an engine that is down
+        with_port = write_config(
+            tmp_path, "- kind: cpu\n  capacity_bytes: 16MiB\n  segment_bytes: 1MiB\n", name="port.yaml"
+        )
+        with_port.write_text(with_port.read_text() + f"metrics: {{port: {port}}}\n")
+        s = run_json("status", "-c", str(with_port))
+        assert s["metrics_error"].startswith(f"metrics.port: http://127.0.0.1:{port}/metrics does not serve engine")
+        assert s["tiers"][0]["breaker"] is None
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 # ---- ls / inspect -----------------------------------------------------------------------
 

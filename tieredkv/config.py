@@ -21,6 +21,10 @@ scalars. Examples::
     TIEREDKV_TIERS__0__CAPACITY_BYTES=8GiB
 
 ``TIEREDKV_CONFIG`` names the config file (read by the CLI) and is not an override.
+
+Reading is bounded: the file must be a regular file (a FIFO, a device or a directory is
+refused without reading it) of at most 1 MiB of UTF-8, and a YAML document (file or override)
+may hold at most 100,000 values once its aliases (``*name``) are expanded.
 """
 
 from __future__ import annotations

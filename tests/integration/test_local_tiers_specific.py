@@ -287,3 +287,20 @@ async def test_lmdb_open_during_a_resize_adopts_and_never_stays_half_open(
     async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
         assert await tier.contains_many([k(1)]) == [True]
         assert (await tier.stats()).used_bytes == 1000 + 64
+
+
+async def test_lmdb_evicts_by_the_shared_stamps_records_it_never_saw(tmp_path: Path) -> None:
+    """Records another writer stored (here a second store on the same directory: one environment)
+    are evicted oldest-stamp first, not after this process's own recently read ones, and the cap
+    holds for the environment."""
+    rec = 64 * KiB + 64
+    cfg = lmdb_cfg(tmp_path, size_cap_bytes=4 * rec)
+    async with LMDBTier(cfg) as mine, LMDBTier(cfg) as other:
+        for i in range(4):
+            await other.put_many([(k(i), payload(64 * KiB, i))])
+        await mine.get_many([k(1)])  # mine has seen k1 only, and just now
+        await mine.put_many([(k(10), payload(64 * KiB, 10))])
+        assert await mine.contains_many([k(i) for i in (0, 1, 2, 3, 10)]) == [False, True, True, True, True]
+        assert mine.counters["shared_lru_scans"] == 1 and mine.counters["evictions"] == 1
+        st = await other.stats()
+        assert st.used_bytes == 4 * rec and st.records == 4

@@ -29,8 +29,10 @@ Several processes on one directory (engines, ``tieredkv verify/migrate/evict``):
 * The size cap holds for the environment, not per process: the used-bytes counter lives in the
   environment and is read and updated inside each write transaction (LMDB serializes writers
   across processes), so whichever process writes evicts until the whole environment fits. A
-  process evicts the oldest records of its own LRU first; when those do not cover the excess
-  it re-reads the shared access stamps and evicts the oldest records of any process.
+  process evicts the oldest records of its own LRU first; when those do not cover the excess,
+  or over an eighth of the cap is records it has never seen (then at most every
+  max(1 s, 20x the read)), it reads the shared access stamps, evicts the oldest records of any
+  process and adopts that order.
 * ``MapResizedError`` (another process grew the map past this one's) is handled on every path —
   reads, writes, probes, open: the map is adopted (``set_mapsize(0)``, with no transaction of
   this process open) and the operation retried.
@@ -280,9 +282,10 @@ def _release_env(shared: _SharedEnv) -> None:
             return
         if _REGISTRY.get(shared.key) is shared:
             del _REGISTRY[shared.key]
-    with shared.exclusive():  # no probe's read transaction may outlive the environment
-        shared.closed = True
-        shared.env.close()
+        # Closed before the registry lock goes: a new open of this directory must not race it.
+        with shared.exclusive():  # no probe's read transaction may outlive the environment
+            shared.closed = True
+            shared.env.close()
 
 
 class LMDBTier(Tier):
@@ -301,6 +304,9 @@ class LMDBTier(Tier):
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> record bytes, oldest first
         self._dirty: dict[bytes, float] = {}
         self._scratch = memoryview(bytearray(0))
+        self._known = 0  # bytes of the records in self._lru
+        self._rescan: list[tuple[float, int, bytes]] | None = None  # shared LRU read by the last eviction
+        self._next_scan = 0.0  # monotonic time before which only a shortfall triggers a shared scan
 
     @property
     def _env(self) -> Any:
@@ -380,6 +386,7 @@ class LMDBTier(Tier):
             raise
         entries.sort()
         self._lru = OrderedDict((k, size) for _, k, size in entries)
+        self._known = sum(self._lru.values())
 
     async def _close(self) -> None:
         if self._pool is None:
@@ -414,9 +421,12 @@ class LMDBTier(Tier):
 
     def _evict_in(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> None:
         """Delete the least-recently-used unpinned records (not in ``protect``) covering ``excess``
-        bytes of the environment, adding them to ``evicted``. This process's LRU goes first; if it
-        falls short (the bytes are other processes' records) the shared access stamps decide.
-        Raises TierFullError (the caller's transaction is then aborted) when everything is pinned."""
+        bytes of the environment, adding them to ``evicted`` (keys already gone map to 0). This
+        process's LRU goes first; the shared access stamps (every process's records) decide
+        instead when it falls short, or when over an eighth of the cap is records this process
+        has never seen (rate-limited: a full read of the access DB), and the LRU adopts that order
+        after the commit (:meth:`_after_evictions`). Raises TierFullError (the caller's transaction is then
+        aborted) when everything is pinned."""
         sh = self._shared
         assert sh is not None
 
@@ -425,36 +435,59 @@ class LMDBTier(Tier):
             txn.delete(k, db=sh.acc)
             evicted[k] = size
 
+        foreign = self._used_in(txn) - self._known  # bytes this process has never seen
+        if foreign > self._cap // 8 and time.monotonic() >= self._next_scan:
+            self._scan_in(txn, excess, protect, evicted, take)  # their records may be the oldest
+            return
         for k in self._lru:
             if excess <= 0:
                 return
             if k in protect or k in evicted or self.is_pinned(k):
                 continue
             size = self._size_in(txn, k)
-            if size:  # else already gone (another process deleted or evicted it)
+            if size:
                 take(k, size)
                 excess -= size
-        if excess <= 0:
-            return
+            else:  # already gone: another process deleted or evicted it
+                evicted[k] = 0
+        if excess > 0:
+            self._scan_in(txn, excess, protect, evicted, take)
+
+    def _scan_in(
+        self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int], take: Callable[[bytes, int], None]
+    ) -> None:
+        """Evict by the shared access stamps (every process's records, oldest first). A full read of
+        the access DB: when not forced by a shortfall, run at most every 20x its own duration."""
+        started = time.monotonic()
         self._count("shared_lru_scans")
-        for stamp, k, size in sorted(
-            (_ACCESS.unpack(v)[0], bytes(k), _ACCESS.unpack(v)[1]) for k, v in txn.cursor(db=sh.acc)
-        ):
+        self._rescan = sorted((*_ACCESS.unpack(v), bytes(k)) for k, v in txn.cursor(db=self._shared.acc))
+        for _, size, k in self._rescan:
             if excess <= 0:
-                return
-            if k in protect or k in evicted or self.is_pinned(k):
+                break
+            if k in protect or evicted.get(k) or self.is_pinned(k):
                 continue
             take(k, size)
             excess -= size
+        now = time.monotonic()
+        self._next_scan = now + max(1.0, 20 * (now - started))
         if excess > 0:
             raise TierFullError(
                 f"tier {self.name!r}: size cap of {self._cap} bytes reached and every record that"
                 " could be evicted is pinned (in use)"
             )
 
+    def _after_evictions(self, evicted: dict[bytes, int]) -> None:
+        """After the commit: drop what went from the LRU, and adopt a shared LRU order just read."""
+        if self._rescan is not None:
+            self._lru = OrderedDict((k, size) for _, size, k in self._rescan if k not in evicted)
+            self._known = sum(self._lru.values())
+            self._rescan = None
+        self._forget(evicted)
+        self._count("evictions", sum(1 for size in evicted.values() if size))
+
     def _forget(self, keys: Any) -> None:
         for k in keys:
-            self._lru.pop(k, None)
+            self._known -= self._lru.pop(k, 0)
             self._dirty.pop(k, None)
 
     # ---- writes ------------------------------------------------------------------------
@@ -492,10 +525,9 @@ class LMDBTier(Tier):
             txn.put(_USED_KEY, _USED.pack(used + total))
 
         self._write(body, protect=set(sizes))
-        self._forget(evicted)
-        self._count("evictions", len(evicted))
+        self._after_evictions(evicted)
         for k, size in sizes.items():
-            self._lru.pop(k, None)
+            self._known += size - self._lru.pop(k, 0)
             self._lru[k] = size
             self._dirty.pop(k, None)
 
@@ -519,6 +551,7 @@ class LMDBTier(Tier):
             self._count("stale_readers_cleared", sh.reader_check())
 
         def full(txn: Any) -> None:
+            self._rescan = None
             self._flush_stamps(txn)
             body(txn)
 
@@ -540,6 +573,7 @@ class LMDBTier(Tier):
 
                 def evict(txn: Any) -> None:
                     more.clear()
+                    self._rescan = None
                     used = self._used_in(txn)
                     self._evict_in(txn, max(used // 8, 1), protect or set(), more)
                     txn.put(_USED_KEY, _USED.pack(used - sum(more.values())))
@@ -555,8 +589,7 @@ class LMDBTier(Tier):
                     sh.grow_map(self._max_map + reserve)
                     self._count("map_reserve_used")
                     self._txn(evict, write=True)
-                self._forget(more)
-                self._count("evictions", len(more))
+                self._after_evictions(more)
 
     def _flush_stamps(self, txn: Any) -> None:
         acc = self._shared.acc
@@ -601,6 +634,7 @@ class LMDBTier(Tier):
                     self._lru.move_to_end(key)
                 else:  # written by another process
                     self._lru[key] = len(rec)
+                    self._known += len(rec)
                 self._dirty[key] = now
             return out, bad, gone
 

@@ -8,7 +8,6 @@ timing. Each drill prints its figures (``-s`` shows them).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import queue
 import signal
@@ -18,6 +17,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -113,7 +113,7 @@ class Child:
 
 
 @pytest.fixture
-def children() -> list[Child]:
+def children() -> Iterator[list[Child]]:
     started: list[Child] = []
     yield started
     for c in started:
@@ -346,7 +346,8 @@ async def test_two_stores_on_one_directory_in_one_process_share_the_environment(
         with pytest.raises(ConfigError, match="already open in this process with sync_mode"):
             await LMDBTier(cfg(real, map_size_bytes=16 * MiB, size_cap_bytes=8 * MiB, sync_mode="durable")).open()
         await t1.close()
-        assert await t2.get_many([k(1), k(2)]) == [payload(1000, 1).numpy().tobytes(), payload(2000, 2).numpy().tobytes()]
+        want = [payload(1000, 1).numpy().tobytes(), payload(2000, 2).numpy().tobytes()]
+        assert await t2.get_many([k(1), k(2)]) == want
         assert not lmdb_exclusive_lock_free(real), "closing one store dropped the environment's locks"
     finally:
         await t1.close()

@@ -430,9 +430,9 @@ class RedisTier(Tier):
                 if len(value) > limit:
                     claimed = _claimed_record_size(value, keys[i])
                     if claimed is None or claimed <= limit:  # not our record, or longer than it says
+                        says = "no header for this key" if claimed is None else f"a header for {claimed} bytes"
                         self._on_corrupt(keys[i], CorruptRecordError(
-                            f"value of over {limit} bytes under this key is not a record of {claimed or '?'}"
-                            " bytes for it (not read further)"))
+                            f"a value longer than {limit} bytes with {says} (not read further)"))
                         corrupt.append((rk, value, False))
                     elif into[i] is not None:  # a record for this key, larger than the destination
                         self._count("oversize")
@@ -444,8 +444,12 @@ class RedisTier(Tier):
                 out[i] = self._verify_deliver(keys[i], rk, value, into[i], corrupt)
         if rest:
             rks = [rk for _, rk, _, _ in rest]
-            tails = await self._per_key(
-                rks, lambda pipe, j: pipe.getrange(rks[j], len(rest[j][2]), rest[j][3]))  # ≤ claimed + 1 bytes
+            try:
+                tails = await self._per_key(
+                    rks, lambda pipe, j: pipe.getrange(rks[j], len(rest[j][2]), rest[j][3]))  # ≤ claimed + 1 bytes
+            except RedisError as e:  # their nodes went down since the first read: misses, not an error
+                log.warning("tier %s: could not read the rest of %d large records: %s", self.name, len(rks), e)
+                tails = [e] * len(rks)
             for (i, rk, head, claimed), tail in zip(rest, tails, strict=True):
                 if isinstance(tail, BaseException):
                     continue
@@ -471,10 +475,13 @@ class RedisTier(Tier):
         value)``), unless rewritten meanwhile (rare path)."""
         for rk, seen, whole in corrupt:
             digest = hashlib.sha1(seen, usedforsecurity=False).hexdigest()
-            try:  # a Lua script
-                await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest, len(seen), int(whole))
-            except ResponseError:  # scripting disabled (managed Redis): plain DEL
-                await self._client.delete(rk)
+            try:
+                try:  # a Lua script
+                    await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest, len(seen), int(whole))
+                except ResponseError:  # scripting disabled (managed Redis): plain DEL
+                    await self._client.delete(rk)
+            except RedisError as e:  # best effort: the read's results stand; the next read retries
+                log.warning("tier %s: could not delete a corrupt value: %s", self.name, e)
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []

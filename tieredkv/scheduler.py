@@ -762,9 +762,7 @@ class OffloadScheduler:
         limits: list[int] = []
         demand: list[int] = []
         for spec, gs in zip(self.layout.groups, req.groups):
-            limit = min(
-                offloadable // spec.tokens_per_chunk, len(gs.block_ids) // spec.blocks_per_chunk, len(gs.keys)
-            )
+            limit = self._limit(spec, gs, offloadable)
             ledger = gs.ledger
             scan, bpc = ledger.scan, spec.blocks_per_chunk
             if (

@@ -145,7 +145,7 @@ class TieredStore:
                 f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)")
         route = self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
         self._geometry[group] = (geometry, dtypes)
-        self._num_blocks[group] = min(int(t.shape[0]) for t in tensors)
+        self._num_blocks[group] = int(tensors[0].shape[0])  # one count for all (_check_tensors)
         if self._derive:
             ordered = [self._geometry[g] for g in sorted(self._geometry)]
             self.namespace = dataclasses.replace(

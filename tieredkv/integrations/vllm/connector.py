@@ -38,6 +38,7 @@ Loaded by vLLM as ``"kv_connector": "TieredKVConnector", "kv_connector_module_pa
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.request import Request, RequestStatus
 
+from tieredkv.groups import _check_int
 from tieredkv.scheduler import _WAITING, ChunkLedger
 
 __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
@@ -102,7 +104,6 @@ class ConnectorCounters:
     handoffs_blocks_gone: int = 0  # refused Mamba states whose block was reallocated first
     hits_realigned: int = 0  # lookups shrunk onto the Mamba grid
     ledger_forgets: int = 0  # stored chunks a lookup missed (evicted): storable again
-    given_up_keys: list[bytes] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -482,34 +483,31 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self._release.add(req_id)
 
     def _give_up(self, req_id: str, held: bool = True) -> None:
-        """The request's blocks go back: its waiting chunks are lost."""
-        for led, gs in zip(self._ledgers.pop(req_id, ()), self._req_state_groups(req_id)):
-            for k in list(led.waiting):
-                if held:
-                    self.counters.chunks_given_up += 1
-                else:
-                    self.counters.chunks_unheld += 1
-                if gs is not None and k < len(gs.offload_keys):
-                    self.counters.given_up_keys.append(gs.offload_keys[k])
-
-    def _req_state_groups(self, req_id: str) -> Iterable[Any]:
-        status = self._req_status.get(req_id) or (self._held[req_id].status if req_id in self._held else None)
-        if status is None:
-            return (None for _ in self.config.kv_group_configs)
-        return status.group_states
+        """The request's blocks go back: its waiting chunks are lost (counted)."""
+        lost = sum(led.num_waiting for led in self._ledgers.pop(req_id, ()))
+        if held:
+            self.counters.chunks_given_up += lost
+        else:
+            self.counters.chunks_unheld += lost
 
     def _drop_reused_held_blocks(self) -> None:
-        """A held request's freed sliding-window blocks may be reallocated: never store them."""
+        """A held request's freed sliding-window blocks may be reallocated: never store them.
+        Only the chunks that may still be offered are looked at: waiting ones and those past
+        the scan position (a bounded pass may not have reached them yet)."""
         allocated = self._current_batch_allocated_block_ids
         if not allocated or not self._held:
             return
-        for held in self._held.values():
-            for cfg, gs in zip(self.config.kv_group_configs, held.status.group_states):
+        bpc = self.config.blocks_per_chunk
+        for req_id, held in self._held.items():
+            groups = zip(self.config.kv_group_configs, held.status.group_states, self._ledgers.get(req_id, ()))
+            for cfg, gs, led in groups:
                 if cfg.sliding_window_size_in_chunks is None:
                     continue
-                for j, bid in enumerate(gs.block_ids):
-                    if bid in allocated:
-                        gs.block_ids[j] = 0
+                ids = gs.block_ids
+                for k in itertools.chain(led.waiting, range(led.scan, len(ids) // bpc)):
+                    for j in range(k * bpc, (k + 1) * bpc):
+                        if ids[j] in allocated:
+                            ids[j] = 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -609,13 +607,9 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 st = self._req_status.get(job.req_id)
                 if st is not None:
                     st.transfer_jobs.discard(job_id)
+                # early jobs are of finished requests: both kinds of fence were registered
                 self._remove_pending_job(job_id, job.fenced_block_ids)
-                for bid in job.deferred_fence_block_ids or ():
-                    pend = self._block_id_to_pending_jobs.get(bid)
-                    if pend is not None:
-                        pend.discard(job_id)
-                        if not pend:
-                            del self._block_id_to_pending_jobs[bid]
+                self._remove_pending_job(job_id, job.deferred_fence_block_ids)
         self._early_store_jobs = {}
         for req_id in list(self._held):
             self._unhold(req_id)
@@ -640,13 +634,8 @@ def _leading_nulls(blocks: tuple[int, ...]) -> int:
 
 def _positive(extra: dict[str, Any], name: str, default: int, *, allow_zero: bool = False) -> int:
     value = extra.get(name, default)
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"kv_connector_extra_config.{name}={value!r} is invalid: expected an integer >= {low} "
-            f"(default {default})"
-        )
-    return value
+    _check_int(f"kv_connector_extra_config.{name}", value, 0 if allow_zero else 1)
+    return int(value)
 
 
 class TieredKVConnector(OffloadingConnector):

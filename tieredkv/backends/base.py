@@ -36,7 +36,7 @@ from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, Ti
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
 
-__all__ = ["OpObserver", "RecordInfo", "Tier", "TierStats"]
+__all__ = ["OpObserver", "RecordInfo", "Tier", "TierCapabilities", "TierStats"]
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,29 @@ class TierStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TierCapabilities:
+    """What a tier can do beyond the contract; callers branch on these, never on ``kind``."""
+
+    #: Lives inside the engine's process (the CPU slab): the admin CLI cannot reach its records.
+    in_process: bool = False
+    #: Offers the zero-copy slot API the pipeline uses for direct transfers (``reserve`` /
+    #: ``commit`` / ``borrow`` on slots of its own memory).
+    slots: bool = False
+    #: ``scan()`` fills :attr:`RecordInfo.stamp` itself; otherwise :meth:`Tier.fill_stamps` may.
+    access_stamps: bool = False
+    #: Enforces its capacity itself through an :class:`~tieredkv.eviction.EvictionPolicy`
+    #: (False: a server does, e.g. Redis ``maxmemory``).
+    local_eviction: bool = True
+    #: Several engines or processes may read and write it at once.
+    shared: bool = False
+
+
 class Tier(ABC):
     """Base of every tier. Subclasses set :attr:`kind` and implement the underscore hooks."""
 
     kind: ClassVar[str] = "abstract"
+    capabilities: ClassVar[TierCapabilities] = TierCapabilities()
     #: True when the tier enforces capacity itself (LRU eviction in-process); False when a
     #: server does (Redis ``maxmemory``).
     evicts_locally: ClassVar[bool] = True
@@ -261,6 +280,14 @@ class Tier(ABC):
             raise
         except Exception as e:
             raise self._translate(e, "scan") from e
+
+    async def fill_stamps(self, infos: list[RecordInfo]) -> list[RecordInfo]:
+        """``infos`` with :attr:`RecordInfo.stamp` (last access) filled where the scan left it out.
+
+        The default returns them as they are; a tier whose medium can tell the age on request
+        (Redis ``OBJECT IDLETIME``) overrides this. Must not itself change the records' ages.
+        """
+        return infos
 
     async def stats(self) -> TierStats:
         await self._ensure_open()

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tieredkv.backends.base import RecordInfo, Tier, TierStats
+from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import CPUTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
 from tieredkv.format import HEADER_SIZE, make_header, verify_parts
@@ -55,6 +55,7 @@ class CPUTier(Tier):
     """In-process slab tier. ``CPUTier(CPUTierConfig(capacity_bytes="8GiB"))``."""
 
     kind = "cpu"
+    capabilities = TierCapabilities(in_process=True, slots=True, access_stamps=True, local_eviction=True)
 
     def __init__(self, config: CPUTierConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config or CPUTierConfig(), **kwargs)

@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from tieredkv.backends.base import RecordInfo, Tier, TierStats
+from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, encode_record_into, verify_record
@@ -292,6 +292,7 @@ class LMDBTier(Tier):
     """``LMDBTier(LMDBTierConfig(path="/nvme/tieredkv", size_cap_bytes="100GiB"))``."""
 
     kind = "lmdb"
+    capabilities = TierCapabilities(access_stamps=True, local_eviction=True, shared=True)
 
     def __init__(self, config: LMDBTierConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config or LMDBTierConfig(), **kwargs)

@@ -64,7 +64,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tieredkv.backends.base import RecordInfo, Tier, TierStats
+from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import (
     ConfigError,
@@ -182,7 +182,8 @@ class RedisTier(Tier):
     """
 
     kind: ClassVar[str] = "redis"
-    evicts_locally: ClassVar[bool] = False
+    capabilities = TierCapabilities(access_stamps=False, local_eviction=False, shared=True)
+    evicts_locally: ClassVar[bool] = False  # kept in step with capabilities.local_eviction
 
     config: RedisTierConfig
 

@@ -70,11 +70,15 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
-import torch  # noqa: E402
+import torch
 
 TOKENS_PER_CHUNK = 256
-BACKEND_CLASS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "redis": "RemoteBackend",
-                 "resp": "RemoteBackend"}
+BACKEND_CLASS = {
+    "cpu": "LocalCPUBackend",
+    "disk": "LocalDiskBackend",
+    "redis": "RemoteBackend",
+    "resp": "RemoteBackend",
+}
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -116,8 +120,10 @@ class _PutCounter:
         self.done = 0
         self.failed = 0
         self._lock = threading.Lock()
-        for name, count in (("batched_put", lambda a, kw: len(kw.get("keys", a[0] if a else []))),
-                            ("put", lambda a, kw: 1)):
+        for name, count in (
+            ("batched_put", lambda a, kw: len(kw.get("keys", a[0] if a else []))),
+            ("put", lambda a, kw: 1),
+        ):
             orig = getattr(conn, name, None)
             if orig is not None:
                 setattr(conn, name, self._wrap(orig, count))
@@ -151,8 +157,12 @@ def _engine(backend: str, size: int, n: int, reps: int, workdir: str, redis_url:
     # The CPU pool holds every round (warm-up + reps) for the cpu backend; for disk/redis it is
     # only staging (chunks in flight), the same size keeps allocation out of the picture.
     pool = ((reps + 1) * total + 64 * MiB) / GiB
-    cfg: dict[str, Any] = {"chunk_size": TOKENS_PER_CHUNK, "local_cpu": True, "max_local_cpu_size": pool,
-                           "lmcache_instance_id": tag}
+    cfg: dict[str, Any] = {
+        "chunk_size": TOKENS_PER_CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": pool,
+        "lmcache_instance_id": tag,
+    }
     if backend == "disk":
         d = os.path.join(workdir, tag)
         os.makedirs(d, exist_ok=True)
@@ -163,10 +173,19 @@ def _engine(backend: str, size: int, n: int, reps: int, workdir: str, redis_url:
         url = redis_url if backend == "redis" else "resp://" + redis_url.split("://", 1)[1].split("/", 1)[0]
         cfg.update(local_cpu=False, remote_url=url, remote_serde="naive")
     config = LMCacheEngineConfig.from_defaults(**cfg)
-    md = LMCacheMetadata(model_name="tieredkv-peers", world_size=1, local_world_size=1, worker_id=0,
-                         local_worker_id=0, kv_dtype=torch.uint8, kv_shape=kv_shape, role="worker")
-    eng = LMCacheEngineBuilder.get_or_create(tag, config, md, _connector_class()(kv_shape),
-                                             mock_up_broadcast_fn, mock_up_broadcast_object_fn)
+    md = LMCacheMetadata(
+        model_name="tieredkv-peers",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.uint8,
+        kv_shape=kv_shape,
+        role="worker",
+    )
+    eng = LMCacheEngineBuilder.get_or_create(
+        tag, config, md, _connector_class()(kv_shape), mock_up_broadcast_fn, mock_up_broadcast_object_fn
+    )
     eng.post_init()
     return eng, hidden
 
@@ -199,14 +218,26 @@ def _destroy(builder: Any, tag: str, notes: list[str], timeout: float = 2.0) -> 
     t.start()
     t.join(timeout)
     if t.is_alive():
-        msg = (f"LMCacheEngineBuilder.destroy() of the {tag.split('-')[1]} engines did not return within"
-               f" {timeout:.0f} s (LMCache 0.5.6 RemoteBackend close deadlock); left running, after measuring")
+        msg = (
+            f"LMCacheEngineBuilder.destroy() of the {tag.split('-')[1]} engines did not return within"
+            f" {timeout:.0f} s (LMCache 0.5.6 RemoteBackend close deadlock); left running, after measuring"
+        )
         if msg not in notes:
             notes.append(msg)
 
 
-def run_size(backend: str, size: int, n: int, reps: int, batch_bytes: int, workdir: str,
-             redis_url: str | None, seed: int, notes: list[str], dog: _Watchdog) -> dict[str, Any]:
+def run_size(
+    backend: str,
+    size: int,
+    n: int,
+    reps: int,
+    batch_bytes: int,
+    workdir: str,
+    redis_url: str | None,
+    seed: int,
+    notes: list[str],
+    dog: _Watchdog,
+) -> dict[str, Any]:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     tag = f"peers-{backend}-{size}-{os.getpid()}"
@@ -215,7 +246,9 @@ def run_size(backend: str, size: int, n: int, reps: int, batch_bytes: int, workd
         be = _backend_obj(eng, backend)
         name = BACKEND_CLASS[backend]
         if backend in ("redis", "resp") and be.connection is None:
-            raise RuntimeError(f"LMCache {backend}: RemoteBackend has no connection (connector creation failed; see log)")
+            raise RuntimeError(
+                f"LMCache {backend}: RemoteBackend has no connection (connector creation failed; see log)"
+            )
         counter = _PutCounter(be.connection) if backend in ("redis", "resp") else None
         per = max(1, batch_bytes // size)
         batches = [(b, min(n, b + per)) for b in range(0, n, per)]
@@ -265,10 +298,16 @@ def run_size(backend: str, size: int, n: int, reps: int, batch_bytes: int, workd
         samples = [one_round(k) for k in range(1, reps + 1)]
         dog.arm(f"LMCache {backend} {size} B close")
         nbytes = n * size
-        return {"size": size, "chunks": n, "bytes": nbytes, "verified": True,
-                "store_s": [round(s, 6) for s, _ in samples], "load_s": [round(lo, 6) for _, lo in samples],
-                "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
-                "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples]}
+        return {
+            "size": size,
+            "chunks": n,
+            "bytes": nbytes,
+            "verified": True,
+            "store_s": [round(s, 6) for s, _ in samples],
+            "load_s": [round(lo, 6) for _, lo in samples],
+            "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
+            "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples],
+        }
     finally:
         _destroy(LMCacheEngineBuilder, tag, notes)
         if backend == "disk":
@@ -311,7 +350,9 @@ class _Watchdog:
             if late:
                 print(f"watchdog: {self.what} did not finish in {self.seconds:.0f} s; stacks:", file=sys.stderr)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                self.out["error"] = f"TimeoutError: {self.what} did not finish in {self.seconds:.0f} s (stacks in the log)"
+                self.out["error"] = (
+                    f"TimeoutError: {self.what} did not finish in {self.seconds:.0f} s (stacks in the log)"
+                )
                 _write(self.path, self.out)
                 sys.stderr.flush()
                 os._exit(3)
@@ -335,15 +376,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (same as the tieredkv side)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--round-timeout", type=float, default=120.0,
-                    help="deadline (seconds) for one round, or one engine's set-up or close")
+    ap.add_argument(
+        "--round-timeout",
+        type=float,
+        default=120.0,
+        help="deadline (seconds) for one round, or one engine's set-up or close",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     import lmcache
 
-    out: dict[str, Any] = {"backend": a.backend, "lmcache": getattr(lmcache, "__version__", "?"),
-                           "torch": torch.__version__, "python": sys.version.split()[0], "results": [],
-                           "notes": []}
+    out: dict[str, Any] = {
+        "backend": a.backend,
+        "lmcache": getattr(lmcache, "__version__", "?"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "results": [],
+        "notes": [],
+    }
     try:
         from importlib.metadata import version
 
@@ -358,10 +408,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"chunk size {size} is not a multiple of {2 * TOKENS_PER_CHUNK} bytes")
             n = max(4, a.total_bytes // size)
             dog.arm(f"LMCache {a.backend} {size} B set-up")
-            out["results"].append(run_size(a.backend, size, n, a.reps, a.batch_bytes, work, a.redis_url, seed=i,
-                                          notes=out["notes"], dog=dog))
-            print(f"lmcache {a.backend} {size} B: store {out['results'][-1]['store_gbps']} GB/s, "
-                  f"load {out['results'][-1]['load_gbps']} GB/s", file=sys.stderr, flush=True)
+            out["results"].append(
+                run_size(
+                    a.backend, size, n, a.reps, a.batch_bytes, work, a.redis_url, seed=i, notes=out["notes"], dog=dog
+                )
+            )
+            print(
+                f"lmcache {a.backend} {size} B: store {out['results'][-1]['store_gbps']} GB/s, "
+                f"load {out['results'][-1]['load_gbps']} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
             _write(a.out, out)  # what is measured survives a later failure
     except BaseException as e:  # report what failed; the parent prints it and marks the backend
         out["error"] = f"{type(e).__name__}: {e}"

@@ -46,8 +46,10 @@ def render(report_path: str) -> None:
     import json
 
     rows = json.loads(Path(report_path).read_text())
-    print("| groups | bpc | async | variant | hits OffloadingConnector | hits TieredKVConnector | "
-          "first-load hits O → T | lost O → T | keys offered O → T | µs/step O → T |")
+    print(
+        "| groups | bpc | async | variant | hits OffloadingConnector | hits TieredKVConnector | "
+        "first-load hits O → T | lost O → T | keys offered O → T | µs/step O → T |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rec in rows:
         for variant, runs in rec["variants"].items():
@@ -56,9 +58,11 @@ def render(report_path: str) -> None:
             def hits(r: dict, key: str = "hits") -> str:
                 return "/".join(str(v) for v in r[key].values())
 
-            print(f"| {rec['groups']} | {rec['bpc']} | {int(rec['async'])} | {variant} | {hits(o)} | {hits(t)} | "
-                  f"{hits(o, 'first_hits')} → {hits(t, 'first_hits')} | {o['lost']} → {t['lost']} | "
-                  f"{o['keys_offered']} → {t['keys_offered']} | {o['us_per_step']} → {t['us_per_step']} |")
+            print(
+                f"| {rec['groups']} | {rec['bpc']} | {int(rec['async'])} | {variant} | {hits(o)} | {hits(t)} | "
+                f"{hits(o, 'first_hits')} → {hits(t, 'first_hits')} | {o['lost']} → {t['lost']} | "
+                f"{o['keys_offered']} → {t['keys_offered']} | {o['us_per_step']} → {t['us_per_step']} |"
+            )
 
 
 def main() -> None:
@@ -71,20 +75,35 @@ def main() -> None:
         render(args.table)
         return
     groups = ("full", "swa", "mamba")
-    print(f"{'requests':>8} {'fault':>7} {'connector':>20} {'steps':>6} {'us/step':>8} {'keys offered':>12} "
-          f"{'hits full/swa/mamba':>20} {'wrong':>5}")
+    print(
+        f"{'requests':>8} {'fault':>7} {'connector':>20} {'steps':>6} {'us/step':>8} {'keys offered':>12} "
+        f"{'hits full/swa/mamba':>20} {'wrong':>5}"
+    )
     for n in args.requests:
         for fault in args.fault:
             for name, kw in (("OffloadingConnector", {}), ("TieredKVConnector", TKC)):
-                r = run_engine(reference_extra_config(1), groups=groups, blocks_per_chunk=1, workload=workload(n),
-                               num_gpu_blocks=60 * n + 64, max_num_seqs=n, max_num_batched_tokens=4096,
-                               long_prefill_token_threshold=512, step_budget=20000,
-                               store_fault=None if fault == "none" else StoreFault(fault), **kw)
+                r = run_engine(
+                    reference_extra_config(1),
+                    groups=groups,
+                    blocks_per_chunk=1,
+                    workload=workload(n),
+                    num_gpu_blocks=60 * n + 64,
+                    max_num_seqs=n,
+                    max_num_batched_tokens=4096,
+                    long_prefill_token_threshold=512,
+                    step_budget=20000,
+                    store_fault=None if fault == "none" else StoreFault(fault),
+                    **kw,
+                )
                 hits = "/".join(str(r.hit_tokens.get(g, 0)) for g in groups)
                 us = r.connector_s / max(1, r.steps) * 1e6
-                print(f"{n:>8} {fault:>7} {name:>20} {r.steps:>6} {us:>8.0f} {r.keys_offered or 0:>12} {hits:>20} "
-                      f"{r.wrong_bytes:>5}" + (f" ERROR {r.error}" if r.error else "")
-                      + ("" if r.idle_reached else " NOT-IDLE"), flush=True)
+                print(
+                    f"{n:>8} {fault:>7} {name:>20} {r.steps:>6} {us:>8.0f} {r.keys_offered or 0:>12} {hits:>20} "
+                    f"{r.wrong_bytes:>5}"
+                    + (f" ERROR {r.error}" if r.error else "")
+                    + ("" if r.idle_reached else " NOT-IDLE"),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

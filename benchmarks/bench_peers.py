@@ -69,12 +69,19 @@ TARGET = 2.0
 #: tieredkv tier -> the LMCache backends (``_lmcache_child.py --backend``) it is compared with.
 PAIRS = {"cpu": ("cpu",), "lmdb": ("disk",), "redis": ("redis", "resp")}
 #: LMCache backend -> what it is in LMCache.
-LMCACHE_BACKENDS = {"cpu": "LocalCPUBackend (local_cpu)", "disk": "LocalDiskBackend (local_disk)",
-                    "redis": "RemoteBackend redis:// (RedisConnector, redis-py)",
-                    "resp": "RemoteBackend resp:// (RESPConnector, native client)"}
+LMCACHE_BACKENDS = {
+    "cpu": "LocalCPUBackend (local_cpu)",
+    "disk": "LocalDiskBackend (local_disk)",
+    "redis": "RemoteBackend redis:// (RedisConnector, redis-py)",
+    "resp": "RemoteBackend resp:// (RESPConnector, native client)",
+}
 CHILD_ATTEMPTS = 4  # a hung or failed LMCache child is run again for the sizes it did not finish
-ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "WARNING", "PYTHONHASHSEED": "0",
-       "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+ENV = {
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_LOG_LEVEL": "WARNING",
+    "PYTHONHASHSEED": "0",
+    "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+}
 
 
 def log(msg: str) -> None:
@@ -88,10 +95,13 @@ def _venv_versions(py: Path) -> tuple[str, str] | None:
     """(lmcache, torch) versions importable by ``py``, or None."""
     if not py.exists():
         return None
-    code = ("import importlib.metadata as m, torch, lmcache; "
-            "print(m.version('lmcache'), torch.__version__, torch.version.cuda)")
-    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **ENV}, check=False)
+    code = (
+        "import importlib.metadata as m, torch, lmcache; "
+        "print(m.version('lmcache'), torch.__version__, torch.version.cuda)"
+    )
+    r = subprocess.run(
+        [str(py), "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **ENV}, check=False
+    )
     if r.returncode != 0:
         return None
     parts = r.stdout.split()
@@ -106,15 +116,18 @@ def _pip(py: Path, args: list[str], logf: Path) -> None:
     with open(logf, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, timeout=1800,
-                           check=False)
+        r = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, timeout=1800, check=False
+        )
     if r.returncode != 0:
         tail = "".join(logf.read_text().splitlines(keepends=True)[-25:])
         hint = ""
         if "torch" in args[-1]:
-            hint = (f"\n(torch=={TORCH_PIN} is the CPU wheel; pip must find it through --find-links /"
-                    " PIP_FIND_LINKS, e.g. /opt/wheels on these machines. Set TIEREDKV_TORCH_FIND_LINKS"
-                    " to a directory holding torch-2.13.0+cpu-*.whl.)")
+            hint = (
+                f"\n(torch=={TORCH_PIN} is the CPU wheel; pip must find it through --find-links /"
+                " PIP_FIND_LINKS, e.g. /opt/wheels on these machines. Set TIEREDKV_TORCH_FIND_LINKS"
+                " to a directory holding torch-2.13.0+cpu-*.whl.)"
+            )
         raise RuntimeError(f"pip install {' '.join(args)} failed (rc {r.returncode}); log {logf}:\n{tail}{hint}")
 
 
@@ -146,8 +159,10 @@ def ensure_lmcache_venv(venv: Path) -> tuple[Path, dict[str, Any]]:
     steps["lmcache"] = round(time.perf_counter() - t, 1)
     found = _venv_versions(py)
     if not found or found[0] != LMCACHE_VERSION or found[1] != TORCH_PIN:
-        raise RuntimeError(f"{venv}: after install, lmcache/torch are {found}, want {LMCACHE_VERSION}/{TORCH_PIN}"
-                           f" (CPU build); see {logf}")
+        raise RuntimeError(
+            f"{venv}: after install, lmcache/torch are {found}, want {LMCACHE_VERSION}/{TORCH_PIN}"
+            f" (CPU build); see {logf}"
+        )
     secs = round(time.perf_counter() - t0, 1)
     log(f"==> installed lmcache {found[0]} beside torch {found[1]} in {secs:.0f} s")
     return py, {"reused": False, "seconds": secs, "steps_s": steps, "lmcache": found[0], "torch": found[1]}
@@ -183,27 +198,66 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
                 samples.append((ts, tl))
         nbytes = n * size
         out[size] = _side(n, nbytes, samples)
-        log(f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s")
+        log(
+            f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s"
+        )
         del src, dst
     return out
 
 
 def _side(n: int, nbytes: int, samples: list[tuple[float, float]]) -> dict[str, Any]:
-    return {"chunks": n, "bytes": nbytes, "verified": True,
-            "store_s": [round(s, 6) for s, _ in samples], "load_s": [round(lo, 6) for _, lo in samples],
-            "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
-            "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples]}
+    return {
+        "chunks": n,
+        "bytes": nbytes,
+        "verified": True,
+        "store_s": [round(s, 6) for s, _ in samples],
+        "load_s": [round(lo, 6) for _, lo in samples],
+        "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
+        "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples],
+    }
 
 
-def _run_child(py: Path, backend: str, sizes: list[int], total: int, reps: int, workdir: str, redis_url: str,
-               threads: int, batch_bytes: int, attempt: int, round_timeout: int) -> dict[str, Any]:
+def _run_child(
+    py: Path,
+    backend: str,
+    sizes: list[int],
+    total: int,
+    reps: int,
+    workdir: str,
+    redis_url: str,
+    threads: int,
+    batch_bytes: int,
+    attempt: int,
+    round_timeout: int,
+) -> dict[str, Any]:
     """One ``_lmcache_child.py`` process; returns its JSON (``error`` and ``log_tail`` when it failed)."""
     fd, out = tempfile.mkstemp(prefix=f"lmcache-{backend}-", suffix=".json", dir=workdir)
     os.close(fd)
     logf = Path(workdir) / f"lmcache-{backend}-{attempt}.log"
-    cmd = [str(py), str(CHILD), "--backend", backend, "--sizes", ",".join(map(str, sizes)), "--total-bytes",
-           str(total), "--reps", str(reps), "--batch-bytes", str(batch_bytes), "--threads", str(threads),
-           "--workdir", workdir, "--redis-url", redis_url, "--out", out, "--round-timeout", str(round_timeout)]
+    cmd = [
+        str(py),
+        str(CHILD),
+        "--backend",
+        backend,
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--total-bytes",
+        str(total),
+        "--reps",
+        str(reps),
+        "--batch-bytes",
+        str(batch_bytes),
+        "--threads",
+        str(threads),
+        "--workdir",
+        workdir,
+        "--redis-url",
+        redis_url,
+        "--out",
+        out,
+        "--round-timeout",
+        str(round_timeout),
+    ]
     with open(logf, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=str(ROOT))
         try:
@@ -225,13 +279,25 @@ def _run_child(py: Path, backend: str, sizes: list[int], total: int, reps: int, 
     if "error" in res:
         lines = [x for x in text.splitlines(keepends=True) if "LMCache WARNING" not in x]
         res["log_tail"] = "".join(lines[-150:])
-        log(f"LMCache {backend} attempt {attempt} FAILED: {res['error']}\n{res.get('traceback', '')}"
-            + "".join(lines[-40:]))
+        log(
+            f"LMCache {backend} attempt {attempt} FAILED: {res['error']}\n{res.get('traceback', '')}"
+            + "".join(lines[-40:])
+        )
     return res
 
 
-def run_lmcache(py: Path, backend: str, sizes: list[int], total: int, reps: int, workdir: str, redis_url: str,
-                threads: int, batch_bytes: int, round_timeout: int = 0) -> dict[str, Any]:
+def run_lmcache(
+    py: Path,
+    backend: str,
+    sizes: list[int],
+    total: int,
+    reps: int,
+    workdir: str,
+    redis_url: str,
+    threads: int,
+    batch_bytes: int,
+    round_timeout: int = 0,
+) -> dict[str, Any]:
     """All sizes of one LMCache backend. A child that fails or hangs (its watchdog ends it) is
     recorded as an incident and the sizes it did not finish are run again in a fresh process, up
     to ``CHILD_ATTEMPTS`` times; ``error`` is set only when some size never completed."""
@@ -243,8 +309,9 @@ def run_lmcache(py: Path, backend: str, sizes: list[int], total: int, reps: int,
         todo = [s for s in sizes if s not in done]
         if not todo:
             break
-        res = _run_child(py, backend, todo, total, reps, workdir, redis_url, threads, batch_bytes, attempt,
-                         round_timeout)
+        res = _run_child(
+            py, backend, todo, total, reps, workdir, redis_url, threads, batch_bytes, attempt, round_timeout
+        )
         for r in res.get("results", []):
             done[r["size"]] = r
         for k in ("lmcache", "torch", "python"):
@@ -252,13 +319,22 @@ def run_lmcache(py: Path, backend: str, sizes: list[int], total: int, reps: int,
                 agg[k] = res[k]
         agg["notes"] += [n for n in res.get("notes", []) if n not in agg["notes"]]
         if "error" in res:
-            agg["incidents"].append({"attempt": attempt, "sizes": todo, "error": res["error"],
-                                     "traceback": res.get("traceback", ""), "log_tail": res.get("log_tail", "")})
+            agg["incidents"].append(
+                {
+                    "attempt": attempt,
+                    "sizes": todo,
+                    "error": res["error"],
+                    "traceback": res.get("traceback", ""),
+                    "log_tail": res.get("log_tail", ""),
+                }
+            )
     agg["results"] = [done[s] for s in sizes if s in done]
     missing = [s for s in sizes if s not in done]
     if missing:
-        agg["error"] = (f"sizes {[_label(s) for s in missing]} not measured after {CHILD_ATTEMPTS} attempts; last: "
-                        + agg["incidents"][-1]["error"])
+        agg["error"] = (
+            f"sizes {[_label(s) for s in missing]} not measured after {CHILD_ATTEMPTS} attempts; last: "
+            + agg["incidents"][-1]["error"]
+        )
     agg["attempts"] = len(agg["incidents"]) + (0 if missing else 1)
     agg["wall_s"] = round(time.perf_counter() - t0, 1)
     return agg
@@ -275,13 +351,20 @@ def _med(xs: list[float]) -> float:
     return round(statistics.median(xs), 4)
 
 
-def build_results(sizes: list[int], pairs: list[tuple[str, str]], tkv: dict[str, dict[int, Any]],
-                  lmc: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def build_results(
+    sizes: list[int], pairs: list[tuple[str, str]], tkv: dict[str, dict[int, Any]], lmc: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Per size: both sides' per-rep figures, medians and ratios keyed ``<tier>/<backend>.<op>``."""
     rows = []
     for size in sizes:
-        row: dict[str, Any] = {"size": size, "label": _label(size), "tieredkv": {}, "lmcache": {}, "median_gbps": {},
-                               "ratios": {}}
+        row: dict[str, Any] = {
+            "size": size,
+            "label": _label(size),
+            "tieredkv": {},
+            "lmcache": {},
+            "median_gbps": {},
+            "ratios": {},
+        }
         for kind, backend in pairs:
             t = tkv.get(kind, {}).get(size)
             lres = next((r for r in lmc.get(backend, {}).get("results", []) if r["size"] == size), None)
@@ -321,8 +404,11 @@ def print_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> lis
                     below.append(f"{r['label']} {k}/{b}.{op} {ratio:.2f}x")
                 cells.append(f"{x:.2f}/{y:.2f} {ratio:5.2f}x{' ' if ratio >= TARGET else '!'}".rjust(19))
             print(f"{r['label']:>7} | " + " | ".join(cells))
-    print("\nLMCache backends: " + "; ".join(f"{b} = {LMCACHE_BACKENDS[b]}" for b in dict.fromkeys(b for _, b in pairs))
-          + f". '!' marks a ratio below {TARGET:g}x.")
+    print(
+        "\nLMCache backends: "
+        + "; ".join(f"{b} = {LMCACHE_BACKENDS[b]}" for b in dict.fromkeys(b for _, b in pairs))
+        + f". '!' marks a ratio below {TARGET:g}x."
+    )
     return below
 
 
@@ -359,17 +445,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=128, help="bytes moved per size, tier and rep")
     ap.add_argument("--reps", type=int, default=3, help="timed rounds per size and tier (median reported)")
     ap.add_argument("--tiers", default="cpu,lmdb,redis", help="tieredkv tiers to compare (cpu, lmdb, redis)")
-    ap.add_argument("--lmcache-redis", default="redis,resp",
-                    help="LMCache Redis clients to compare tieredkv's redis tier with: redis (redis://), resp (resp://)")
-    ap.add_argument("--batch-mib", type=int, default=16,
-                    help="bytes per tieredkv job / LMCache store()/retrieve() call (tieredkv.bench uses 16)")
+    ap.add_argument(
+        "--lmcache-redis",
+        default="redis,resp",
+        help="LMCache Redis clients to compare tieredkv's redis tier with: redis (redis://), resp (resp://)",
+    )
+    ap.add_argument(
+        "--batch-mib",
+        type=int,
+        default=16,
+        help="bytes per tieredkv job / LMCache store()/retrieve() call (tieredkv.bench uses 16)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on both sides")
     ap.add_argument("--workdir", help="directory for the LMDB and LMCache disk files (default: a temp dir)")
     ap.add_argument("--venv", default=str(ROOT / ".venv-lmcache"), help="the LMCache virtualenv")
     ap.add_argument("--out", default=str(HERE / "results"), help="directory for the JSON result")
-    ap.add_argument("--lmcache-round-timeout", type=int, default=0,
-                    help="seconds one LMCache round (store + retrieve of --total-mib) may take before its child is"
-                         " ended and its unfinished sizes run again (default: max(60, total MiB / 2))")
+    ap.add_argument(
+        "--lmcache-round-timeout",
+        type=int,
+        default=0,
+        help="seconds one LMCache round (store + retrieve of --total-mib) may take before its child is"
+        " ended and its unfinished sizes run again (default: max(60, total MiB / 2))",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 KiB and 1 MiB, 8 MiB, 1 rep")
     a = ap.parse_args(argv)
     sizes = [int(x) * KiB for x in a.sizes.split(",")]
@@ -416,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                     errors[f"tieredkv.{kind}"] = f"{type(e).__name__}: {e}"
                     log(f"tieredkv {kind} FAILED: {errors[f'tieredkv.{kind}']}")
                 for backend in [b for k, b in pairs if k == kind]:
-                    lmc[backend] = run_lmcache(py, backend, sizes, total, reps, work, srv.url, a.threads, batch_bytes,
-                                               a.lmcache_round_timeout)
+                    lmc[backend] = run_lmcache(
+                        py, backend, sizes, total, reps, work, srv.url, a.threads, batch_bytes, a.lmcache_round_timeout
+                    )
                     if "error" in lmc[backend]:
                         errors[f"lmcache.{backend}"] = lmc[backend]["error"]
     finally:
@@ -429,9 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     below = print_table(rows, pairs)
     for b, r in lmc.items():
         for inc in r.get("incidents", []):
-            print(f"LMCache {b} incident (attempt {inc['attempt']}, sizes {[_label(x) for x in inc['sizes']]}): "
-                  f"{inc['error']}" + ("; its unfinished sizes ran again in a fresh process"
-                                       if inc["attempt"] < CHILD_ATTEMPTS else ""))
+            print(
+                f"LMCache {b} incident (attempt {inc['attempt']}, sizes {[_label(x) for x in inc['sizes']]}): "
+                f"{inc['error']}"
+                + ("; its unfinished sizes ran again in a fresh process" if inc["attempt"] < CHILD_ATTEMPTS else "")
+            )
     if errors:
         print("errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
     notes = sorted({n for r in lmc.values() for n in r.get("notes", [])})
@@ -443,10 +543,17 @@ def main(argv: list[str] | None = None) -> int:
         "command": "./scripts/bench peers " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": info,
         "lmcache_install": install,
-        "config": {"sizes": sizes, "total_bytes_per_rep": total, "reps": reps, "batch_bytes": batch_bytes,
-                   "torch_threads": a.threads, "quick": a.quick, "warmup_rounds": 1,
-                   "pairs": [{"tieredkv": k, "lmcache": b, "lmcache_backend": LMCACHE_BACKENDS[b]} for k, b in pairs],
-                   "target_ratio": TARGET},
+        "config": {
+            "sizes": sizes,
+            "total_bytes_per_rep": total,
+            "reps": reps,
+            "batch_bytes": batch_bytes,
+            "torch_threads": a.threads,
+            "quick": a.quick,
+            "warmup_rounds": 1,
+            "pairs": [{"tieredkv": k, "lmcache": b, "lmcache_backend": LMCACHE_BACKENDS[b]} for k, b in pairs],
+            "target_ratio": TARGET,
+        },
         "wall_s": wall,
         "results": rows,
         "below_target": below,
@@ -456,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         "lmcache_incidents": {b: r["incidents"] for b, r in lmc.items() if r.get("incidents")},
     }
     os.makedirs(a.out, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = os.path.join(a.out, f"peers-{stamp}{'-quick' if a.quick else ''}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

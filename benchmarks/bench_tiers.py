@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from tieredkv.bench import BASELINES, KiB, MiB, SIZES, machine_info, plot, ratios, run_tier_bench
+from tieredkv.bench import BASELINES, SIZES, KiB, MiB, machine_info, plot, ratios, run_tier_bench
 from tieredkv.testing.servers import RedisServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,16 +35,27 @@ def main(argv: list[str] | None = None) -> int:
         sizes, total, reps = [64 * KiB, 1 * MiB], 16 * MiB, 1
     kinds = tuple(a.tiers.split(","))
     with RedisServer() as srv:
-        results = run_tier_bench(sizes, total, reps, kinds, redis_url=srv.url, redis_port=srv.port,
-                                 log=lambda m: print(m, file=sys.stderr))
+        results = run_tier_bench(
+            sizes, total, reps, kinds, redis_url=srv.url, redis_port=srv.port, log=lambda m: print(m, file=sys.stderr)
+        )
     print_table(results)
     os.makedirs(a.out, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     base = os.path.join(a.out, f"tiers-{stamp}{'-quick' if a.quick else ''}")
     with open(base + ".json", "w") as f:
-        json.dump({"machine": machine_info(), "total_bytes_per_figure": total, "reps": reps,
-                   "results": [{"size": r.size, "chunks": r.chunks, "gbps": r.gbps, "reps": r.reps,
-                                "ratios": ratios(r)} for r in results]}, f, indent=1)
+        json.dump(
+            {
+                "machine": machine_info(),
+                "total_bytes_per_figure": total,
+                "reps": reps,
+                "results": [
+                    {"size": r.size, "chunks": r.chunks, "gbps": r.gbps, "reps": r.reps, "ratios": ratios(r)}
+                    for r in results
+                ],
+            },
+            f,
+            indent=1,
+        )
     try:
         plot(results, base + ".png")
         print(f"wrote {base}.json and {base}.png")

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tieredkv.staging import Copier, KVGroupTensors, StagingPool  # noqa: E402
+from tieredkv.staging import Copier, KVGroupTensors, StagingPool
 
 
 def _sync(dev: torch.device) -> None:
@@ -76,11 +76,11 @@ def staging_vs_raw(dev: torch.device, block_bytes: int, num_blocks: int, n: int,
 
     def raw_d2h_blocks() -> None:
         for i, b in enumerate(ids):
-            host[i * block_bytes:(i + 1) * block_bytes].copy_(kv[b], non_blocking=nb)
+            host[i * block_bytes : (i + 1) * block_bytes].copy_(kv[b], non_blocking=nb)
 
     def raw_h2d_blocks() -> None:
         for i, b in enumerate(ids):
-            kv[b].copy_(host[i * block_bytes:(i + 1) * block_bytes], non_blocking=nb)
+            kv[b].copy_(host[i * block_bytes : (i + 1) * block_bytes], non_blocking=nb)
 
     flat = kv[1 : n + 1].reshape(-1)
 
@@ -90,11 +90,21 @@ def staging_vs_raw(dev: torch.device, block_bytes: int, num_blocks: int, n: int,
     def raw_h2d_contig() -> None:
         flat.copy_(host, non_blocking=nb)
 
-    out: dict[str, Any] = {"block_bytes": block_bytes, "blocks_per_transfer": n, "bytes": nbytes,
-                           "staging_pinned": pool.pinned, "host_pinned": pinned}
-    for name, fn in [("tieredkv_d2h", tkv_d2h), ("raw_d2h_per_block", raw_d2h_blocks),
-                     ("raw_d2h_contiguous", raw_d2h_contig), ("tieredkv_h2d", tkv_h2d),
-                     ("raw_h2d_per_block", raw_h2d_blocks), ("raw_h2d_contiguous", raw_h2d_contig)]:
+    out: dict[str, Any] = {
+        "block_bytes": block_bytes,
+        "blocks_per_transfer": n,
+        "bytes": nbytes,
+        "staging_pinned": pool.pinned,
+        "host_pinned": pinned,
+    }
+    for name, fn in [
+        ("tieredkv_d2h", tkv_d2h),
+        ("raw_d2h_per_block", raw_d2h_blocks),
+        ("raw_d2h_contiguous", raw_d2h_contig),
+        ("tieredkv_h2d", tkv_h2d),
+        ("raw_h2d_per_block", raw_h2d_blocks),
+        ("raw_h2d_contiguous", raw_h2d_contig),
+    ]:
         t = _median_time(fn, dev, repeats)
         out[name + "_gbps"] = round(nbytes / t / 1e9, 3)
     # correctness of the staging round trip
@@ -136,18 +146,32 @@ def vllm_path(dev: torch.device, block_bytes: int, num_blocks: int, n: int, bpc:
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "tiers.yaml"
         cap = max(64 << 20, 4 * n * block_bytes)
-        cfg_path.write_text(json.dumps({"version": 1, "tiers": [{"kind": "cpu", "capacity_bytes": cap,
-                                                                  "segment_bytes": max(8 << 20, 2 * block_bytes * bpc)}],
-                                        "pipeline": {"staging_bytes": 2 * n * block_bytes + (8 << 20)}}))
+        cfg_path.write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "tiers": [
+                        {"kind": "cpu", "capacity_bytes": cap, "segment_bytes": max(8 << 20, 2 * block_bytes * bpc)}
+                    ],
+                    "pipeline": {"staging_bytes": 2 * n * block_bytes + (8 << 20)},
+                }
+            )
+        )
         config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(16, ("layer",), 0),), worker_kv_bytes_per_block=block_bytes,
-            enable_kv_cache_events=False, extra_config={"tieredkv_config": str(cfg_path)},
-            engine_id=f"gpu-check-{os.getpid()}", model=OffloadingModelConfig("gpu-check", "uint8"),
-            cache=OffloadingCacheConfig(16, bpc), parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False))
+            groups=(OffloadingGroupConfig(16, ("layer",), 0),),
+            worker_kv_bytes_per_block=block_bytes,
+            enable_kv_cache_events=False,
+            extra_config={"tieredkv_config": str(cfg_path)},
+            engine_id=f"gpu-check-{os.getpid()}",
+            model=OffloadingModelConfig("gpu-check", "uint8"),
+            cache=OffloadingCacheConfig(16, bpc),
+            parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        )
         spec = TieredKVOffloadingSpec(config)
         kv = torch.randint(0, 255, (num_blocks, block_bytes), dtype=torch.uint8, device=dev).view(torch.int8)
-        worker = spec.get_worker(CanonicalKVCaches([CanonicalKVCacheTensor(kv, block_bytes)],
-                                                   [[CanonicalKVCacheRef(0, block_bytes)]]))
+        worker = spec.get_worker(
+            CanonicalKVCaches([CanonicalKVCacheTensor(kv, block_bytes)], [[CanonicalKVCacheRef(0, block_bytes)]])
+        )
         manager = spec.get_manager()
         try:
             src = list(range(1, n + 1))
@@ -169,9 +193,15 @@ def vllm_path(dev: torch.device, block_bytes: int, num_blocks: int, n: int, bpc:
             worker.shutdown()
             manager.shutdown()
     nbytes = n * block_bytes
-    return {"vllm": vllm.__version__, "jobs_ok": results == {1: True, 2: True}, "bytes_verified": ok,
-            "store_gbps": round(nbytes / t_store / 1e9, 3), "load_gbps": round(nbytes / t_load / 1e9, 3),
-            "bytes": nbytes, "blocks_per_chunk": bpc}
+    return {
+        "vllm": vllm.__version__,
+        "jobs_ok": results == {1: True, 2: True},
+        "bytes_verified": ok,
+        "store_gbps": round(nbytes / t_store / 1e9, 3),
+        "load_gbps": round(nbytes / t_load / 1e9, 3),
+        "bytes": nbytes,
+        "blocks_per_chunk": bpc,
+    }
 
 
 def main() -> int:

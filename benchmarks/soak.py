@@ -39,9 +39,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tieredkv import demo  # noqa: E402
-from tieredkv.config import load_config  # noqa: E402
-from tieredkv.testing.servers import RedisServer  # noqa: E402
+from tieredkv import demo
+from tieredkv.config import load_config
+from tieredkv.testing.servers import RedisServer
 
 
 class SoakEngine(demo._Engine):
@@ -116,17 +116,29 @@ def main(argv: list[str] | None = None) -> int:
     tk_log.propagate = False
 
     with RedisServer(maxmemory="256mb", maxmemory_policy="allkeys-lru") as srv:
-        cfg = load_config({
-            "namespace": {"model": "soak/hybrid"},
-            "tiers": [
-                {"kind": "cpu", "capacity_bytes": "32MiB", "segment_bytes": "1MiB"},
-                {"kind": "redis", "url": srv.url, "socket_timeout_s": 0.5, "connect_timeout_s": 0.2,
-                 "op_timeout_s": 2.0},
-                {"kind": "lmdb", "path": str(data / "lmdb"), "map_size_bytes": "1GiB", "size_cap_bytes": "512MiB"},
-            ],
-            "pipeline": {"breaker_failures": 3, "breaker_reset_s": 1.0, "job_timeout_s": 20,
-                         "staging_bytes": "64MiB"},
-        }, env={})
+        cfg = load_config(
+            {
+                "namespace": {"model": "soak/hybrid"},
+                "tiers": [
+                    {"kind": "cpu", "capacity_bytes": "32MiB", "segment_bytes": "1MiB"},
+                    {
+                        "kind": "redis",
+                        "url": srv.url,
+                        "socket_timeout_s": 0.5,
+                        "connect_timeout_s": 0.2,
+                        "op_timeout_s": 2.0,
+                    },
+                    {"kind": "lmdb", "path": str(data / "lmdb"), "map_size_bytes": "1GiB", "size_cap_bytes": "512MiB"},
+                ],
+                "pipeline": {
+                    "breaker_failures": 3,
+                    "breaker_reset_s": 1.0,
+                    "job_timeout_s": 20,
+                    "staging_bytes": "64MiB",
+                },
+            },
+            env={},
+        )
 
         def chaos() -> None:
             while not stop.wait(min(max(rng.expovariate(1 / args.restart_mean_s), 3.0), 3 * args.restart_mean_s)):
@@ -145,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         rnd = 0
         try:
             while time.monotonic() < deadline:
-                o = demo.DemoOptions(conversations=args.conversations, turns=args.turns,
-                                     seed=args.seed * 1000 + rnd % args.traces)
+                o = demo.DemoOptions(
+                    conversations=args.conversations, turns=args.turns, seed=args.seed * 1000 + rnd % args.traces
+                )
                 rnd += 1
                 try:
                     s = run_round(cfg, o)
@@ -175,10 +188,13 @@ def main(argv: list[str] | None = None) -> int:
                     totals[f"breaker_opens_{tier}"] += n
                 for tier, row in s["tiers"].items():
                     totals[f"hits_{tier}"] += row["hits"]
-                print(f"[{(time.monotonic() - t_start) / 60:5.1f} min] round {rnd}: {s['requests']} requests, "
-                      f"{s['verified_blocks']} blocks verified, {s['mismatches']} wrong, "
-                      f"{s['load_failed_jobs']} loads recomputed, redis breaker opens "
-                      f"{s['breaker_opens'].get('redis', 0)}, rss {rss_bytes() >> 20} MiB", flush=True)
+                print(
+                    f"[{(time.monotonic() - t_start) / 60:5.1f} min] round {rnd}: {s['requests']} requests, "
+                    f"{s['verified_blocks']} blocks verified, {s['mismatches']} wrong, "
+                    f"{s['load_failed_jobs']} loads recomputed, redis breaker opens "
+                    f"{s['breaker_opens'].get('redis', 0)}, rss {rss_bytes() >> 20} MiB",
+                    flush=True,
+                )
         finally:
             stop.set()
             for t in threads:
@@ -205,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"report": report, "errors": errors[:20]}, indent=2))
     ok = report["errors_surfaced"] == 0 and report["wrong_bytes_blocks"] == 0
-    print("SOAK " + ("OK" if ok else "FAILED") + ": errors surfaced "
-          f"{report['errors_surfaced']}, wrong bytes {report['wrong_bytes_blocks']}")
+    print(
+        "SOAK " + ("OK" if ok else "FAILED") + ": errors surfaced "
+        f"{report['errors_surfaced']}, wrong bytes {report['wrong_bytes_blocks']}"
+    )
     shutil.rmtree(data, ignore_errors=True)
     return 0 if ok else 1
 

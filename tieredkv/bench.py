@@ -36,7 +36,7 @@ from tieredkv.pipeline import ChunkRef, LoadJob, Pipeline, StoreJob
 from tieredkv.policy import TierPolicy
 from tieredkv.staging import StagingPool
 
-__all__ = ["BenchResult", "SIZES", "run_tier_bench"]
+__all__ = ["SIZES", "BenchResult", "run_tier_bench"]
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
@@ -99,8 +99,16 @@ def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str) -> tuple[float,
 
     path = tempfile.mkdtemp(dir=workdir)
     n, size = src.shape
-    env = lmdb.open(path, map_size=max(4 * n * size, 64 * MiB), writemap=False, sync=False, metasync=False,
-                    readahead=False, meminit=False, max_dbs=2)
+    env = lmdb.open(
+        path,
+        map_size=max(4 * n * size, 64 * MiB),
+        writemap=False,
+        sync=False,
+        metasync=False,
+        readahead=False,
+        meminit=False,
+        max_dbs=2,
+    )
     db = env.open_db(b"records")
     per = max(1, BATCH_BYTES // size)
     keys = [i.to_bytes(8, "big") for i in range(n)]
@@ -162,9 +170,28 @@ def redis_benchmark(port: int, size: int, n: int) -> tuple[float, float] | None:
     if exe is None:
         return None
     out = subprocess.run(
-        [exe, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n), "-P", "1",
-         "-c", "1", "-q"],  # one key: every GET hits a value of the full size
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            exe,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-t",
+            "set,get",
+            "-d",
+            str(size),
+            "-n",
+            str(n),
+            "-P",
+            "1",
+            "-c",
+            "1",
+            "-q",
+        ],  # one key: every GET hits a value of the full size
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     ).stdout
     rps = {m.group(1).lower(): float(m.group(2)) for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)}
     if "set" not in rps or "get" not in rps:
@@ -193,8 +220,12 @@ def pipeline_store_load(tier: Tier, src: torch.Tensor, dst: torch.Tensor, ns: Na
     src_blocks, dst_blocks = torch.cat([null, src]), torch.cat([null, torch.zeros_like(src)])
     per = max(1, BATCH_BYTES // size)
     cfg = PipelineConfig(max_batch_bytes=BATCH_BYTES, max_batch_items=max(per, 1), job_timeout_s=600)
-    p = Pipeline([tier], TierPolicy([PolicyRule(tiers=[tier.name])], [tier.name]), cfg,
-                 staging=StagingPool(min(n * size, 512 * MiB) + BATCH_BYTES))
+    p = Pipeline(
+        [tier],
+        TierPolicy([PolicyRule(tiers=[tier.name])], [tier.name]),
+        cfg,
+        staging=StagingPool(min(n * size, 512 * MiB) + BATCH_BYTES),
+    )
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
     with p:
         p.register_group(0, [src_blocks])
@@ -229,8 +260,12 @@ def make_tier(kind: str, size: int, n: int, workdir: str, redis_url: str | None)
     if kind == "cpu":
         cfg: Any = CPUTierConfig(capacity_bytes=total + 8 * MiB, segment_bytes=max(8 * MiB, size), prefault=True)
     elif kind == "lmdb":
-        cfg = LMDBTierConfig(path=tempfile.mkdtemp(dir=workdir), map_size_bytes=4 * total + 64 * MiB,
-                             size_cap_bytes=2 * total + 32 * MiB, max_map_size_bytes=8 * total + 128 * MiB)
+        cfg = LMDBTierConfig(
+            path=tempfile.mkdtemp(dir=workdir),
+            map_size_bytes=4 * total + 64 * MiB,
+            size_cap_bytes=2 * total + 32 * MiB,
+            max_map_size_bytes=8 * total + 128 * MiB,
+        )
     else:
         cfg = RedisTierConfig(url=redis_url or "redis://127.0.0.1:6379/0", op_timeout_s=120, socket_timeout_s=30)
     return build_tier(cfg)
@@ -331,13 +366,21 @@ def machine_info() -> dict[str, Any]:
         pass
     redis_v = ""
     if shutil.which("redis-server"):
-        redis_v = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
+        redis_v = subprocess.run(
+            ["redis-server", "--version"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     import tieredkv
 
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
-        "python": platform.python_version(), "torch": torch.__version__, "tieredkv": tieredkv.__version__,
-        "redis_server": redis_v, "loadavg": os.getloadavg(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tieredkv": tieredkv.__version__,
+        "redis_server": redis_v,
+        "loadavg": os.getloadavg(),
     }
 
 
@@ -355,8 +398,13 @@ def plot(results: list[BenchResult], path: str) -> None:
         for j, (label, key, base) in enumerate(pairs):
             xs = [i + (2 * j) * width for i in range(len(results))]
             ax.bar(xs, [r.gbps.get(key, 0) for r in results], width, label=f"tieredkv {label}")
-            ax.bar([x + width for x in xs], [r.gbps.get(base, 0) for r in results], width, alpha=0.45,
-                   label=f"raw {base.split('.')[0]}")
+            ax.bar(
+                [x + width for x in xs],
+                [r.gbps.get(base, 0) for r in results],
+                width,
+                alpha=0.45,
+                label=f"raw {base.split('.')[0]}",
+            )
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
         ax.set_xticklabels([f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB" for r in results])
         ax.set_title(f"{op} GB/s (median of reps)")

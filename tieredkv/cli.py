@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -41,7 +41,7 @@ out = Console()
 ConfigOpt = typer.Option(None, "--config", "-c", envvar="TIEREDKV_CONFIG", help="tieredkv YAML config file.")
 
 
-def _load(path: Optional[Path]) -> TieredKVConfig:
+def _load(path: Path | None) -> TieredKVConfig:
     try:
         return load_config(path)
     except ConfigError as e:
@@ -64,7 +64,7 @@ def config_check(file: Path = typer.Argument(..., help="Config file to validate.
 
 @config_app.command("show")
 def config_show(
-    config: Optional[Path] = ConfigOpt,
+    config: Path | None = ConfigOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the effective config as JSON."),
     sources: bool = typer.Option(False, "--sources", help="With --json: {config, sources} with each value's origin."),
 ) -> None:
@@ -77,8 +77,8 @@ admin.register(app)
 
 @app.command()
 def demo(
-    config: Optional[Path] = ConfigOpt,
-    data_dir: Optional[Path] = typer.Option(
+    config: Path | None = ConfigOpt,
+    data_dir: Path | None = typer.Option(
         None, "--data-dir", help="Where the LMDB tier lives (default: a fresh temporary directory)."
     ),
     conversations: int = typer.Option(24, min=1, help="Multi-turn conversations in the trace."),
@@ -133,8 +133,15 @@ class _progress:
     def __init__(self, enabled: bool, total: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn("replaying trace"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=err, disable=not (enabled and err.is_terminal), transient=True)
+        self.bar = Progress(
+            TextColumn("replaying trace"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            disable=not (enabled and err.is_terminal),
+            transient=True,
+        )
         self.task = self.bar.add_task("requests", total=total)
 
     def __enter__(self) -> Any:
@@ -145,48 +152,77 @@ class _progress:
         self.bar.stop()
 
 
-def _print_demo(s: dict[str, Any], data_dir: Optional[Path]) -> None:
-    out.print(f"[bold]tieredkv demo[/] — {s['requests']} requests, {s['prompt_tokens']:,} prompt tokens,"
-              f" {s['wall_s']} s", highlight=False)
+def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
+    out.print(
+        f"[bold]tieredkv demo[/] — {s['requests']} requests, {s['prompt_tokens']:,} prompt tokens, {s['wall_s']} s",
+        highlight=False,
+    )
     g = Table(title="tokens per KV group", title_justify="left")
     for col in ("group", "kind", "tokens/chunk", "from cache", "recomputed", "hit rate", "chunks stored", "loaded"):
         g.add_column(col, justify="left" if col in ("kind",) else "right")
     for row in s["groups"]:
         total = row["tokens_from_cache"] + row["tokens_recomputed"]
         rate = row["tokens_from_cache"] / total if total else 0.0
-        g.add_row(str(row["group"]), row["kind"], str(row["tokens_per_chunk"]), f"{row['tokens_from_cache']:,}",
-                  f"{row['tokens_recomputed']:,}", f"{rate:.0%}", str(row["stored_chunks"]), str(row["loaded_chunks"]))
+        g.add_row(
+            str(row["group"]),
+            row["kind"],
+            str(row["tokens_per_chunk"]),
+            f"{row['tokens_from_cache']:,}",
+            f"{row['tokens_recomputed']:,}",
+            f"{rate:.0%}",
+            str(row["stored_chunks"]),
+            str(row["loaded_chunks"]),
+        )
     out.print(g)
     t = Table(title="tiers", title_justify="left")
     for col in ("tier", "kind", "records", "MiB held", "MiB written", "hits", "dropped", "breaker"):
         t.add_column(col, justify="left" if col in ("tier", "kind", "breaker") else "right")
     for name, row in s["tiers"].items():
-        t.add_row(name, row["kind"], "-" if row["records"] is None else str(row["records"]), f"{row['used_bytes'] / 2**20:.1f}",
-                  f"{row['put_bytes'] / 2**20:.1f}", str(row["hits"]), str(row["dropped_stores"]), row["breaker"])
+        t.add_row(
+            name,
+            row["kind"],
+            "-" if row["records"] is None else str(row["records"]),
+            f"{row['used_bytes'] / 2**20:.1f}",
+            f"{row['put_bytes'] / 2**20:.1f}",
+            str(row["hits"]),
+            str(row["dropped_stores"]),
+            row["breaker"],
+        )
     out.print(t)
     j = Table(title="pipeline jobs", title_justify="left")
     for col in ("", "jobs", "failed", "MiB", "GB/s", "p50 ms", "p99 ms"):
         j.add_column(col, justify="left" if not col else "right")
     for kind in ("store", "load"):
         r = s[kind]
-        j.add_row(kind, str(r["jobs"]), str(r["failed"]), f"{r['bytes'] / 2**20:.1f}", f"{r['gbps']:.2f}",
-                  f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}")
+        j.add_row(
+            kind,
+            str(r["jobs"]),
+            str(r["failed"]),
+            f"{r['bytes'] / 2**20:.1f}",
+            f"{r['gbps']:.2f}",
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+        )
     out.print(j)
     drops = sum(s["drops"].values())
-    out.print(f"drops: {drops} (staging back-pressure {s['drops']['staging_backpressure']});"
-              f" requests deferred for pending stores: {s['deferred_for_pending']}", highlight=False)
+    out.print(
+        f"drops: {drops} (staging back-pressure {s['drops']['staging_backpressure']});"
+        f" requests deferred for pending stores: {s['deferred_for_pending']}",
+        highlight=False,
+    )
     if s["mismatches"]:
         out.print(f"[red]FAILED[/]: {s['mismatches']} loaded blocks differ from what was stored.")
     else:
         out.print(f"[green]OK[/]: all {s['verified_blocks']:,} loaded blocks equal what was stored.")
     if data_dir is not None:
-        out.print(f"LMDB data kept in {data_dir}; run again with --data-dir {data_dir} to start from it.",
-                  highlight=False)
+        out.print(
+            f"LMDB data kept in {data_dir}; run again with --data-dir {data_dir} to start from it.", highlight=False
+        )
 
 
 @app.command()
 def bench(
-    config: Optional[Path] = ConfigOpt,
+    config: Path | None = ConfigOpt,
     sizes: str = typer.Option("64,256,1024,4096", help="Chunk sizes in KiB, comma-separated."),
     total_mib: int = typer.Option(256, min=1, help="MiB moved per size and figure."),
     reps: int = typer.Option(3, min=1, help="Repetitions; each figure is their median."),
@@ -221,8 +257,16 @@ def bench(
         err.print(f"[bold red]error:[/] --sizes: got {sizes!r}; expected KiB numbers like 64,256,1024")
         raise typer.Exit(EXIT_BAD_INPUT) from None
     try:
-        results = b.run_tier_bench(size_list, total_mib << 20, reps, kinds, redis_url=redis_url, redis_port=port,
-                                   workdir=workdir, log=lambda m: err.print(m, highlight=False))
+        results = b.run_tier_bench(
+            size_list,
+            total_mib << 20,
+            reps,
+            kinds,
+            redis_url=redis_url,
+            redis_port=port,
+            workdir=workdir,
+            log=lambda m: err.print(m, highlight=False),
+        )
     except TierUnavailableError as e:
         err.print(f"[bold red]tier unavailable:[/] {e}")
         raise typer.Exit(EXIT_UNAVAILABLE) from None
@@ -233,7 +277,7 @@ def bench(
             shutil.rmtree(workdir, ignore_errors=True)
     rows = [{"size": r.size, "gbps": r.gbps, "ratios": b.ratios(r)} for r in results]
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"tiers-{stamp}.json"
     path.write_text(json.dumps({"machine": b.machine_info(), "results": rows}, indent=1))
     png = out_dir / f"tiers-{stamp}.png"

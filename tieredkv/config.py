@@ -35,20 +35,29 @@ import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tieredkv.errors import ConfigError
 
 __all__ = [
     "CPUTierConfig",
+    "LMDBTierConfig",
     "MetricsConfig",
+    "NamespaceConfig",
     "PipelineConfig",
     "PolicyRule",
-    "LMDBTierConfig",
-    "NamespaceConfig",
     "RedisTierConfig",
     "TierConfig",
     "TieredKVConfig",
@@ -79,9 +88,7 @@ class _Model(BaseModel):
 
 class _TierBase(_Model):
     name: str = Field("", description="Unique tier name used in logs, metrics and the CLI; defaults to the kind.")
-    op_timeout_s: float = Field(
-        5.0, gt=0, description="Deadline for one tier operation (a whole batch), in seconds."
-    )
+    op_timeout_s: float = Field(5.0, gt=0, description="Deadline for one tier operation (a whole batch), in seconds.")
 
     @model_validator(mode="before")
     @classmethod
@@ -93,30 +100,28 @@ class _TierBase(_Model):
     @property
     def label(self) -> str:
         """The tier's name, or its kind when unnamed."""
-        return self.name or str(getattr(self, "kind"))
+        return self.name or str(self.kind)
 
 
 class CPUTierConfig(_TierBase):
     """In-process slab of host memory (pinned when CUDA is available)."""
 
     kind: Literal["cpu"] = Field("cpu", description="Tier kind (selects the backend).")
-    capacity_bytes: Size = Field(
-        ByteSize(1 << 30), gt=0, description="Size of the preallocated slab, e.g. '8GiB'."
-    )
+    capacity_bytes: Size = Field(ByteSize(1 << 30), gt=0, description="Size of the preallocated slab, e.g. '8GiB'.")
     segment_bytes: Size = Field(
         ByteSize(8 << 20),
         gt=0,
         description="Slab segment size; the largest chunk must fit in one segment.",
     )
     min_slot_bytes: Size = Field(
-        ByteSize(4096), gt=0, description="Smallest slot size class; classes grow by x1.5 and x2 steps up to segment_bytes."
+        ByteSize(4096),
+        gt=0,
+        description="Smallest slot size class; classes grow by x1.5 and x2 steps up to segment_bytes.",
     )
     pin_memory: Literal["auto", "always", "never"] = Field(
         "auto", description="Pin the slab: 'auto' pins when CUDA is available."
     )
-    prefault: bool = Field(
-        True, description="Touch every slab page at open so first stores do not pay page faults."
-    )
+    prefault: bool = Field(True, description="Touch every slab page at open so first stores do not pay page faults.")
 
     @model_validator(mode="after")
     def _sizes(self) -> CPUTierConfig:
@@ -206,7 +211,7 @@ class RedisTierConfig(_TierBase):
         return v
 
 
-TierConfig = Annotated[Union[CPUTierConfig, LMDBTierConfig, RedisTierConfig], Field(discriminator="kind")]
+TierConfig = Annotated[CPUTierConfig | LMDBTierConfig | RedisTierConfig, Field(discriminator="kind")]
 
 
 class NamespaceConfig(_Model):
@@ -249,9 +254,7 @@ class PipelineConfig(_Model):
     )
     max_batch_items: int = Field(64, gt=0, description="A tier writer batches at most this many chunks per call.")
     job_timeout_s: float = Field(30.0, gt=0, description="A store or load job not finished by then fails.")
-    breaker_failures: int = Field(
-        3, gt=0, description="Consecutive failures of a tier that open its circuit breaker."
-    )
+    breaker_failures: int = Field(3, gt=0, description="Consecutive failures of a tier that open its circuit breaker.")
     breaker_reset_s: float = Field(
         1.0, gt=0, description="Seconds an open breaker waits before letting one probe through (half-open)."
     )
@@ -276,9 +279,7 @@ class TieredKVConfig(_Model):
 
     version: Literal[1] = Field(1, description="Config file format version.")
     namespace: NamespaceConfig = Field(default_factory=NamespaceConfig, description="Namespace identity.")
-    tiers: list[TierConfig] = Field(
-        default_factory=_default_tiers, min_length=1, description="Tiers, fastest first."
-    )
+    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1, description="Tiers, fastest first.")
     policy: list[PolicyRule] = Field(
         default_factory=lambda: [PolicyRule()],
         min_length=1,
@@ -293,9 +294,7 @@ class TieredKVConfig(_Model):
         for i, t in enumerate(self.tiers):
             n = t.label
             if n in seen:
-                raise ValueError(
-                    f"tiers.{i}: duplicate tier name {n!r}; give each tier a distinct 'name'"
-                )
+                raise ValueError(f"tiers.{i}: duplicate tier name {n!r}; give each tier a distinct 'name'")
             seen.add(n)
         for i, rule in enumerate(self.policy):
             for j, name in enumerate(rule.tiers):
@@ -609,7 +608,9 @@ def _hint(e: Any, raw: Any) -> str:
             guess = f"did you mean {close[0]!r}? " if close else ""
             return f"{guess}allowed fields: {', '.join(allowed)}"
     if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        return "allowed kinds: 'cpu', 'lmdb', 'redis' (third-party kinds register under entry point 'tieredkv.backends')"
+        return (
+            "allowed kinds: 'cpu', 'lmdb', 'redis' (third-party kinds register under entry point 'tieredkv.backends')"
+        )
     model = _model_at(e["loc"][:-1], raw)
     if model is not None:
         field = model.model_fields.get(str(e["loc"][-1]))

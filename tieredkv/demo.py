@@ -58,8 +58,14 @@ def demo_layout(mamba: bool = False) -> GroupLayout:
     (16-token blocks, 2 per chunk, window 256 tokens, 16 KiB/block); optionally mamba."""
     groups = [
         GroupSpec(0, GroupKind.FULL, tokens_per_block=16, blocks_per_chunk=4, bytes_per_block=32 << 10),
-        GroupSpec(1, GroupKind.SLIDING_WINDOW, tokens_per_block=16, blocks_per_chunk=2, bytes_per_block=16 << 10,
-                  window_tokens=256),
+        GroupSpec(
+            1,
+            GroupKind.SLIDING_WINDOW,
+            tokens_per_block=16,
+            blocks_per_chunk=2,
+            bytes_per_block=16 << 10,
+            window_tokens=256,
+        ),
     ]
     if mamba:
         groups.append(GroupSpec(2, GroupKind.MAMBA, tokens_per_block=64, blocks_per_chunk=1, bytes_per_block=64 << 10))
@@ -169,7 +175,11 @@ class _Engine:
         hit = {k for k, (s, _) in zip(keys, states) if s is KeyState.HIT}
         pend = {k for k, (s, _) in zip(keys, states) if s is KeyState.PENDING}
         plan = self.sched.plan_lookup(r.rid, num_computed_tokens=0, is_stored=hit)
-        if pend and self.sched.plan_lookup(r.rid, num_computed_tokens=0, is_stored=hit | pend).num_hit_tokens > plan.num_hit_tokens:
+        if (
+            pend
+            and self.sched.plan_lookup(r.rid, num_computed_tokens=0, is_stored=hit | pend).num_hit_tokens
+            > plan.num_hit_tokens
+        ):
             self.deferred += 1
             return False  # a longer hit is being written: wait for it (vLLM's HIT_PENDING)
         r.hit = plan.num_hit_tokens
@@ -312,9 +322,14 @@ def run_demo(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     ns = cfg.namespace
     namespace = Namespace(
-        model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
-        groups=tuple(GroupGeometry(g.kind.value, g.tokens_per_block, g.blocks_per_chunk, g.bytes_per_block,
-                                   g.window_tokens or 0) for g in layout.groups),
+        model=ns.model,
+        revision=ns.revision,
+        dtype=ns.dtype,
+        tenant_salt=ns.tenant_salt,
+        groups=tuple(
+            GroupGeometry(g.kind.value, g.tokens_per_block, g.blocks_per_chunk, g.bytes_per_block, g.window_tokens or 0)
+            for g in layout.groups
+        ),
     )
     t_start = time.perf_counter()
     store = TieredStore(cfg, namespace=namespace).start()
@@ -370,8 +385,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _summary(eng: _Engine, store: TieredStore, layout: GroupLayout, requests: int, tokens: int,
-             wall: float) -> dict[str, Any]:
+def _summary(
+    eng: _Engine, store: TieredStore, layout: GroupLayout, requests: int, tokens: int, wall: float
+) -> dict[str, Any]:
     stores = [r for r in eng.results if r.kind == "store"]
     loads = [r for r in eng.results if r.kind == "load"]
     st = store.stats()
@@ -390,28 +406,56 @@ def _summary(eng: _Engine, store: TieredStore, layout: GroupLayout, requests: in
             held: dict[str, Any] = {"records": s.records, "used_bytes": s.used_bytes}
         except TieredKVError:  # unreachable now: report what the pipeline saw
             held = {"records": None, "used_bytes": 0}
-        tiers[tier.name] = {"kind": tier.kind, **held, "hits": tier.counters.get("hits", 0),
-                            "put_bytes": tier.counters.get("put_bytes", 0),
-                            "dropped_stores": st["dropped"].get(tier.name, 0), "breaker": st["breakers"][tier.name]}
+        tiers[tier.name] = {
+            "kind": tier.kind,
+            **held,
+            "hits": tier.counters.get("hits", 0),
+            "put_bytes": tier.counters.get("put_bytes", 0),
+            "dropped_stores": st["dropped"].get(tier.name, 0),
+            "breaker": st["breakers"][tier.name],
+        }
     groups = []
     for pos, g in enumerate(layout.groups):
         served, recomputed = eng.served[pos], eng.recomputed[pos]
-        groups.append({"group": g.index, "kind": g.kind.value, "tokens_per_chunk": g.tokens_per_chunk,
-                       "tokens_from_cache": served, "tokens_recomputed": recomputed,
-                       "stored_chunks": st["groups"].get(g.index, {}).get("store_chunks", 0),
-                       "loaded_chunks": st["groups"].get(g.index, {}).get("load_chunks", 0)})
+        groups.append(
+            {
+                "group": g.index,
+                "kind": g.kind.value,
+                "tokens_per_chunk": g.tokens_per_chunk,
+                "tokens_from_cache": served,
+                "tokens_recomputed": recomputed,
+                "stored_chunks": st["groups"].get(g.index, {}).get("store_chunks", 0),
+                "loaded_chunks": st["groups"].get(g.index, {}).get("load_chunks", 0),
+            }
+        )
     ms = [1e3 * r.seconds for r in stores if r.ok]
     ml = [1e3 * r.seconds for r in loads if r.ok]
     return {
-        "requests": requests, "prompt_tokens": tokens, "wall_s": round(wall, 2),
+        "requests": requests,
+        "prompt_tokens": tokens,
+        "wall_s": round(wall, 2),
         "deferred_for_pending": eng.deferred,
-        "groups": groups, "tiers": tiers,
-        "store": {"jobs": len(stores), "failed": sum(not r.ok for r in stores), "bytes": sum(r.nbytes for r in stores),
-                  "gbps": round(rate(stores), 3), "p50_ms": round(_pct(ms, 0.5), 3), "p99_ms": round(_pct(ms, 0.99), 3)},
-        "load": {"jobs": len(loads), "failed": sum(not r.ok for r in loads), "bytes": sum(r.nbytes for r in loads),
-                 "gbps": round(rate(loads), 3), "p50_ms": round(_pct(ml, 0.5), 3), "p99_ms": round(_pct(ml, 0.99), 3)},
+        "groups": groups,
+        "tiers": tiers,
+        "store": {
+            "jobs": len(stores),
+            "failed": sum(not r.ok for r in stores),
+            "bytes": sum(r.nbytes for r in stores),
+            "gbps": round(rate(stores), 3),
+            "p50_ms": round(_pct(ms, 0.5), 3),
+            "p99_ms": round(_pct(ms, 0.99), 3),
+        },
+        "load": {
+            "jobs": len(loads),
+            "failed": sum(not r.ok for r in loads),
+            "bytes": sum(r.nbytes for r in loads),
+            "gbps": round(rate(loads), 3),
+            "p50_ms": round(_pct(ml, 0.5), 3),
+            "p99_ms": round(_pct(ml, 0.99), 3),
+        },
         "drops": {"staging_backpressure": st["counters"].get("store_backpressure", 0), **st["dropped"]},
-        "verified_blocks": eng.verified, "mismatches": eng.mismatches,
+        "verified_blocks": eng.verified,
+        "mismatches": eng.mismatches,
         "breaker_opens": st["breaker_opens"],
         **eng.extra_summary(),
     }

@@ -11,15 +11,15 @@ at the tier boundary with ``raise ... from e``; nothing native leaks past a tier
 from __future__ import annotations
 
 __all__ = [
-    "TieredKVError",
-    "ConfigError",
-    "TierUnavailableError",
-    "TierTimeoutError",
-    "TierFullError",
-    "TierClosedError",
-    "CorruptRecordError",
-    "CorruptBlockError",
     "BackendNotFoundError",
+    "ConfigError",
+    "CorruptBlockError",
+    "CorruptRecordError",
+    "TierClosedError",
+    "TierFullError",
+    "TierTimeoutError",
+    "TierUnavailableError",
+    "TieredKVError",
 ]
 
 

@@ -26,7 +26,7 @@ from enum import Enum
 
 from tieredkv.errors import ConfigError
 
-__all__ = ["GroupKind", "GroupSpec", "GroupLayout", "MAX_GROUP_INDEX"]
+__all__ = ["MAX_GROUP_INDEX", "GroupKind", "GroupLayout", "GroupSpec"]
 
 #: Group indices are encoded as 4 unsigned big-endian bytes in offload keys.
 MAX_GROUP_INDEX = 2**32 - 1
@@ -47,9 +47,7 @@ def _cdiv(a: int, b: int) -> int:
 def _check_int(field: str, value: object, minimum: int) -> None:
     """Raise ConfigError unless ``value`` is an int >= ``minimum`` (bools rejected)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(
-            f"{field}={value!r} is invalid: expected an integer >= {minimum}"
-        )
+        raise ConfigError(f"{field}={value!r} is invalid: expected an integer >= {minimum}")
 
 
 @dataclass(frozen=True)
@@ -78,17 +76,12 @@ class GroupSpec:
         name = f"groups[{self.index!r}]"
         _check_int(f"{name}.index", self.index, 0)
         if self.index > MAX_GROUP_INDEX:
-            raise ConfigError(
-                f"{name}.index={self.index} does not fit in 4 bytes; "
-                f"use an index <= {MAX_GROUP_INDEX}"
-            )
+            raise ConfigError(f"{name}.index={self.index} does not fit in 4 bytes; use an index <= {MAX_GROUP_INDEX}")
         try:
             object.__setattr__(self, "kind", GroupKind(self.kind))
         except ValueError:
             allowed = [k.value for k in GroupKind]
-            raise ConfigError(
-                f"{name}.kind={self.kind!r} is unknown; allowed: {allowed}"
-            ) from None
+            raise ConfigError(f"{name}.kind={self.kind!r} is unknown; allowed: {allowed}") from None
         _check_int(f"{name}.tokens_per_block", self.tokens_per_block, 1)
         _check_int(f"{name}.blocks_per_chunk", self.blocks_per_chunk, 1)
         _check_int(f"{name}.bytes_per_block", self.bytes_per_block, 0)
@@ -97,10 +90,7 @@ class GroupSpec:
     def _check_window(self, name: str) -> None:
         if self.kind is GroupKind.SLIDING_WINDOW:
             if self.window_tokens is None:
-                raise ConfigError(
-                    f"{name}.window_tokens=None: a sliding_window group needs its "
-                    "window size in tokens"
-                )
+                raise ConfigError(f"{name}.window_tokens=None: a sliding_window group needs its window size in tokens")
             _check_int(f"{name}.window_tokens", self.window_tokens, 1)
         elif self.window_tokens is not None:
             raise ConfigError(
@@ -179,14 +169,9 @@ class GroupLayout:
         seen: set[int] = set()
         for pos, group in enumerate(self.groups):
             if not isinstance(group, GroupSpec):
-                raise ConfigError(
-                    f"groups[{pos}]={group!r} is not a GroupSpec"
-                )
+                raise ConfigError(f"groups[{pos}]={group!r} is not a GroupSpec")
             if group.index in seen:
-                raise ConfigError(
-                    f"groups[{pos}].index={group.index} is used twice; "
-                    "every group needs its own index"
-                )
+                raise ConfigError(f"groups[{pos}].index={group.index} is used twice; every group needs its own index")
             seen.add(group.index)
             self._check_chunk(pos, group)
 

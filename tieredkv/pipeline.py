@@ -282,7 +282,7 @@ class Pipeline:
         except BaseException:
             try:  # cancel the writers already started and close the tiers already open
                 self._call(self._shutdown(), timeout=10)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
+            except Exception:
                 log.debug("cleanup after a failed start failed", exc_info=True)
             self._stop_loop()
             raise
@@ -294,8 +294,7 @@ class Pipeline:
             try:
                 await tier.open()
             except TierUnavailableError as e:  # a dead tier at start is a tier with an open breaker
-                log.warning("tier %s unavailable at start (misses and dropped stores until it heals): %s",
-                            tier.name, e)
+                log.warning("tier %s unavailable at start (misses and dropped stores until it heals): %s", tier.name, e)
                 lane.breaker.trip()
             lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
             self._lanes[tier.name] = lane
@@ -337,7 +336,7 @@ class Pipeline:
         if flush_s > 0:
             try:
                 await self._flush_write_backs(flush_s)
-            except Exception:  # noqa: BLE001 - closing goes on; the loss is counted and logged
+            except Exception:
                 log.exception("write-back flush at close failed")
         tasks = [*self._tasks, *(lane.task for lane in self._lanes.values() if lane.task)]
         for t in tasks:
@@ -387,9 +386,14 @@ class Pipeline:
         self.counters["write_back_flushed"] += flushed
         self.counters["write_back_lost"] += lost
         if lost:
-            log.error("close: %d write-back chunks acknowledged in the CPU tier could not be written to"
-                      " the next tier (tier down, full, or past the %.1fs close timeout): they are lost;"
-                      " %d were written", lost, timeout, flushed)
+            log.error(
+                "close: %d write-back chunks acknowledged in the CPU tier could not be written to"
+                " the next tier (tier down, full, or past the %.1fs close timeout): they are lost;"
+                " %d were written",
+                lost,
+                timeout,
+                flushed,
+            )
         elif flushed:
             log.info("close: %d write-back chunks written to the next tier", flushed)
         if gone:
@@ -485,8 +489,12 @@ class Pipeline:
             if buf is not None:
                 self.counters[f"{kind}_in_parts"] += 1
             elif cb > self.staging.capacity:
-                log.warning("group %d: a chunk of %d bytes is larger than the staging pool (%d bytes)",
-                            job.group, cb, self.staging.capacity)
+                log.warning(
+                    "group %d: a chunk of %d bytes is larger than the staging pool (%d bytes)",
+                    job.group,
+                    cb,
+                    self.staging.capacity,
+                )
         if buf is None:
             self.counters[f"{kind}_backpressure"] += 1
         return None if buf is None else (grp, buf)
@@ -573,13 +581,19 @@ class Pipeline:
             "breakers": self.breaker_states(),
             "breaker_opens": {n: lane.breaker.opens for n, lane in self._lanes.items()},
             "groups": {g: dict(c) for g, c in self.group_counters.items()},
-            "staging": {"capacity": self.staging.capacity, "in_use": self.staging.in_use,
-                        "high_water": self.staging.high_water, "refusals": self.staging.refusals},
+            "staging": {
+                "capacity": self.staging.capacity,
+                "in_use": self.staging.in_use,
+                "high_water": self.staging.high_water,
+                "refusals": self.staging.refusals,
+            },
         }
 
     # ---- loop side -------------------------------------------------------------------------
 
-    async def _write_items(self, route: GroupRoute, keys: list[bytes], views: list[Any]) -> tuple[list[bytes], dict[str, int]]:
+    async def _write_items(
+        self, route: GroupRoute, keys: list[bytes], views: list[Any]
+    ) -> tuple[list[bytes], dict[str, int]]:
         """Write every item to the route's write tiers; keys held by at least one tier, and per-tier counts."""
         lanes = [self._lanes[n] for n in route.write_tiers]
         futs = [[lane.write(k, v) for k, v in zip(keys, views)] for lane in lanes]
@@ -589,8 +603,14 @@ class Pipeline:
         self._mark_dirty(route, done)
         return done, written
 
-    async def _read_items(self, tiers: Sequence[str], keys: list[bytes], views: list[Any], nbytes: int | None,
-                          todo: list[int] | None = None) -> dict[int, str]:
+    async def _read_items(
+        self,
+        tiers: Sequence[str],
+        keys: list[bytes],
+        views: list[Any],
+        nbytes: int | None,
+        todo: list[int] | None = None,
+    ) -> dict[int, str]:
         """Read items (all, or indices ``todo``) tier by tier; ``{index: tier}`` of those found
         (of exactly ``nbytes`` when given)."""
         found_in: dict[int, str] = {}
@@ -642,7 +662,7 @@ class Pipeline:
                     done, written = await self._store_into_slots(cpu, job, grp, ready)
                 else:
                     for part in _parts(len(job.chunks), buf.nbytes // cb):  # one part unless the job
-                        ev = None                                          # is larger than the pool
+                        ev = None  # is larger than the pool
                         views = []
                         for j, i in enumerate(part):
                             c = job.chunks[i]
@@ -673,11 +693,24 @@ class Pipeline:
             gc["store_chunks"] += len(done)
             gc["store_bytes"] += len(done) * cb
             gc["store_refused"] += len(keys) - len(done)
-            self._finish(JobResult(job.job_id, "store", not error, len(done) * cb, time.perf_counter() - t0, error,
-                                   tuple(done), tuple(k for k in keys if k not in done_set), written), counted=True)
+            self._finish(
+                JobResult(
+                    job.job_id,
+                    "store",
+                    not error,
+                    len(done) * cb,
+                    time.perf_counter() - t0,
+                    error,
+                    tuple(done),
+                    tuple(k for k in keys if k not in done_set),
+                    written,
+                ),
+                counted=True,
+            )
 
-    async def _store_into_slots(self, cpu: CPUTier, job: StoreJob, grp: _Group, ready: Any
-                                ) -> tuple[list[bytes], dict[str, int]]:
+    async def _store_into_slots(
+        self, cpu: CPUTier, job: StoreJob, grp: _Group, ready: Any
+    ) -> tuple[list[bytes], dict[str, int]]:
         """Device blocks straight into CPU-tier slots (one copy), then publish them."""
         keys = [c.key for c in job.chunks]
         try:
@@ -687,7 +720,9 @@ class Pipeline:
         try:
             ev = None
             for i, c in enumerate(job.chunks):
-                ev = self.copier.gather(grp.tensors, c.block_ids, cpu.slot_view(slots[i]), after=ready if i == 0 else None)
+                ev = self.copier.gather(
+                    grp.tensors, c.block_ids, cpu.slot_view(slots[i]), after=ready if i == 0 else None
+                )
             await _wait_event(ev)
         except BaseException:
             cpu.abort(slots)
@@ -715,7 +750,7 @@ class Pipeline:
                 lower = grp.route.tiers[1:] if cpu is not None else grp.route.tiers
                 complete = True  # every chunk so far was found: keep copying
                 for part in _parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger
-                    part_keys = [keys[i] for i in part]           # than the pool
+                    part_keys = [keys[i] for i in part]  # than the pool
                     views = [buf.view(j * cb, cb) if direct[i] is None else direct[i] for j, i in enumerate(part)]
                     rest = [j for j, i in enumerate(part) if i not in found_in]
                     if rest:
@@ -727,13 +762,21 @@ class Pipeline:
                     ev = None
                     for j, i in enumerate(part):
                         if i in borrowed:
-                            ev = self.copier.scatter(grp.tensors, places[i], cpu.slot_view(borrowed[i]),  # type: ignore[union-attr]
-                                                     grp.blocks_per_chunk)
+                            ev = self.copier.scatter(
+                                grp.tensors,
+                                places[i],
+                                cpu.slot_view(borrowed[i]),  # type: ignore[union-attr]
+                                grp.blocks_per_chunk,
+                            )
                         elif direct[i] is None:
                             ev = self.copier.scatter(grp.tensors, places[i], views[j], grp.blocks_per_chunk)
                     await _wait_event(ev)
-                    await self._promote(grp.route, part_keys, [memoryview(v.numpy()) for v in views],
-                                        {j: found_in[i] for j, i in enumerate(part)})
+                    await self._promote(
+                        grp.route,
+                        part_keys,
+                        [memoryview(v.numpy()) for v in views],
+                        {j: found_in[i] for j, i in enumerate(part)},
+                    )
                 if len(found_in) < len(keys):
                     error = f"{len(keys) - len(found_in)} of {len(keys)} chunks not found in any tier"
         except asyncio.CancelledError:
@@ -750,9 +793,20 @@ class Pipeline:
             gc["load_chunks"] += len(ok_keys)
             gc["load_bytes"] += len(ok_keys) * cb
             gc["load_missing"] += len(keys) - len(found_in)
-            self._finish(JobResult(job.job_id, "load", not error, len(ok_keys) * cb, time.perf_counter() - t0, error,
-                                   ok_keys, tuple(k for i, k in enumerate(keys) if i not in found_in),
-                                   dict(collections.Counter(found_in.values()))), counted=True)
+            self._finish(
+                JobResult(
+                    job.job_id,
+                    "load",
+                    not error,
+                    len(ok_keys) * cb,
+                    time.perf_counter() - t0,
+                    error,
+                    ok_keys,
+                    tuple(k for i, k in enumerate(keys) if i not in found_in),
+                    dict(collections.Counter(found_in.values())),
+                ),
+                counted=True,
+            )
 
     # ---- host-buffer jobs (a caller that already holds the bytes in host memory) ---------------
 
@@ -819,8 +873,20 @@ class Pipeline:
                     self._unpend(k)
             done_set = set(done)
             nbytes = sum(len(memoryview(b).cast("B")) for k, b in items if k in done_set)
-            self._finish(JobResult(job_id, "put", not error, nbytes, time.perf_counter() - t0, error, tuple(done),
-                                   tuple(k for k, _ in items if k not in done_set), dict(written)), counted=True)
+            self._finish(
+                JobResult(
+                    job_id,
+                    "put",
+                    not error,
+                    nbytes,
+                    time.perf_counter() - t0,
+                    error,
+                    tuple(done),
+                    tuple(k for k, _ in items if k not in done_set),
+                    dict(written),
+                ),
+                counted=True,
+            )
 
     async def _get_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
         found: dict[int, str] = {}
@@ -845,10 +911,20 @@ class Pipeline:
             error = self._job_error(e, "get", job_id)
         finally:
             nbytes = sum(len(memoryview(items[i][1]).cast("B")) for i in found)
-            self._finish(JobResult(job_id, "get", not error, nbytes, time.perf_counter() - t0, error,
-                                   tuple(items[i][0] for i in sorted(found)),
-                                   tuple(k for i, (k, _) in enumerate(items) if i not in found),
-                                   dict(collections.Counter(found.values()))), counted=True)
+            self._finish(
+                JobResult(
+                    job_id,
+                    "get",
+                    not error,
+                    nbytes,
+                    time.perf_counter() - t0,
+                    error,
+                    tuple(items[i][0] for i in sorted(found)),
+                    tuple(k for i, (k, _) in enumerate(items) if i not in found),
+                    dict(collections.Counter(found.values())),
+                ),
+                counted=True,
+            )
 
     def _on_evict(self, key: bytes, payload: bytes) -> None:
         """CPU tier eviction (loop thread): write-back groups send the chunk one tier down."""

@@ -83,17 +83,17 @@ from functools import partial
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 
 __all__ = [
-    "ChunkToStore",
-    "GroupStorePlan",
-    "StorePlan",
-    "StoreOutcome",
-    "GroupLookup",
-    "LookupPlan",
-    "GroupLoadPlan",
-    "LoadPlan",
-    "GroupProgress",
-    "OffloadScheduler",
     "ChunkLedger",
+    "ChunkToStore",
+    "GroupLoadPlan",
+    "GroupLookup",
+    "GroupProgress",
+    "GroupStorePlan",
+    "LoadPlan",
+    "LookupPlan",
+    "OffloadScheduler",
+    "StoreOutcome",
+    "StorePlan",
 ]
 
 NULL_BLOCK = 0
@@ -181,9 +181,7 @@ class StoreOutcome:
             raise ValueError("a key can be in only one of accepted/present/refused")
 
     @classmethod
-    def from_prepare_store(
-        cls, plan: StorePlan, keys_to_store: Iterable[bytes] | None
-    ) -> StoreOutcome:
+    def from_prepare_store(cls, plan: StorePlan, keys_to_store: Iterable[bytes] | None) -> StoreOutcome:
         """Translate vLLM's all-or-nothing ``prepare_store`` answer.
 
         ``None`` refuses the whole plan; otherwise ``keys_to_store`` are
@@ -300,7 +298,7 @@ class ChunkLedger:
     the oldest ``n`` of them costs O(n), not O(backlog).
     """
 
-    __slots__ = ("status", "scan", "waiting", "first_dead")
+    __slots__ = ("first_dead", "scan", "status", "waiting")
 
     def __init__(self) -> None:
         self.status = bytearray()
@@ -418,7 +416,7 @@ class ChunkLedger:
 class _GroupState:
     """Per request, per group: keys, block ids and the store ledger."""
 
-    __slots__ = ("keys", "block_ids", "ledger", "hits")
+    __slots__ = ("block_ids", "hits", "keys", "ledger")
 
     def __init__(self) -> None:
         self.keys: list[bytes] = []
@@ -429,16 +427,16 @@ class _GroupState:
 
 class _Request:
     __slots__ = (
-        "req_id",
-        "num_prompt_tokens",
-        "num_tokens",
-        "max_offload_tokens",
-        "hashes",
-        "groups",
-        "pending",
+        "budget",
         "finished",
         "frontier",
-        "budget",
+        "groups",
+        "hashes",
+        "max_offload_tokens",
+        "num_prompt_tokens",
+        "num_tokens",
+        "pending",
+        "req_id",
         "rotation",
     )
 
@@ -516,13 +514,9 @@ class OffloadScheduler:
         max_chunks_per_plan: int | None = DEFAULT_MAX_CHUNKS_PER_PLAN,
     ) -> None:
         if max_chunks_per_plan is not None and (
-            isinstance(max_chunks_per_plan, bool)
-            or not isinstance(max_chunks_per_plan, int)
-            or max_chunks_per_plan < 1
+            isinstance(max_chunks_per_plan, bool) or not isinstance(max_chunks_per_plan, int) or max_chunks_per_plan < 1
         ):
-            raise ValueError(
-                f"max_chunks_per_plan={max_chunks_per_plan!r}: expected a positive integer or None"
-            )
+            raise ValueError(f"max_chunks_per_plan={max_chunks_per_plan!r}: expected a positive integer or None")
         self.layout = layout
         self.offload_prompt_only = offload_prompt_only
         self.max_chunks_per_plan = max_chunks_per_plan
@@ -552,9 +546,7 @@ class OffloadScheduler:
         _check_count("num_prompt_tokens", num_prompt_tokens)
         if max_offload_tokens is not None:
             _check_count("max_offload_tokens", max_offload_tokens)
-        req = _Request(
-            req_id, num_prompt_tokens, max_offload_tokens, len(self.layout), self.max_chunks_per_plan
-        )
+        req = _Request(req_id, num_prompt_tokens, max_offload_tokens, len(self.layout), self.max_chunks_per_plan)
         self._reqs[req_id] = req
         self._append_hashes(req, block_hashes)
 
@@ -579,9 +571,7 @@ class OffloadScheduler:
         self._append_hashes(req, block_hashes)
         if block_ids is not None:
             if len(block_ids) != len(self.layout):
-                raise ValueError(
-                    f"block_ids has {len(block_ids)} groups, layout has {len(self.layout)}"
-                )
+                raise ValueError(f"block_ids has {len(block_ids)} groups, layout has {len(self.layout)}")
             for gs, new_ids in zip(req.groups, block_ids):
                 gs.block_ids.extend(new_ids)
         if num_tokens is not None:
@@ -609,9 +599,7 @@ class OffloadScheduler:
             gs.block_ids.clear()
             gs.ledger.rewind_dead()
 
-    def finish_request(
-        self, req_id: str, *, num_computed_tokens: int, aborted: bool = False
-    ) -> StorePlan:
+    def finish_request(self, req_id: str, *, num_computed_tokens: int, aborted: bool = False) -> StorePlan:
         """The request ended; return its first final store plan.
 
         A finished request offers every token whose KV exists (the final
@@ -665,8 +653,7 @@ class OffloadScheduler:
         """Whether a finished request has chunks below its final limit not yet resolved."""
         offloadable = self._offloadable(req, req.frontier)
         return any(
-            gs.ledger.cursor < self._limit(spec, gs, offloadable)
-            for spec, gs in zip(self.layout.groups, req.groups)
+            gs.ledger.cursor < self._limit(spec, gs, offloadable) for spec, gs in zip(self.layout.groups, req.groups)
         )
 
     def remove_request(self, req_id: str) -> None:
@@ -689,9 +676,7 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------- store
 
-    def plan_store(
-        self, req_id: str, *, num_computed_tokens: int, num_scheduled_tokens: int = 0
-    ) -> StorePlan:
+    def plan_store(self, req_id: str, *, num_computed_tokens: int, num_scheduled_tokens: int = 0) -> StorePlan:
         """Plan the whole chunks to store after this step.
 
         Args:
@@ -793,9 +778,7 @@ class OffloadScheduler:
     @staticmethod
     def _limit(spec: GroupSpec, gs: _GroupState, offloadable: int) -> int:
         """Chunks of the group that are offloadable, allocated and keyed."""
-        return min(
-            offloadable // spec.tokens_per_chunk, len(gs.block_ids) // spec.blocks_per_chunk, len(gs.keys)
-        )
+        return min(offloadable // spec.tokens_per_chunk, len(gs.block_ids) // spec.blocks_per_chunk, len(gs.keys))
 
     def _plan_group(
         self, spec: GroupSpec, gs: _GroupState, limit: int, frontier: int, final: bool, budget: int | None
@@ -965,9 +948,7 @@ class OffloadScheduler:
 
     # -------------------------------------------------------------- load
 
-    def plan_load(
-        self, req_id: str, *, num_computed_tokens: int, num_external_tokens: int
-    ) -> LoadPlan:
+    def plan_load(self, req_id: str, *, num_computed_tokens: int, num_external_tokens: int) -> LoadPlan:
         """Plan the load of an accepted hit into the request's allocated blocks.
 
         Call after the engine appended block ids covering the boundary. Loaded
@@ -997,8 +978,7 @@ class OffloadScheduler:
         name = f"group {spec.index}"
         if computed % spec.tokens_per_block:
             raise ValueError(
-                f"{name}: num_computed_tokens={computed} is not whole GPU blocks "
-                f"of {spec.tokens_per_block} tokens"
+                f"{name}: num_computed_tokens={computed} is not whole GPU blocks of {spec.tokens_per_block} tokens"
             )
         if boundary % spec.tokens_per_chunk:
             raise ValueError(
@@ -1010,9 +990,7 @@ class OffloadScheduler:
         if len(gs.block_ids) < boundary // spec.tokens_per_block:
             raise ValueError(f"{name}: blocks not allocated up to token {boundary}")
 
-    def _plan_group_load(
-        self, spec: GroupSpec, gs: _GroupState, computed: int, boundary: int
-    ) -> GroupLoadPlan:
+    def _plan_group_load(self, spec: GroupSpec, gs: _GroupState, computed: int, boundary: int) -> GroupLoadPlan:
         bpc = spec.blocks_per_chunk
         first_chunk, end_chunk = self._hit_chunks(spec, computed, boundary)
         first_block = max(computed // spec.tokens_per_block, first_chunk * bpc)
@@ -1054,9 +1032,7 @@ class OffloadScheduler:
     def progress(self, req_id: str) -> tuple[GroupProgress, ...]:
         """A per-group snapshot of the request's bookkeeping."""
         return tuple(
-            GroupProgress(
-                spec.index, len(gs.keys), len(gs.block_ids), gs.ledger.cursor, gs.ledger.num_waiting, gs.hits
-            )
+            GroupProgress(spec.index, len(gs.keys), len(gs.block_ids), gs.ledger.cursor, gs.ledger.num_waiting, gs.hits)
             for spec, gs in zip(self.layout.groups, self._get(req_id).groups)
         )
 
@@ -1088,9 +1064,7 @@ class _Probe:
     __slots__ = ("_ask", "_seen")
 
     def __init__(self, is_stored: Callable[[bytes], bool] | Container[bytes]) -> None:
-        self._ask: Callable[[bytes], bool] = (
-            is_stored if callable(is_stored) else is_stored.__contains__
-        )
+        self._ask: Callable[[bytes], bool] = is_stored if callable(is_stored) else is_stored.__contains__
         self._seen: dict[bytes, bool] = {}
 
     def __call__(self, key: bytes) -> bool:
@@ -1098,4 +1072,3 @@ class _Probe:
         if hit is None:
             hit = self._seen[key] = bool(self._ask(key))
         return hit
-

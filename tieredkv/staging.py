@@ -176,14 +176,23 @@ class Copier:
         """Copy blocks ``block_ids`` into ``dst`` (payload layout). Returns a completion event or None."""
         return self._move(group, list(enumerate(block_ids)), len(block_ids), dst, after, to_staging=True)
 
-    def scatter(self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], src: torch.Tensor,
-                chunk_blocks: int) -> Any:
+    def scatter(
+        self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], src: torch.Tensor, chunk_blocks: int
+    ) -> Any:
         """Copy payload ``src`` (a chunk of ``chunk_blocks`` blocks) into the device: each
         ``(position_in_chunk, block_id)`` of ``placements``; positions not listed are not copied."""
         return self._move(group, placements, chunk_blocks, src, None, to_staging=False)
 
-    def _move(self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], n: int, buf: torch.Tensor,
-              after: Any, *, to_staging: bool) -> Any:
+    def _move(
+        self,
+        group: KVGroupTensors,
+        placements: Sequence[tuple[int, int]],
+        n: int,
+        buf: torch.Tensor,
+        after: Any,
+        *,
+        to_staging: bool,
+    ) -> Any:
         if buf.numel() < group.chunk_bytes(n):
             raise ValueError(f"staging view of {buf.numel()} bytes is smaller than {n} blocks ({group.chunk_bytes(n)})")
         on_cuda = group.device.type == "cuda"

@@ -74,7 +74,10 @@ class TieredStore:
         self._num_blocks: dict[int, int] = {}
         self._closed = False
         self.namespace = namespace or Namespace(
-            model=ns.model, revision=ns.revision, dtype=ns.dtype, tenant_salt=ns.tenant_salt,
+            model=ns.model,
+            revision=ns.revision,
+            dtype=ns.dtype,
+            tenant_salt=ns.tenant_salt,
             parallel=parallel or _distributed_layout(),
         )
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
@@ -131,18 +134,25 @@ class TieredStore:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**32:
             raise ValueError(f"register_group: group={group!r} is invalid: expected an integer 0..2**32-1")
         if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
-            raise ValueError(f"register_group({group}): blocks_per_chunk={blocks_per_chunk!r} is invalid: "
-                             "expected an integer >= 1 (GPU blocks per stored chunk)")
+            raise ValueError(
+                f"register_group({group}): blocks_per_chunk={blocks_per_chunk!r} is invalid: "
+                "expected an integer >= 1 (GPU blocks per stored chunk)"
+            )
         _check_tensors(group, tensors)
         kv = KVGroupTensors(tensors)
-        geometry = GroupGeometry(kind=str(kind), tokens_per_block=0, blocks_per_chunk=int(blocks_per_chunk),
-                                 bytes_per_block=kv.bytes_per_block)
+        geometry = GroupGeometry(
+            kind=str(kind),
+            tokens_per_block=0,
+            blocks_per_chunk=int(blocks_per_chunk),
+            bytes_per_block=kv.bytes_per_block,
+        )
         dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
         old = self._geometry.get(group)
         if old is not None and old != (geometry, dtypes):
             raise ValueError(
                 f"register_group({group}): group {group} is registered already as {old[0]} {list(old[1])}; "
-                f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)")
+                f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)"
+            )
         route = self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
         self._geometry[group] = (geometry, dtypes)
         self._num_blocks[group] = int(tensors[0].shape[0])  # one count for all (_check_tensors)
@@ -190,8 +200,10 @@ class TieredStore:
         refs = self._checked(group, chunks, "load")
         bpc = self._geometry[group][0].blocks_per_chunk
         if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int) or not 0 <= skip_blocks < bpc:
-            raise ValueError(f"load: skip_blocks={skip_blocks!r} is invalid: expected 0..{bpc - 1} "
-                             f"(blocks to skip inside the first chunk of group {group})")
+            raise ValueError(
+                f"load: skip_blocks={skip_blocks!r} is invalid: expected 0..{bpc - 1} "
+                f"(blocks to skip inside the first chunk of group {group})"
+            )
         job_id = next(self._ids)
         if not self.pipeline.submit_load(LoadJob(job_id, group, refs, skip_blocks)):
             return None
@@ -255,12 +267,16 @@ class TieredStore:
                 raise TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
             key = bytes(key)
             if len(key) < FINGERPRINT_BYTES + GROUP_BYTES + 1 or len(key) > MAX_KEY_BYTES:
-                raise ValueError(f"{op}: chunk {i} key is {len(key)} bytes; expected "
-                                 f"{FINGERPRINT_BYTES + GROUP_BYTES + 1}..{MAX_KEY_BYTES} bytes from store.key()")
+                raise ValueError(
+                    f"{op}: chunk {i} key is {len(key)} bytes; expected "
+                    f"{FINGERPRINT_BYTES + GROUP_BYTES + 1}..{MAX_KEY_BYTES} bytes from store.key()"
+                )
             if self._own_namespace and key[:FINGERPRINT_BYTES] != fp:
-                raise ValueError(f"{op}: chunk {i} key belongs to another namespace (fingerprint "
-                                 f"{key[:FINGERPRINT_BYTES].hex()}, this store's is {fp.hex()}); build keys "
-                                 "with this store's key() after registering its groups")
+                raise ValueError(
+                    f"{op}: chunk {i} key belongs to another namespace (fingerprint "
+                    f"{key[:FINGERPRINT_BYTES].hex()}, this store's is {fp.hex()}); build keys "
+                    "with this store's key() after registering its groups"
+                )
             if stored_key_group(key) != group:
                 raise ValueError(f"{op}: chunk {i} key is of group {stored_key_group(key)}, not of group {group}")
             try:
@@ -268,12 +284,15 @@ class TieredStore:
             except TypeError:
                 raise TypeError(f"{op}: chunk {i} block ids {ids!r} are not integers") from None
             if len(block_ids) != bpc:
-                raise ValueError(f"{op}: chunk {i} has {len(block_ids)} block ids; group {group} chunks are "
-                                 f"{bpc} blocks (blocks_per_chunk)")
+                raise ValueError(
+                    f"{op}: chunk {i} has {len(block_ids)} block ids; group {group} chunks are "
+                    f"{bpc} blocks (blocks_per_chunk)"
+                )
             bad = [b for b in block_ids if not 0 <= b < n_blocks]
             if bad:
-                raise ValueError(f"{op}: chunk {i} block ids {bad} are out of range 0..{n_blocks - 1} "
-                                 f"of group {group}'s tensors")
+                raise ValueError(
+                    f"{op}: chunk {i} block ids {bad} are out of range 0..{n_blocks - 1} of group {group}'s tensors"
+                )
             refs.append(ChunkRef(key, block_ids))
         return tuple(refs)
 
@@ -290,15 +309,20 @@ def _check_tensors(group: int, tensors: Sequence[Any]) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"register_group({group}): tensors[{i}] is {type(t).__name__}; expected a torch.Tensor")
         if t.dim() < 1 or t.shape[0] < 1:
-            raise ValueError(f"register_group({group}): tensors[{i}] has shape {tuple(t.shape)}; "
-                             "expected the block id as the first dimension")
+            raise ValueError(
+                f"register_group({group}): tensors[{i}] has shape {tuple(t.shape)}; "
+                "expected the block id as the first dimension"
+            )
         if not t[0].is_contiguous():
-            raise ValueError(f"register_group({group}): tensors[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) "
-                             "does not hold each block contiguously; pass the KV cache tensor itself, not a "
-                             "transposed or strided view")
+            raise ValueError(
+                f"register_group({group}): tensors[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) "
+                "does not hold each block contiguously; pass the KV cache tensor itself, not a "
+                "transposed or strided view"
+            )
     if len({int(t.shape[0]) for t in tensors}) > 1:
-        raise ValueError(f"register_group({group}): tensors have different block counts "
-                         f"{[int(t.shape[0]) for t in tensors]}")
+        raise ValueError(
+            f"register_group({group}): tensors have different block counts {[int(t.shape[0]) for t in tensors]}"
+        )
 
 
 def _distributed_layout() -> ParallelLayout:

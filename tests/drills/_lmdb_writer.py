@@ -17,17 +17,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.drills._util import check_payload, payload, skey  # noqa: E402
-from tieredkv.backends.lmdb import LMDBTier  # noqa: E402
-from tieredkv.config import LMDBTierConfig  # noqa: E402
+from tests.drills._util import check_payload, payload, skey
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import LMDBTierConfig
 
 KEYSPACE = 192
 
 
 def config(path: str, mode: str) -> LMDBTierConfig:
     # ~1.2 MiB of live data over a 1 MiB cap: puts evict regularly; a small first map grows.
-    return LMDBTierConfig(path=path, sync_mode=mode, map_size_bytes="2MiB", size_cap_bytes="1MiB",
-                          max_map_size_bytes="64MiB")
+    return LMDBTierConfig(
+        path=path, sync_mode=mode, map_size_bytes="2MiB", size_cap_bytes="1MiB", max_map_size_bytes="64MiB"
+    )
 
 
 async def main(path: str, mode: str, seed: int, seq: int) -> int:

@@ -72,17 +72,22 @@ def small_fs(tmp_path: Path, size: str = "8m", options: str = "") -> Iterator[tu
         yield None, "not root: cannot mount a small filesystem"
         return
     opts = f"size={size}" + (f",{options}" if options else "")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)],  # noqa: S603,S607
-                       capture_output=True, text=True, timeout=10, check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
     if r.returncode != 0:
         yield None, f"mount -t tmpfs refused: {r.stderr.strip() or r.returncode}"
         return
     try:
         yield mnt, ""
     finally:
-        umount = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10, check=False)  # noqa: S603,S607
+        umount = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10, check=False)
         if umount.returncode:  # still busy: detach it lazily rather than leave it mounted
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10, check=False)  # noqa: S603,S607
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10, check=False)
 
 
 def wait_jobs(p: Any, ids: set[int], timeout: float = 15.0) -> dict[int, Any]:

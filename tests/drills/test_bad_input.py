@@ -42,40 +42,85 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # (id, config, field path, value as shown, a word of the allowed values / fix)
 BAD_CONFIGS: list[tuple[str, dict[str, Any], str, str | None, str]] = [
-    ("size-not-a-size", {"tiers": [{"kind": "cpu", "capacity_bytes": "lots"}]}, "tiers.0.capacity_bytes", "'lots'",
-     "8GiB"),
+    (
+        "size-not-a-size",
+        {"tiers": [{"kind": "cpu", "capacity_bytes": "lots"}]},
+        "tiers.0.capacity_bytes",
+        "'lots'",
+        "8GiB",
+    ),
     ("size-bad-unit", {"tiers": [{"kind": "lmdb", "map_size_bytes": "1XB"}]}, "tiers.0.map_size_bytes", "'1XB'", "XB"),
     ("size-zero", {"tiers": [{"kind": "cpu", "capacity_bytes": 0}]}, "tiers.0.capacity_bytes", "0", "greater than 0"),
     ("timeout-zero", {"tiers": [{"kind": "cpu", "op_timeout_s": 0}]}, "tiers.0.op_timeout_s", "0", "greater than 0"),
-    ("timeout-word", {"tiers": [{"kind": "redis", "socket_timeout_s": "fast"}]}, "tiers.0.socket_timeout_s",
-     "'fast'", "number"),
+    (
+        "timeout-word",
+        {"tiers": [{"kind": "redis", "socket_timeout_s": "fast"}]},
+        "tiers.0.socket_timeout_s",
+        "'fast'",
+        "number",
+    ),
     ("ttl-negative", {"tiers": [{"kind": "redis", "ttl_s": -3}]}, "tiers.0.ttl_s", "-3", "greater than 0"),
     ("readers-zero", {"tiers": [{"kind": "lmdb", "max_readers": 0}]}, "tiers.0.max_readers", "0", "greater than 0"),
     ("int-word", {"pipeline": {"breaker_failures": "three"}}, "pipeline.breaker_failures", "'three'", "integer"),
     ("port-range", {"metrics": {"port": 70000}}, "metrics.port", "70000", "65535"),
     ("unknown-kind", {"tiers": [{"kind": "tape"}]}, "tiers.0", "'tape'", "allowed kinds: 'cpu', 'lmdb', 'redis'"),
     ("missing-kind", {"tiers": [{"capacity_bytes": 5}]}, "tiers.0", None, "allowed kinds"),
-    ("enum", {"tiers": [{"kind": "lmdb", "sync_mode": "sometimes"}]}, "tiers.0.sync_mode", "'sometimes'",
-     "'durable' or 'fast'"),
+    (
+        "enum",
+        {"tiers": [{"kind": "lmdb", "sync_mode": "sometimes"}]},
+        "tiers.0.sync_mode",
+        "'sometimes'",
+        "'durable' or 'fast'",
+    ),
     ("unknown-field", {"tierz": []}, "tierz", "[]", "did you mean 'tiers'"),
-    ("unknown-tier-field", {"tiers": [{"kind": "cpu", "capacity": "1GiB"}]}, "tiers.0.capacity", "'1GiB'",
-     "did you mean 'capacity_bytes'"),
+    (
+        "unknown-tier-field",
+        {"tiers": [{"kind": "cpu", "capacity": "1GiB"}]},
+        "tiers.0.capacity",
+        "'1GiB'",
+        "did you mean 'capacity_bytes'",
+    ),
     ("no-tiers", {"tiers": []}, "tiers", "[]", "at least 1"),
     ("tiers-not-list", {"tiers": {"kind": "cpu"}}, "tiers", None, "valid list"),
     ("tier-not-mapping", {"tiers": ["cpu"]}, "tiers.0", "'cpu'", "dictionary"),
     ("version", {"version": 2}, "version", "2", "should be 1"),
-    ("url-scheme", {"tiers": [{"kind": "redis", "url": "http://127.0.0.1:6379"}]}, "tiers.0.url",
-     "'http://127.0.0.1:6379'", "redis://"),
-    ("hash-tag-prefix", {"tiers": [{"kind": "redis", "key_prefix": "a{b}"}]}, "tiers.0.key_prefix", "'a{b}'",
-     "hash tag"),
+    (
+        "url-scheme",
+        {"tiers": [{"kind": "redis", "url": "http://127.0.0.1:6379"}]},
+        "tiers.0.url",
+        "'http://127.0.0.1:6379'",
+        "redis://",
+    ),
+    (
+        "hash-tag-prefix",
+        {"tiers": [{"kind": "redis", "key_prefix": "a{b}"}]},
+        "tiers.0.key_prefix",
+        "'a{b}'",
+        "hash tag",
+    ),
     ("buckets", {"tiers": [{"kind": "redis", "hash_tag_buckets": 5000}]}, "tiers.0.hash_tag_buckets", "5000", "4096"),
-    ("cap-over-map", {"tiers": [{"kind": "lmdb", "size_cap_bytes": "8GiB"}]}, "tiers.0", None,
-     "raise map_size_bytes or lower size_cap_bytes"),
-    ("segment-over-capacity", {"tiers": [{"kind": "cpu", "capacity_bytes": "1MiB", "segment_bytes": "8MiB"}]},
-     "tiers.0", None, "must not exceed capacity_bytes"),
+    (
+        "cap-over-map",
+        {"tiers": [{"kind": "lmdb", "size_cap_bytes": "8GiB"}]},
+        "tiers.0",
+        None,
+        "raise map_size_bytes or lower size_cap_bytes",
+    ),
+    (
+        "segment-over-capacity",
+        {"tiers": [{"kind": "cpu", "capacity_bytes": "1MiB", "segment_bytes": "8MiB"}]},
+        "tiers.0",
+        None,
+        "must not exceed capacity_bytes",
+    ),
     ("policy-unknown-tier", {"policy": [{"tiers": ["nvme0"]}]}, "policy.0.tiers.0", "'nvme0'", "configured:"),
-    ("write-back-one-tier", {"tiers": [{"kind": "cpu"}], "policy": [{"write": "back"}]}, "policy.0.write", None,
-     "at least two tiers"),
+    (
+        "write-back-one-tier",
+        {"tiers": [{"kind": "cpu"}], "policy": [{"write": "back"}]},
+        "policy.0.write",
+        None,
+        "at least two tiers",
+    ),
     ("duplicate-names", {"tiers": [{"kind": "cpu"}, {"kind": "cpu"}]}, "tiers.1", "'cpu'", "distinct 'name'"),
     ("empty-model", {"namespace": {"model": ""}}, "namespace.model", "''", "at least 1 character"),
 ]
@@ -88,8 +133,9 @@ def _problem_lines(e: ConfigError) -> list[str]:
 
 
 @pytest.mark.parametrize("raw,path,value,fix", [pytest.param(*c[1:], id=c[0]) for c in BAD_CONFIGS])
-def test_malformed_config_is_one_line_naming_field_value_and_fix(raw: dict[str, Any], path: str, value: str | None,
-                                                                  fix: str) -> None:
+def test_malformed_config_is_one_line_naming_field_value_and_fix(
+    raw: dict[str, Any], path: str, value: str | None, fix: str
+) -> None:
     with pytest.raises(ConfigError) as ei:
         load_config(raw, env={})
     (line,) = _problem_lines(ei.value)
@@ -110,26 +156,45 @@ def test_negative_size_says_it_must_be_positive(field: str) -> None:
 
 def test_config_check_cli_exits_2_with_one_line_per_bad_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({
-        "tiers": [{"kind": "cpu", "capacity_bytes": "lots"}, {"kind": "tape"},
-                  {"kind": "lmdb", "sync_mode": "sometimes"}],
-        "pipeline": {"breaker_failures": "three"},
-    }))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": [
+                    {"kind": "cpu", "capacity_bytes": "lots"},
+                    {"kind": "tape"},
+                    {"kind": "lmdb", "sync_mode": "sometimes"},
+                ],
+                "pipeline": {"breaker_failures": "three"},
+            }
+        )
+    )
     not_yaml = tmp_path / "broken.yaml"
     not_yaml.write_text("tiers: [kind: cpu\n  - : :\n")
     a_list = tmp_path / "list.yaml"
     a_list.write_text("- kind: cpu\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")} | {"COLUMNS": "300"}
     cases = {
-        bad: ["tiers.0.capacity_bytes: got 'lots'", "tiers.1: ", "tiers.2.sync_mode: got 'sometimes'",
-              "pipeline.breaker_failures: got 'three'", "4 problem(s)"],
+        bad: [
+            "tiers.0.capacity_bytes: got 'lots'",
+            "tiers.1: ",
+            "tiers.2.sync_mode: got 'sometimes'",
+            "pipeline.breaker_failures: got 'three'",
+            "4 problem(s)",
+        ],
         not_yaml: ["not valid YAML"],
         a_list: ["top level must be a mapping"],
         tmp_path / "missing.yaml": ["cannot read it", "check the path"],
     }
     for path, wants in cases.items():
-        r = subprocess.run([sys.executable, "-m", "tieredkv.cli", "config", "check", str(path)], capture_output=True,
-                           text=True, timeout=60, env=env, cwd=ROOT, check=False)
+        r = subprocess.run(
+            [sys.executable, "-m", "tieredkv.cli", "config", "check", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=ROOT,
+            check=False,
+        )
         assert r.returncode == 2, (path, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr
         err = r.stderr
@@ -233,6 +298,7 @@ def _lmdb_config(path: Path) -> dict[str, Any]:
 def _unwritable(path: Path, why: str) -> None:
     """A path that can never hold the environment is a setup error: ConfigError naming the field and
     the path, at tier open and at store start (which then closes what it opened), never an outage."""
+
     async def direct() -> str:
         tier = LMDBTier(load_config(_lmdb_config(path), env={}).tiers[0])
         t0 = time.perf_counter()
@@ -271,9 +337,15 @@ def test_failed_start_closes_the_tiers_it_already_opened(tmp_path: Path) -> None
 
     if torch.cuda.is_available():
         pytest.skip("pin_memory='always' is valid with CUDA")
-    cfg = load_config({"tiers": [_lmdb_config(tmp_path / "lmdb")["tiers"][0],
-                                 {"kind": "cpu", "capacity_bytes": "4MiB", "segment_bytes": "1MiB",
-                                  "pin_memory": "always"}]}, env={})
+    cfg = load_config(
+        {
+            "tiers": [
+                _lmdb_config(tmp_path / "lmdb")["tiers"][0],
+                {"kind": "cpu", "capacity_bytes": "4MiB", "segment_bytes": "1MiB", "pin_memory": "always"},
+            ]
+        },
+        env={},
+    )
     store = TieredStore(cfg)
     with pytest.raises(ConfigError, match="pin_memory"):
         store.start()
@@ -320,7 +392,7 @@ async def test_foreign_garbage_under_our_prefix_is_a_miss(redis_server: RedisSer
             await raw.set(f"{prefix}:junk".encode(), b"x")
             await raw.set(f"{prefix}:{{zz}}:zz".encode(), b"x")
             await raw.set(f"{prefix}:{{{NS.fingerprint.hex()}.0}}:nothex".encode(), b"x")
-            mixed = [k for pair in zip(good, victims) for k in pair] + good[len(victims):]
+            mixed = [k for pair in zip(good, victims) for k in pair] + good[len(victims) :]
             got = await tier.get_many(mixed)
             for k, g in zip(mixed, got):
                 if k in victims:
@@ -333,8 +405,13 @@ async def test_foreign_garbage_under_our_prefix_is_a_miss(redis_server: RedisSer
     finally:
         await raw.delete(*[k async for k in raw.scan_iter(match=f"{prefix}:*")])
         await raw.aclose()
-    report("bad-input-foreign-garbage", garbage_values=len(cases), misses=len(victims), foreign_keys_ignored=3,
-           neighbours_served=len(good))
+    report(
+        "bad-input-foreign-garbage",
+        garbage_values=len(cases),
+        misses=len(victims),
+        foreign_keys_ignored=3,
+        neighbours_served=len(good),
+    )
 
 
 @pytest.mark.parametrize("kind", ["list", "hash"])
@@ -354,5 +431,3 @@ async def test_foreign_non_string_value_is_a_miss_not_a_failed_batch(redis_serve
     finally:
         await raw.delete(*[k async for k in raw.scan_iter(match=f"{prefix}:*")])
         await raw.aclose()
-
-

@@ -34,16 +34,13 @@ def _key(i: int) -> bytes:
     return NS.key(block_hash(i), 0)
 
 
-
-
 def _fill(path: Path) -> Path:
     """Fill the filesystem holding ``path`` with a ballast file; return it."""
     ballast = path / "ballast"
-    with open(ballast, "wb") as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * (256 * KiB))
-                f.flush()
+    with open(ballast, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * (256 * KiB))
+            f.flush()
     return ballast
 
 
@@ -51,8 +48,9 @@ def _fill(path: Path) -> Path:
 
 
 async def test_lmdb_map_at_its_max_with_everything_pinned_refuses_cleanly(tmp_path: Path) -> None:
-    cfg = LMDBTierConfig(path=str(tmp_path / "env"), map_size_bytes=MiB, size_cap_bytes=1000 * KiB,
-                         max_map_size_bytes=MiB)
+    cfg = LMDBTierConfig(
+        path=str(tmp_path / "env"), map_size_bytes=MiB, size_cap_bytes=1000 * KiB, max_map_size_bytes=MiB
+    )
     async with LMDBTier(cfg) as tier:
         stored: list[int] = []
         for b in range(0, 400, 20):
@@ -78,8 +76,13 @@ async def test_lmdb_map_at_its_max_with_everything_pinned_refuses_cleanly(tmp_pa
         await tier.put_many([(_key(i), payload(i, 1, 4097)) for i in range(2000, 2020)])
         assert all(await tier.contains_many([_key(i) for i in range(2000, 2020)]))
         st = await tier.stats()
-    report("capacity-lmdb-map-max", records=st.records, evictions=tier.counters["evictions"],
-           batches_refused_all_pinned=refused, batches_accepted_all_pinned=accepted)
+    report(
+        "capacity-lmdb-map-max",
+        records=st.records,
+        evictions=tier.counters["evictions"],
+        batches_refused_all_pinned=refused,
+        batches_accepted_all_pinned=accepted,
+    )
 
 
 def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
@@ -90,11 +93,21 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
             # Fallback: a map that cannot grow, with every stored record pinned, so nothing can be
             # evicted and the tier must refuse (TierFullError); "freeing space" is unpinning.
             print(f"disk-full drill: {why}; falling back to a small LMDB map")
-            cfg = LMDBTierConfig(path=str(tmp_path / "env"), sync_mode="durable", map_size_bytes=4 * MiB,
-                                 size_cap_bytes=int(3.9 * MiB), max_map_size_bytes=4 * MiB)
+            cfg = LMDBTierConfig(
+                path=str(tmp_path / "env"),
+                sync_mode="durable",
+                map_size_bytes=4 * MiB,
+                size_cap_bytes=int(3.9 * MiB),
+                max_map_size_bytes=4 * MiB,
+            )
         else:
-            cfg = LMDBTierConfig(path=str(mnt / "env"), sync_mode="durable", map_size_bytes=32 * MiB,
-                                 size_cap_bytes=24 * MiB, max_map_size_bytes=64 * MiB)
+            cfg = LMDBTierConfig(
+                path=str(mnt / "env"),
+                sync_mode="durable",
+                map_size_bytes=32 * MiB,
+                size_cap_bytes=24 * MiB,
+                max_map_size_bytes=64 * MiB,
+            )
         tier = LMDBTier(cfg)
         pol = TierPolicy([PolicyRule()], [tier.name])
         p = Pipeline([tier], pol, PipelineConfig(breaker_failures=2, breaker_reset_s=0.2, job_timeout_s=10)).start()
@@ -156,6 +169,7 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
             assert recovered_after is not None and recovered_after < 5, "no recovery after space was freed"
         finally:
             p.close()
+
         # Everything on disk still verifies after the episode.
         async def scrub() -> int:
             async with LMDBTier(cfg) as t2:
@@ -165,17 +179,30 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
                 return len(keys)
 
         records = asyncio.run(scrub())
-    report("capacity-disk-full", medium="tmpfs-8MiB" if mnt is not None else "small-map", refused_jobs=refused,
-           dropped=st["dropped"][tier.name], breaker_opens=st["breaker_opens"][tier.name], reads_served=served,
-           recovered_s=round(recovered_after, 2), records_verified=records, errors=sorted(errors)[:1])
+    report(
+        "capacity-disk-full",
+        medium="tmpfs-8MiB" if mnt is not None else "small-map",
+        refused_jobs=refused,
+        dropped=st["dropped"][tier.name],
+        breaker_opens=st["breaker_opens"][tier.name],
+        reads_served=served,
+        recovered_s=round(recovered_after, 2),
+        records_verified=records,
+        errors=sorted(errors)[:1],
+    )
 
 
 async def test_lmdb_disk_full_is_tier_full(tmp_path: Path) -> None:
     with small_fs(tmp_path) as (mnt, why):
         if mnt is None:
             pytest.skip(f"needs a small filesystem: {why}")
-        cfg = LMDBTierConfig(path=str(mnt / "env"), sync_mode="durable", map_size_bytes=32 * MiB,
-                             size_cap_bytes=24 * MiB, max_map_size_bytes=64 * MiB)
+        cfg = LMDBTierConfig(
+            path=str(mnt / "env"),
+            sync_mode="durable",
+            map_size_bytes=32 * MiB,
+            size_cap_bytes=24 * MiB,
+            max_map_size_bytes=64 * MiB,
+        )
         async with LMDBTier(cfg) as tier:
             await tier.put_many([(_key(0), payload(0, 1, 64 * KiB))])
             _fill(mnt)
@@ -209,8 +236,13 @@ def test_lmdb_fast_mode_disk_full_is_a_refusal_not_a_crash(tmp_path: Path) -> No
     with small_fs(tmp_path) as (mnt, why):
         if mnt is None:
             pytest.skip(f"needs a small filesystem: {why}")
-        r = subprocess.run([sys.executable, "-c", _FAST_WRITER, str(mnt / "env")],  # noqa: S603
-                           capture_output=True, text=True, timeout=60, check=False)
+        r = subprocess.run(
+            [sys.executable, "-c", _FAST_WRITER, str(mnt / "env")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert r.returncode == 0, f"writer died with {r.returncode} (-7 = SIGBUS): {r.stderr[-300:]}"
         assert "refused:" in r.stdout
 
@@ -253,5 +285,4 @@ def test_cpu_tier_all_pinned_refuses_then_stores_after_unpin() -> None:
         assert evictions == len(new)
     finally:
         p.close()
-    report("capacity-cpu-all-pinned", slots=32, refused=len(new), stored_after_unpin=len(r4.done),
-           evictions=evictions)
+    report("capacity-cpu-all-pinned", slots=32, refused=len(new), stored_after_unpin=len(r4.done), evictions=evictions)

@@ -130,5 +130,3 @@ def test_mutator_covers_header_and_payload() -> None:
         if kind == "flip":
             hit.update(i for i in range(len(rec)) if m[i] != rec[i])
     assert all(i in hit for i in range(HEADER_SIZE))
-
-

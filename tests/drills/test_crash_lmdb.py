@@ -41,9 +41,11 @@ INDEX_OF = {skey(i): i for i in range(192)}
 
 def _run_and_kill(path: Path, mode: str, seed: int, first_seq: int, rng: random.Random) -> list[str]:
     """Start the writer, SIGKILL it at a random moment after it opened, return its output lines."""
-    proc = subprocess.Popen(  # noqa: S603 - fixed argv
+    proc = subprocess.Popen(
         [sys.executable, str(WRITER), str(path), mode, str(seed), str(first_seq)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     lines: list[str] = []
     ready = threading.Event()
@@ -114,15 +116,22 @@ async def _verify(path: Path, mode: str, lines: list[str], first_seq: int) -> di
         # printing: a delete of one of the last put's keys, or a put's size-cap evictions. Only
         # with nothing in flight must every record of the last printed put be there.
         last_w = next((x for x in reversed(lines) if x.startswith("W ")), None)
-        in_flight = last_w is not None and (last_put is None or lines.index(last_w) > lines.index(last_put)) and not any(
-            x.startswith(("P ", "D ")) and x.split()[1] == last_w.split()[1] for x in lines)
+        in_flight = (
+            last_w is not None
+            and (last_put is None or lines.index(last_w) > lines.index(last_put))
+            and not any(x.startswith(("P ", "D ")) and x.split()[1] == last_w.split()[1] for x in lines)
+        )
         if mode == "durable" and not in_flight:
             assert lost == 0, f"{lost} records of the last committed put were lost in durable mode"
         # The environment is writable after the crash.
         await tier.put_many([(skey(0), payload(0, next_seq))])
         assert check_payload(0, (await tier.get_many([skey(0)]))[0]) == next_seq
-    return {"records": len(infos), "last_put_survived": survived, "last_put_lost": lost,
-            "commits_seen": sum(1 for x in lines if x[:1] in "PD")}
+    return {
+        "records": len(infos),
+        "last_put_survived": survived,
+        "last_put_lost": lost,
+        "commits_seen": sum(1 for x in lines if x[:1] in "PD"),
+    }
 
 
 @pytest.mark.parametrize("mode", ["durable", "fast"])

@@ -37,8 +37,13 @@ SIZE = 4096
 
 
 def _redis_cfg(url: str, **kw: Any) -> RedisTierConfig:
-    base = {"url": url, "key_prefix": f"drill{uuid.uuid4().hex[:8]}", "socket_timeout_s": 0.5,
-            "connect_timeout_s": 0.2, "op_timeout_s": 2.0}
+    base = {
+        "url": url,
+        "key_prefix": f"drill{uuid.uuid4().hex[:8]}",
+        "socket_timeout_s": 0.5,
+        "connect_timeout_s": 0.2,
+        "op_timeout_s": 2.0,
+    }
     return RedisTierConfig(**{**base, **kw})
 
 
@@ -54,8 +59,6 @@ def _pipeline(red: RedisTier, **cfg: Any) -> Pipeline:
 
 def _key(i: int) -> bytes:
     return NS.key(block_hash(i), i % 2)
-
-
 
 
 def test_single_node_killed_and_restarted_mid_load() -> None:
@@ -114,8 +117,14 @@ def test_single_node_killed_and_restarted_mid_load() -> None:
         assert len(heal_s) == 2 and max(heal_s) < 5.0, f"breaker healed after restarts: {heal_s}"
         assert seen_states[-1] == "closed"
         assert counts["redis_served"] > 0 and st["dropped"]["redis"] > 0
-        report("redis-kill-restart", kills=2, **counts, dropped_stores=st["dropped"]["redis"],
-               breaker_opens=st["breaker_opens"]["redis"], heal_s=[round(h, 2) for h in heal_s])
+        report(
+            "redis-kill-restart",
+            kills=2,
+            **counts,
+            dropped_stores=st["dropped"]["redis"],
+            breaker_opens=st["breaker_opens"]["redis"],
+            heal_s=[round(h, 2) for h in heal_s],
+        )
 
 
 def test_stalled_server_deadlines_fire_and_nothing_hangs() -> None:
@@ -133,8 +142,11 @@ def test_stalled_server_deadlines_fire_and_nothing_hangs() -> None:
                 os.kill(srv.pid, signal.SIGSTOP)
                 took: dict[str, float] = {}
                 try:
-                    for name, op in (("get", tier.get_many(keys)), ("put", tier.put_many([(keys[0], b"x")])),
-                                     ("contains", tier.contains_many(keys))):
+                    for name, op in (
+                        ("get", tier.get_many(keys)),
+                        ("put", tier.put_many([(keys[0], b"x")])),
+                        ("contains", tier.contains_many(keys)),
+                    ):
                         t0 = time.perf_counter()
                         with pytest.raises(TierUnavailableError):
                             await op
@@ -174,8 +186,14 @@ def test_stalled_server_deadlines_fire_and_nothing_hangs() -> None:
                 os.kill(srv.pid, signal.SIGCONT)
             p.close()
         assert job_s < bound + 1 and close_s < bound + 3
-        report("redis-sigstop", ops_timed_out=len(took), max_op_s=round(max(took.values()), 2),
-               pipeline_job_s=round(job_s, 2), close_s=round(close_s, 2), bound_s=bound)
+        report(
+            "redis-sigstop",
+            ops_timed_out=len(took),
+            max_op_s=round(max(took.values()), 2),
+            pipeline_job_s=round(job_s, 2),
+            close_s=round(close_s, 2),
+            bound_s=bound,
+        )
 
 
 # ---- Redis Cluster -------------------------------------------------------------------------
@@ -192,8 +210,13 @@ def _topology(port: int) -> dict[int, dict[str, Any]]:
                 a, _, b = s.partition("-")
                 slots.append((int(a), int(b or a)))
         role = "master" if "master" in f[2] else "replica"
-        out[int(f[1].split("@")[0].rsplit(":", 1)[1])] = {"id": f[0], "role": role, "master_id": f[3],
-                                                          "slots": slots, "fail": "fail" in f[2]}
+        out[int(f[1].split("@")[0].rsplit(":", 1)[1])] = {
+            "id": f[0],
+            "role": role,
+            "master_id": f[3],
+            "slots": slots,
+            "fail": "fail" in f[2],
+        }
     return out
 
 
@@ -209,10 +232,18 @@ class _ReplicatedCluster(RedisCluster):
         super().__init__(masters=6, **kw)
 
     def _create(self, cli: str) -> None:
-        argv = [cli, "--cluster", "create", *(f"{h}:{p}" for h, p in self.nodes), "--cluster-replicas", "1",
-                "--cluster-yes"]
-        res = subprocess.run(  # noqa: S603 - fixed argv
-            argv, capture_output=True, timeout=self.startup_timeout, stdin=subprocess.DEVNULL, check=False)
+        argv = [
+            cli,
+            "--cluster",
+            "create",
+            *(f"{h}:{p}" for h, p in self.nodes),
+            "--cluster-replicas",
+            "1",
+            "--cluster-yes",
+        ]
+        res = subprocess.run(
+            argv, capture_output=True, timeout=self.startup_timeout, stdin=subprocess.DEVNULL, check=False
+        )
         out = (res.stdout + res.stderr).decode(errors="replace")
         if res.returncode != 0 or "All 16384 slots covered" not in out:
             raise RuntimeError(f"redis-cli --cluster create failed (rc={res.returncode}):\n{out[-2000:]}")
@@ -223,8 +254,11 @@ def _cluster(replicas: bool = False) -> Iterator[RedisCluster]:
     # Keep serving the slots that are still covered when a master is gone (the default, "yes",
     # makes every node refuse every key once a master is marked failed).
     args = ["--cluster-require-full-coverage", "no"]
-    c = _ReplicatedCluster(extra_args=args, node_timeout_ms=1000) if replicas else RedisCluster(
-        extra_args=args, node_timeout_ms=1000)
+    c = (
+        _ReplicatedCluster(extra_args=args, node_timeout_ms=1000)
+        if replicas
+        else RedisCluster(extra_args=args, node_timeout_ms=1000)
+    )
     with c:
         yield c
 
@@ -315,8 +349,12 @@ def test_cluster_failover_to_replica_is_picked_up() -> None:
             await tier.put_many([(dead[0], b"written to the promoted replica")])
             assert await tier.get_many([dead[0]]) == [b"written to the promoted replica"]
             assert _topology(c.servers[0].port)[replica_port]["role"] == "master"
-            return {"keys_on_failed_master": len(dead), "failover_s": round(failover_s, 2),
-                    "errors_during_failover": errors, "served_after": len(keys)}
+            return {
+                "keys_on_failed_master": len(dead),
+                "failover_s": round(failover_s, 2),
+                "errors_during_failover": errors,
+                "served_after": len(keys),
+            }
 
     with _cluster(replicas=True) as c:
         counts = asyncio.run(run(c))  # type: ignore[arg-type]

@@ -62,8 +62,9 @@ def unsafe_uses(source: str, filename: str = "<src>") -> list[str]:
             name = _dotted(node.func)
             kw = {k.arg: k.value for k in node.keywords}
             if isinstance(node.func, ast.Name) and name in BANNED_CALLS | {"__import__"}:
-                if name != "__import__" or any(isinstance(a, ast.Constant) and str(a.value) in BANNED_MODULES
-                                               for a in node.args):
+                if name != "__import__" or any(
+                    isinstance(a, ast.Constant) and str(a.value) in BANNED_MODULES for a in node.args
+                ):
                     found.append(f"{where} {name}(...)")
             elif name.endswith("import_module") and any(
                 isinstance(a, ast.Constant) and str(a.value).split(".")[0] in BANNED_MODULES for a in node.args
@@ -79,8 +80,11 @@ def unsafe_uses(source: str, filename: str = "<src>") -> list[str]:
                 isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
             ):
                 found.append(f"{where} torch.load (unpickles)")
-            elif name.endswith(("np.load", "numpy.load")) and isinstance(kw.get("allow_pickle"), ast.Constant) and \
-                    kw["allow_pickle"].value:
+            elif (
+                name.endswith(("np.load", "numpy.load"))
+                and isinstance(kw.get("allow_pickle"), ast.Constant)
+                and kw["allow_pickle"].value
+            ):
                 found.append(f"{where} numpy.load(allow_pickle=True)")
     return found
 
@@ -93,19 +97,39 @@ def test_package_never_unpickles_unmarshals_or_evals() -> None:
     report("security-ast-scan", modules=len(files), findings=len(found))
 
 
-@pytest.mark.parametrize("snippet", [
-    "import pickle", "import cPickle as p", "from marshal import loads", "import dill.source",
-    "x = eval(s)", "exec(code)", "yaml.load(text)", "yaml.load(text, Loader=yaml.Loader)", "yaml.unsafe_load(t)",
-    "torch.load(path)", "np.load(p, allow_pickle=True)", "importlib.import_module('pickle')", "__import__('marshal')",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import pickle",
+        "import cPickle as p",
+        "from marshal import loads",
+        "import dill.source",
+        "x = eval(s)",
+        "exec(code)",
+        "yaml.load(text)",
+        "yaml.load(text, Loader=yaml.Loader)",
+        "yaml.unsafe_load(t)",
+        "torch.load(path)",
+        "np.load(p, allow_pickle=True)",
+        "importlib.import_module('pickle')",
+        "__import__('marshal')",
+    ],
+)
 def test_scanner_catches_each_banned_use(snippet: str) -> None:
     assert unsafe_uses(snippet)
 
 
-@pytest.mark.parametrize("snippet", [
-    "yaml.safe_load(t)", "yaml.load(t, Loader=yaml.SafeLoader)", "await client.eval(script, 1, key)",
-    "torch.load(p, weights_only=True)", "import json", "ast.literal_eval(s)",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "yaml.safe_load(t)",
+        "yaml.load(t, Loader=yaml.SafeLoader)",
+        "await client.eval(script, 1, key)",
+        "torch.load(p, weights_only=True)",
+        "import json",
+        "ast.literal_eval(s)",
+    ],
+)
 def test_scanner_allows_safe_uses(snippet: str) -> None:
     assert not unsafe_uses(snippet)
 
@@ -114,10 +138,13 @@ def test_scanner_allows_safe_uses(snippet: str) -> None:
 
 
 def _tenant_cfg(url: str, prefix: str, salt: str) -> Any:
-    return load_config({
-        "namespace": {"model": "shared/model", "tenant_salt": salt},
-        "tiers": [{"kind": "redis", "url": url, "key_prefix": prefix}],
-    }, env={})
+    return load_config(
+        {
+            "namespace": {"model": "shared/model", "tenant_salt": salt},
+            "tiers": [{"kind": "redis", "url": url, "key_prefix": prefix}],
+        },
+        env={},
+    )
 
 
 def _get(store: Any, job: int, keys: list[bytes], size: int) -> Any:
@@ -182,8 +209,15 @@ async def _scan_keys(tier: RedisTier, ns: Namespace) -> set[bytes]:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")} | {"COLUMNS": "250"} | (env or {})
-    return subprocess.run([sys.executable, "-m", "tieredkv.cli", *args], capture_output=True, text=True, timeout=60,
-                          env=e, cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "tieredkv.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=e,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 SECRETS = ("fieldpw-3x7", "urlpw-9q2", "envpw-4k8")
@@ -192,21 +226,40 @@ SECRETS = ("fieldpw-3x7", "urlpw-9q2", "envpw-4k8")
 def test_cli_never_prints_secrets(tmp_path: Path) -> None:
     with RedisServer(requirepass=SECRETS[0]) as srv:
         cfg = tmp_path / "c.yaml"
-        cfg.write_text(yaml.safe_dump({"tiers": [
-            {"kind": "redis", "name": "shared", "url": srv.url, "password": SECRETS[0], "socket_timeout_s": 0.5},
-            {"kind": "redis", "name": "dead", "url": f"redis://app:{SECRETS[1]}@127.0.0.1:{free_port()}/0",
-             "socket_timeout_s": 0.5, "connect_timeout_s": 0.2},
-        ]}))
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "tiers": [
+                        {
+                            "kind": "redis",
+                            "name": "shared",
+                            "url": srv.url,
+                            "password": SECRETS[0],
+                            "socket_timeout_s": 0.5,
+                        },
+                        {
+                            "kind": "redis",
+                            "name": "dead",
+                            "url": f"redis://app:{SECRETS[1]}@127.0.0.1:{free_port()}/0",
+                            "socket_timeout_s": 0.5,
+                            "connect_timeout_s": 0.2,
+                        },
+                    ]
+                }
+            )
+        )
         env = {"TIEREDKV_CONFIG": str(cfg)}
         runs = {
             "config show": _cli("config", "show", env=env),
             "config show --json --sources": _cli("config", "show", "--json", "--sources", env=env),
-            "config show (env password)": _cli("config", "show", "--json",
-                                               env=env | {"TIEREDKV_TIERS__shared__PASSWORD": SECRETS[2]}),
+            "config show (env password)": _cli(
+                "config", "show", "--json", env=env | {"TIEREDKV_TIERS__shared__PASSWORD": SECRETS[2]}
+            ),
             "config check": _cli("config", "check", str(cfg)),
             "status": _cli("status", "--json", env=env),
             "status, wrong password from env": _cli(
-                "status", env=env | {"TIEREDKV_TIERS__shared__PASSWORD": SECRETS[2]}),
+                "status", env=env | {"TIEREDKV_TIERS__shared__PASSWORD": SECRETS[2]}
+            ),
             "ls dead": _cli("ls", "-t", "dead", env=env),
         }
     leaks = [(name, s) for name, r in runs.items() for s in SECRETS if s in r.stdout + r.stderr]
@@ -216,15 +269,19 @@ def test_cli_never_prints_secrets(tmp_path: Path) -> None:
     assert shown["tiers"][0]["password"] == "***"
     assert runs["status"].returncode == 3  # "dead" is unreachable
     assert "authentication failed" in " ".join(runs["status, wrong password from env"].stderr.split()) + " ".join(
-        runs["status, wrong password from env"].stdout.split())
+        runs["status, wrong password from env"].stdout.split()
+    )
     assert runs["ls dead"].returncode == 3 and "redis://127.0.0.1:" in " ".join(runs["ls dead"].stderr.split())
     report("security-cli-secrets", commands=len(runs), secrets=len(SECRETS), leaks=len(leaks))
 
 
-@pytest.mark.parametrize("tier", [
-    {"kind": "redis", "password": 9_731_555},
-    {"kind": "redis", "url": "http://app:9731555@127.0.0.1:6379"},
-])
+@pytest.mark.parametrize(
+    "tier",
+    [
+        {"kind": "redis", "password": 9_731_555},
+        {"kind": "redis", "url": "http://app:9731555@127.0.0.1:6379"},
+    ],
+)
 def test_config_errors_do_not_echo_secrets(tier: dict[str, Any]) -> None:
     with pytest.raises(ConfigError) as ei:
         load_config({"tiers": [tier]}, env={})
@@ -233,8 +290,10 @@ def test_config_errors_do_not_echo_secrets(tier: dict[str, Any]) -> None:
 
 def test_redis_tier_repr_and_errors_hide_url_credentials() -> None:
     port = free_port()
-    tier = RedisTier(RedisTierConfig(url=f"redis://app:{SECRETS[1]}@127.0.0.1:{port}/0", password=SECRETS[0],
-                                     connect_timeout_s=0.2))
+    tier = RedisTier(
+        RedisTierConfig(url=f"redis://app:{SECRETS[1]}@127.0.0.1:{port}/0", password=SECRETS[0], connect_timeout_s=0.2)
+    )
+
     async def go() -> str:
         try:
             await tier.get_many([Namespace(model="m").key(b"h" * 32, 0)])

@@ -204,7 +204,6 @@ def test_status_reads_breaker_state_from_a_running_engines_metrics(tmp_path: Pat
     assert all(r["breaker"] is None for r in gone["tiers"])
 
 
-
 class _Garbage(http.server.BaseHTTPRequestHandler):
     """Serves what a wrong --metrics-url may point at: an HTML page, garbage, non-UTF-8 bytes."""
 
@@ -214,7 +213,7 @@ class _Garbage(http.server.BaseHTTPRequestHandler):
         "/binary": b"\xff\xfe\x00garbage",
     }
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         body = self.BODIES.get(self.path, b"")
         self.send_response(200)
         self.send_header("Content-Type", "text/html")
@@ -256,6 +255,7 @@ def test_status_with_a_metrics_url_that_is_not_prometheus_exits_2_with_one_clear
     finally:
         srv.shutdown()
         srv.server_close()
+
 
 # ---- ls / inspect -----------------------------------------------------------------------
 
@@ -456,6 +456,7 @@ def test_evict_to_size_below_one_byte_or_fractional_is_refused_and_deletes_nothi
     assert "leave out --to-size" in zero and "tieredkv flush" in zero
     ok = run_json("evict", "-c", str(cfg), "--to-size", "1.5KiB", "--dry-run")
     assert ok["tiers"][0]["victims"] > 0 and ok["tiers"][0]["evicted"] == 0
+
 
 def test_evict_by_group_on_the_cluster(tmp_path: Path, redis_cluster: RedisCluster) -> None:
     cfg = write_config(tmp_path, redis_tier(redis_cluster.url, "cluster", cluster=True))

@@ -100,7 +100,7 @@ def test_cluster_nodes_agree_with_the_init_service_and_the_tieredkv_config() -> 
         cmd = [str(c) for c in svc["command"]]
         assert cmd[cmd.index("--cluster-announce-hostname") + 1] == svc["hostname"] == name
         conf = binds(svc)[cmd[1]].read_text()
-        assert re.search(r"^cluster-enabled yes", conf, re.M) and "cluster-preferred-endpoint-type hostname" in conf
+        assert re.search(r"^cluster-enabled yes", conf, re.MULTILINE) and "cluster-preferred-endpoint-type hostname" in conf
     init = " ".join(str(c) for c in services()["redis-cluster-init"]["command"])
     created = re.findall(r"getent hosts ([\w-]+) .*?\):(\d+)", init)
     assert {(n, int(p)) for n, p in created} == set(nodes.items()), init

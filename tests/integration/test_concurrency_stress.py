@@ -190,8 +190,9 @@ class Results:
         return box[0]
 
 
-def _tensor_worker(p: Pipeline, res: Results, model: Model, tensors: list[torch.Tensor], idx: int, nops: int,
-                   rng: random.Random) -> None:
+def _tensor_worker(
+    p: Pipeline, res: Results, model: Model, tensors: list[torch.Tensor], idx: int, nops: int, rng: random.Random
+) -> None:
     per = CHUNKS_PER_JOB * BPC
     src_base = idx * 2 * per  # this thread's blocks: per for stores, per for loads
     dst_base = src_base + per
@@ -367,7 +368,7 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
         async def direct(seed: int) -> None:
             try:
                 await _direct_task(cpu, model, per, random.Random(seed))
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 failures.append(e)
                 raise
             finally:
@@ -376,8 +377,9 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
                     tasks_done.set()
 
         threads = [
-            threading.Thread(target=guarded, args=(_tensor_worker, p, res, model, tensors, i, per,
-                                                   random.Random(rng.random())))
+            threading.Thread(
+                target=guarded, args=(_tensor_worker, p, res, model, tensors, i, per, random.Random(rng.random()))
+            )
             for i in range(TENSOR_THREADS)
         ] + [
             threading.Thread(target=guarded, args=(_buffer_worker, p, res, model, per, random.Random(rng.random())))
@@ -397,8 +399,19 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
         cs = p._call(cpu.stats(), timeout=30)
         st = p.stats()
         f = model.figures
-        ops = sum(f[k] for k in ("stores", "loads", "puts", "gets", "direct_puts", "direct_borrows",
-                                 "direct_deletes", "direct_misses"))
+        ops = sum(
+            f[k]
+            for k in (
+                "stores",
+                "loads",
+                "puts",
+                "gets",
+                "direct_puts",
+                "direct_borrows",
+                "direct_deletes",
+                "direct_misses",
+            )
+        )
         print(
             f"\nstress[{second}] seed={SEED} operations={ops} (target {OPS}) chunks_verified={f['chunks_verified']}"
             f" bytes_verified={f['bytes_verified']} wrong_chunks={f['wrong_chunks']} wrong_bytes={f['wrong_bytes']}"
@@ -417,8 +430,9 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
         assert p.stats()["counters"].get("write_back_lost", 0) == 0, p.stats()["counters"]
 
         async def read_lmdb() -> list[bytes | None]:
-            async with LMDBTier(LMDBTierConfig(path=str(tmp_path / "lmdb"), map_size_bytes=64 << 20,
-                                               size_cap_bytes=32 << 20)) as again:
+            async with LMDBTier(
+                LMDBTierConfig(path=str(tmp_path / "lmdb"), map_size_bytes=64 << 20, size_cap_bytes=32 << 20)
+            ) as again:
                 return await again.get_many([key_of(kid_of(1, i)) for i in range(NKEYS[1])])
 
         kept = 0
@@ -426,14 +440,17 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
             if data is not None:
                 kept += 1
                 model.check(kid_of(1, i), data, 0, "LMDB after close")
-        print(f"  after close: write_back_flushed={p.stats()['counters'].get('write_back_flushed', 0)}"
-              f" group-1 keys in LMDB={kept}/{NKEYS[1]} wrong_bytes={f['wrong_bytes']}")
+        print(
+            f"  after close: write_back_flushed={p.stats()['counters'].get('write_back_flushed', 0)}"
+            f" group-1 keys in LMDB={kept}/{NKEYS[1]} wrong_bytes={f['wrong_bytes']}"
+        )
         assert model.errors == [] and f["wrong_bytes"] == 0, model.errors
     finally:
         res.stop.set()
         res.thread.join(10)
         p.close()
         if red is not None:
+
             async def wipe() -> None:
                 async with RedisTier(RedisTierConfig(url=red.config.url, key_prefix=red.config.key_prefix)) as r:
                     keys = [i.key async for i in r.scan()]

@@ -66,7 +66,12 @@ class Child:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            env=env,
+            cwd=REPO,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -146,8 +151,9 @@ async def test_reader_keeps_reading_while_another_process_grows_the_map(tmp_path
     B's reads, contains and probes adopt the grown map and keep answering right (before: every
     read of B failed with MDB_MAP_RESIZED until B restarted)."""
     rounds = 12
-    async with LMDBTier(cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=900 * KiB,
-                            max_map_size_bytes=64 * MiB)) as b:
+    async with LMDBTier(
+        cfg(tmp_path, map_size_bytes=1 * MiB, size_cap_bytes=900 * KiB, max_map_size_bytes=64 * MiB)
+    ) as b:
         a = Child(WRITER_GROWS.replace("sys.argv[1]", repr(str(tmp_path))))
         children.append(a)
         a.expect("open")
@@ -170,9 +176,11 @@ async def test_reader_keeps_reading_while_another_process_grows_the_map(tmp_path
                 probes_answered += 1
         a.finish()
         st = await b.stats()
-        print(f"\n[drill 1] A grew the map {growths}x to {a_map} B; B (opened at {1 * MiB} B) read {reads} records"
-              f" ({read_bytes} B) in {rounds} rounds, adopted the map {b.counters['map_adoptions']}x (now"
-              f" {st.extra['map_size']} B), {probes_answered}/{rounds} probes answered")
+        print(
+            f"\n[drill 1] A grew the map {growths}x to {a_map} B; B (opened at {1 * MiB} B) read {reads} records"
+            f" ({read_bytes} B) in {rounds} rounds, adopted the map {b.counters['map_adoptions']}x (now"
+            f" {st.extra['map_size']} B), {probes_answered}/{rounds} probes answered"
+        )
         assert growths >= 1 and a_map > 1 * MiB
         assert b.counters["map_adoptions"] >= 1 and st.extra["map_size"] > 1 * MiB
         assert probes_answered >= rounds // 2
@@ -212,8 +220,12 @@ def env_figures(path: Path) -> dict[str, int]:
             entries = txn.stat(rec)["entries"]
             pages = sum(txn.stat(db)[f] for db in (rec, acc) for f in ("branch_pages", "leaf_pages", "overflow_pages"))
         info, psize = env.info(), env.stat()["psize"]
-        return {"record_bytes": total, "records": entries, "data_pages_bytes": pages * psize,
-                "file_high_water_bytes": (info["last_pgno"] + 1) * psize}
+        return {
+            "record_bytes": total,
+            "records": entries,
+            "data_pages_bytes": pages * psize,
+            "file_high_water_bytes": (info["last_pgno"] + 1) * psize,
+        }
     finally:
         env.close()
 
@@ -240,11 +252,13 @@ def test_two_writer_processes_share_one_size_cap(tmp_path: Path, children: list[
         w.finish()
     fig = env_figures(tmp_path)
     written = 2 * rounds * 4 * rec
-    print(f"\n[drill 2] 2 writers x {rounds} rounds x 4 records of {rec} B = {written} B written, cap {cap} B:"
-          f" env holds {fig['records']} records, {fig['record_bytes']} B of records"
-          f" ({fig['record_bytes'] / cap:.3f} of the cap), {fig['data_pages_bytes']} B of data pages,"
-          f" file high-water {fig['file_high_water_bytes']} B; per writer [evictions, shared-LRU scans,"
-          f" used, newest-of-4 present, map]: {done}")
+    print(
+        f"\n[drill 2] 2 writers x {rounds} rounds x 4 records of {rec} B = {written} B written, cap {cap} B:"
+        f" env holds {fig['records']} records, {fig['record_bytes']} B of records"
+        f" ({fig['record_bytes'] / cap:.3f} of the cap), {fig['data_pages_bytes']} B of data pages,"
+        f" file high-water {fig['file_high_water_bytes']} B; per writer [evictions, shared-LRU scans,"
+        f" used, newest-of-4 present, map]: {done}"
+    )
     assert fig["record_bytes"] <= cap, "the environment holds more than one size cap of records"
     assert fig["record_bytes"] >= cap - 2 * 4 * rec, "evicted far more than needed"
     slack = 0.05  # 60064-byte records take 15 overflow pages (61440 B) plus B-tree leaves
@@ -285,11 +299,13 @@ async def test_writer_recovers_the_pages_of_a_killed_reader(tmp_path: Path, chil
             await w.put_many([(k(base + j), payload(60000, base + j)) for j in range(4)])
         st = await w.stats()
         last = [k(1000 + 4 * (batches - 1) + j) for j in range(4)]
-        print(f"\n[drill 3] reader pid {pid} killed holding a snapshot of {held} records; then {4 * batches}"
-              f" records ({4 * batches * rec} B) written through a {cap} B cap: stale readers cleared"
-              f" {w.counters['stale_readers_cleared']}, map growths {w.counters['map_growths']}, map"
-              f" {st.extra['map_size']} B (max {2 * map0}), file high-water {st.extra['file_high_water_bytes']} B,"
-              f" {st.records} records / {st.used_bytes} B held, evictions {w.counters['evictions']}")
+        print(
+            f"\n[drill 3] reader pid {pid} killed holding a snapshot of {held} records; then {4 * batches}"
+            f" records ({4 * batches * rec} B) written through a {cap} B cap: stale readers cleared"
+            f" {w.counters['stale_readers_cleared']}, map growths {w.counters['map_growths']}, map"
+            f" {st.extra['map_size']} B (max {2 * map0}), file high-water {st.extra['file_high_water_bytes']} B,"
+            f" {st.records} records / {st.used_bytes} B held, evictions {w.counters['evictions']}"
+        )
         assert w.counters["stale_readers_cleared"] >= 1
         assert w.counters["map_growths"] == 0 and st.extra["map_size"] == map0
         assert st.extra["file_high_water_bytes"] <= map0
@@ -314,7 +330,10 @@ def lmdb_exclusive_lock_free(path: Path) -> bool:
     table under any reader still in it)."""
     out = subprocess.run(
         [sys.executable, "-c", PRELUDE + LOCK_PROBE.replace("sys.argv[1]", repr(str(path)))],
-        capture_output=True, text=True, timeout=WAIT_S, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
     )
     assert out.returncode == 0, out.stderr
@@ -353,6 +372,8 @@ async def test_two_stores_on_one_directory_in_one_process_share_the_environment(
         await t1.close()
         await t2.close()
     assert not _REGISTRY and lmdb_exclusive_lock_free(real)
-    print(f"\n[drill 4] two stores on {real} (one via a symlink) shared one environment: 2 puts seen by both,"
-          f" used {s1.used_bytes} B in both, map {s2.extra['map_size']} B; after one close the other read 2"
-          " records and the env stayed locked; after both, released")
+    print(
+        f"\n[drill 4] two stores on {real} (one via a symlink) shared one environment: 2 puts seen by both,"
+        f" used {s1.used_bytes} B in both, map {s2.extra['map_size']} B; after one close the other read 2"
+        " records and the env stayed locked; after both, released"
+    )

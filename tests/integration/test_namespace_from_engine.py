@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cfg(tmp_path: Path) -> dict:
-    return {"namespace": {"model": "ns-test"},
-            "tiers": [{"kind": "lmdb", "path": str(tmp_path / "kv"), "map_size_bytes": "64MiB", "size_cap_bytes": "32MiB"}]}
+    return {
+        "namespace": {"model": "ns-test"},
+        "tiers": [{"kind": "lmdb", "path": str(tmp_path / "kv"), "map_size_bytes": "64MiB", "size_cap_bytes": "32MiB"}],
+    }
 
 
 def _store_one(tmp_path: Path, dtype: torch.dtype, **kw: object) -> bytes:
@@ -100,8 +102,16 @@ def test_torch_distributed_rank_joins_the_namespace(tmp_path: Path) -> None:
     an explicit ``parallel`` wins over torch.distributed."""
     init = f"file://{tmp_path / 'rendezvous'}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), init, str(ROOT)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(r), init, str(ROOT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -156,7 +166,10 @@ def test_bad_calls_raise_at_the_call_and_the_store_keeps_working(tmp_path: Path)
     assert all(res.ok for res in r.values())
     assert torch.equal(t[1:3], torch.arange(8 * 64, dtype=torch.float16).view(8, 64)[1:3])
     s.close()
-    for call in (lambda: s.store(0, [(key, (1, 2))]), lambda: s.load(0, [(key, (1, 2))]),
-                 lambda: s.register_group(2, [t], blocks_per_chunk=2)):
+    for call in (
+        lambda: s.store(0, [(key, (1, 2))]),
+        lambda: s.load(0, [(key, (1, 2))]),
+        lambda: s.register_group(2, [t], blocks_per_chunk=2),
+    ):
         with pytest.raises(TierClosedError, match="the store is closed"):
             call()

@@ -48,7 +48,9 @@ def cpu(**kw: Any) -> CPUTier:
 
 
 def lmdb(path: Path, **kw: Any) -> LMDBTier:
-    return LMDBTier(LMDBTierConfig(**{"path": str(path), "map_size_bytes": 256 << 20, "size_cap_bytes": 128 << 20, **kw}))
+    return LMDBTier(
+        LMDBTierConfig(**{"path": str(path), "map_size_bytes": 256 << 20, "size_cap_bytes": 128 << 20, **kw})
+    )
 
 
 def wait_results(p: Pipeline, n: int, timeout: float = 20.0) -> dict[int, Any]:
@@ -114,8 +116,10 @@ def test_lower_tier_hit_is_promoted(tmp_path: Path) -> None:
 def test_write_back_demotes_on_cpu_eviction(tmp_path: Path) -> None:
     src = kv(5)
     chunk_bytes = BPC * 2 * 4096
-    with make([cpu(capacity_bytes=4 * chunk_bytes, segment_bytes=chunk_bytes), lmdb(tmp_path)],
-              [PolicyRule(tiers=["cpu", "lmdb"], write="back")]) as p:
+    with make(
+        [cpu(capacity_bytes=4 * chunk_bytes, segment_bytes=chunk_bytes), lmdb(tmp_path)],
+        [PolicyRule(tiers=["cpu", "lmdb"], write="back")],
+    ) as p:
         p.register_group(0, src, blocks_per_chunk=BPC)
         cs = chunks(8)
         for i, c in enumerate(cs):

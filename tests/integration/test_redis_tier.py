@@ -446,7 +446,9 @@ def _count_reply_bytes(tier: RedisTier, monkeypatch: pytest.MonkeyPatch) -> list
 
 
 @pytest.mark.asyncio
-async def test_oversized_foreign_value_is_not_read(url_cluster: tuple[str, bool], monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_oversized_foreign_value_is_not_read(
+    url_cluster: tuple[str, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A huge value someone else wrote under one of our keys is a miss, counted corrupt and
     deleted, and the tier reads at most the destination's record size (+1 byte) of it."""
     url, cluster = url_cluster

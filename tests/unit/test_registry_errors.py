@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-import tieredkv.errors as errors
+from tieredkv import errors
 from tieredkv.backends import registry as reg
 from tieredkv.backends.base import Tier
 from tieredkv.config import CPUTierConfig
@@ -28,7 +28,10 @@ def test_every_builtin_tier_imports(kind: str) -> None:
 
 
 def test_unknown_kind_lists_known_and_entry_point_group() -> None:
-    with pytest.raises(errors.BackendNotFoundError, match=r"unknown tier kind 'nope'; known: \['cpu', 'lmdb', 'redis'\].*tieredkv.backends"):
+    with pytest.raises(
+        errors.BackendNotFoundError,
+        match=r"unknown tier kind 'nope'; known: \['cpu', 'lmdb', 'redis'\].*tieredkv.backends",
+    ):
         reg.get_tier_class("nope")
 
 

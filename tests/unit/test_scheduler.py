@@ -541,7 +541,6 @@ def test_unknown_request_and_bad_counts() -> None:
         s.update_request("r", block_ids=[[1], [2]])
 
 
-
 # ------------------------------------------------------- sliding-window reach
 
 

@@ -169,7 +169,8 @@ class CPUOffloadingStandInWorker(OffloadingWorker):
                     ops.append((st[s_row, s_col : s_col + page], dt[d_row, d_col : d_col + page]))
                     nbytes += page
         assert src_off == len(src_blocks) and dst_off == len(dst_blocks), (
-            f"job {job_id}: mapped {src_off}/{len(src_blocks)} src, {dst_off}/{len(dst_blocks)} dst blocks")
+            f"job {job_id}: mapped {src_off}/{len(src_blocks)} src, {dst_off}/{len(dst_blocks)} dst blocks"
+        )
         return ops, nbytes
 
     def _submit(self, direction: str, job_id: int, src: Any, dst: Any, gpu_to_cpu: bool) -> bool:

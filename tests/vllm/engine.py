@@ -112,17 +112,18 @@ import os
 import random
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
@@ -130,30 +131,30 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
 )
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 TINY_MODEL = Path(__file__).parent / "models" / "tiny-llama"
 EOS = 2
@@ -167,8 +168,11 @@ MAX_MODEL_LEN = 1024
 MAX_BATCHED_TOKENS = 56
 MAX_NUM_SEQS = 6
 GROUP_SETS = (("full",), ("full", "swa"), ("full", "swa", "mamba"))
-LAYER = {"full": "model.layers.0.self_attn.attn", "swa": "model.layers.1.self_attn.attn",
-         "mamba": "model.layers.2.mixer"}
+LAYER = {
+    "full": "model.layers.0.self_attn.attn",
+    "swa": "model.layers.1.self_attn.attn",
+    "mamba": "model.layers.2.mixer",
+}
 LAYER_SALT = {"full": 1, "swa": 2, "mamba": 3}
 BLOCK_TOKENS = {"full": ATTN_BLOCK, "swa": ATTN_BLOCK, "mamba": MAMBA_BLOCK}
 # Small enough that requests are preempted and resumed in every group set's default schedule.
@@ -212,7 +216,7 @@ def continuation(prompt: list[int], n: int) -> list[int]:
 class _Seq:
     """One request's true token sequence (prompt + deterministic samples) and prefix hashes."""
 
-    __slots__ = ("tokens", "hashes", "_ht", "_ht_len")
+    __slots__ = ("_ht", "_ht_len", "hashes", "tokens")
 
     def __init__(self, prompt: list[int]) -> None:
         self.tokens = list(prompt)
@@ -304,8 +308,12 @@ def build_workload(seed: int = 0) -> list[list[ReqSpec]]:
         req("F2", 0, list(out["F"][0]), "F's prompt again"),
         req("B2", 2, turn("B") + rand(rng.randint(30, 50)), "second turn of B"),
         req("G", 3, rand(rng.randint(200, 260)), "new"),
-        req("E2", 4, list(out["E"][0][: rng.randint(150, len(out["E"][0]) - 20)]) + rand(rng.randint(60, 90)),
-            "mid-prompt share with E"),
+        req(
+            "E2",
+            4,
+            list(out["E"][0][: rng.randint(150, len(out["E"][0]) - 20)]) + rand(rng.randint(60, 90)),
+            "mid-prompt share with E",
+        ),
     ]
     p3 = [
         req("A3", 0, turn("A2") + rand(rng.randint(30, 50)), "third turn of A"),
@@ -407,17 +415,25 @@ class RunResult:
     def ok(self) -> bool:
         """Idle, every request finished with the model's outputs, no wrong byte, no error.
         (Wrong Mamba states from off-grid loads, a vLLM bug, are counted apart.)"""
-        return (self.error is None and self.stalled is None and self.idle_reached and self.wrong_bytes == 0
-                and not self.wrong_outputs and not self.unfinished_requests)
+        return (
+            self.error is None
+            and self.stalled is None
+            and self.idle_reached
+            and self.wrong_bytes == 0
+            and not self.wrong_outputs
+            and not self.unfinished_requests
+        )
 
     def summary(self) -> str:
         hits = " ".join(f"{g}={self.hit_tokens.get(g, 0)}" for g in self.groups)
-        s = (f"{'+'.join(self.groups):15} bpc={self.blocks_per_chunk} async={int(self.async_scheduling)} "
-             f"steps={self.steps:4d} idle={int(self.idle_reached)} preempt={self.preemptions:2d} "
-             f"hits[{hits}] ext={self.external_hit_tokens} wrong={self.wrong_bytes}B/{self.wrong_slots} "
-             f"checked={self.checked_slots} deferred={self.deferred_lookups} "
-             f"keys={self.keys_accepted}/{self.keys_offered} maxreq={self.max_request_steps} "
-             f"{self.wall_s:.2f}s")
+        s = (
+            f"{'+'.join(self.groups):15} bpc={self.blocks_per_chunk} async={int(self.async_scheduling)} "
+            f"steps={self.steps:4d} idle={int(self.idle_reached)} preempt={self.preemptions:2d} "
+            f"hits[{hits}] ext={self.external_hit_tokens} wrong={self.wrong_bytes}B/{self.wrong_slots} "
+            f"checked={self.checked_slots} deferred={self.deferred_lookups} "
+            f"keys={self.keys_accepted}/{self.keys_offered} maxreq={self.max_request_steps} "
+            f"{self.wall_s:.2f}s"
+        )
         if "mamba" in self.groups:
             s += f" mamba_loaded_ok={self.mamba_loaded_states_ok}/{self.mamba_loaded_states_checked}"
         if self.mamba_off_grid_loads or self.mamba_off_grid_wrong_slots:
@@ -436,8 +452,11 @@ class RunResult:
 
 def reference_extra_config(blocks_per_chunk: int = 1, *, delay_steps: int = 0) -> dict[str, Any]:
     """vLLM's own ``CPUOffloadingSpec`` (64 MiB); ``run_engine`` installs the CPU stand-in worker."""
-    cfg: dict[str, Any] = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 64 << 20,
-                           "blocks_per_chunk": blocks_per_chunk}
+    cfg: dict[str, Any] = {
+        "spec_name": "CPUOffloadingSpec",
+        "cpu_bytes_to_use": 64 << 20,
+        "blocks_per_chunk": blocks_per_chunk,
+    }
     if delay_steps:
         cfg["stand_in_delay_steps"] = delay_steps
     return cfg
@@ -450,8 +469,13 @@ def write_tieredkv_config(path: Path, kind: str = "lmdb") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "lmdb":
-        tier = {"kind": "lmdb", "name": "nvme", "path": str(path.parent / "lmdb"),
-                "map_size_bytes": "64MiB", "size_cap_bytes": "32MiB"}
+        tier = {
+            "kind": "lmdb",
+            "name": "nvme",
+            "path": str(path.parent / "lmdb"),
+            "map_size_bytes": "64MiB",
+            "size_cap_bytes": "32MiB",
+        }
     elif kind == "cpu":
         tier = {"kind": "cpu", "name": "cpu", "capacity_bytes": "16MiB"}
     else:
@@ -462,8 +486,12 @@ def write_tieredkv_config(path: Path, kind: str = "lmdb") -> Path:
 
 
 def tieredkv_extra_config(blocks_per_chunk: int, tiers_file: Path) -> dict[str, Any]:
-    return {"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tieredkv.integrations.vllm",
-            "tieredkv_config": str(tiers_file), "blocks_per_chunk": blocks_per_chunk}
+    return {
+        "spec_name": "TieredKVOffloadingSpec",
+        "spec_module_path": "tieredkv.integrations.vllm",
+        "tieredkv_config": str(tiers_file),
+        "blocks_per_chunk": blocks_per_chunk,
+    }
 
 
 @contextlib.contextmanager
@@ -550,42 +578,63 @@ class Engine:
         extra = dict(extra_config)
         extra["blocks_per_chunk"] = blocks_per_chunk
         self.vllm_config = VllmConfig(
-            model_config=ModelConfig(model=str(TINY_MODEL), skip_tokenizer_init=True, dtype="float32",
-                                     max_model_len=MAX_MODEL_LEN, seed=0),
-            cache_config=CacheConfig(block_size=MAMBA_BLOCK if self.has_mamba else ATTN_BLOCK,
-                                     enable_prefix_caching=True,
-                                     mamba_cache_mode="align" if self.has_mamba else "none"),
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
-                                             is_encoder_decoder=False, async_scheduling=async_scheduling,
-                                             long_prefill_token_threshold=long_prefill_token_threshold),
-            kv_transfer_config=KVTransferConfig(kv_connector=kv_connector, kv_role="kv_both",
-                                                kv_connector_module_path=kv_connector_module_path,
-                                                kv_connector_extra_config=extra),
+            model_config=ModelConfig(
+                model=str(TINY_MODEL), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+            ),
+            cache_config=CacheConfig(
+                block_size=MAMBA_BLOCK if self.has_mamba else ATTN_BLOCK,
+                enable_prefix_caching=True,
+                mamba_cache_mode="align" if self.has_mamba else "none",
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=MAX_MODEL_LEN,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+                async_scheduling=async_scheduling,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=kv_connector,
+                kv_role="kv_both",
+                kv_connector_module_path=kv_connector_module_path,
+                kv_connector_extra_config=extra,
+            ),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec_kw = dict(block_size=ATTN_BLOCK, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.float32)
         specs = {
             "full": FullAttentionSpec(**spec_kw),
             "swa": SlidingWindowSpec(sliding_window=WINDOW, **spec_kw),
-            "mamba": MambaSpec(block_size=MAMBA_BLOCK, shapes=((MAMBA_WORDS,),), dtypes=(torch.float32,),
-                               mamba_cache_mode="align"),
+            "mamba": MambaSpec(
+                block_size=MAMBA_BLOCK, shapes=((MAMBA_WORDS,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+            ),
         }
         self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec([LAYER[g]], specs[g]) for g in self.groups])
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([LAYER[g]], specs[g]) for g in self.groups],
+        )
         sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.kv_cache_config.hash_block_size = hash_block
         self.kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-            self.kv_cache_config, self.vllm_config, sched_block, hash_block)
+            self.kv_cache_config, self.vllm_config, sched_block, hash_block
+        )
         self.sched_block, self.hash_block = sched_block, hash_block
         with set_current_vllm_config(self.vllm_config):
             cls = AsyncScheduler if async_scheduling else Scheduler
-            self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-                                 log_stats=True, structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                 block_size=sched_block, hash_block_size=hash_block)
-            self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
-                                                              self.kv_cache_config)
+            self.scheduler = cls(
+                vllm_config=self.vllm_config,
+                kv_cache_config=self.kv_cache_config,
+                log_stats=True,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=sched_block,
+                hash_block_size=hash_block,
+            )
+            self.worker = KVConnectorFactory.create_connector(
+                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
             self.kv: dict[str, torch.Tensor] = {}
             for g in self.groups:
                 if g == "mamba":
@@ -594,13 +643,19 @@ class Engine:
                     self.kv[LAYER[g]] = torch.zeros(num_blocks, 2, ATTN_BLOCK, 1, HEAD_SIZE, dtype=torch.float32)
             self.worker.register_kv_caches(self.kv)
         # int32 views the runner reads and writes
-        self.words = {g: (self.kv[LAYER[g]].view(torch.int32) if g == "mamba"
-                          else self.kv[LAYER[g]].view(torch.int32).view(num_blocks, 2, ATTN_BLOCK, HEAD_SIZE))
-                      for g in self.groups}
+        self.words = {
+            g: (
+                self.kv[LAYER[g]].view(torch.int32)
+                if g == "mamba"
+                else self.kv[LAYER[g]].view(torch.int32).view(num_blocks, 2, ATTN_BLOCK, HEAD_SIZE)
+            )
+            for g in self.groups
+        }
         self.gidx = {g: i for i, g in enumerate(self.groups)}
         init_none_hash(get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo))
         self.hasher = get_request_block_hasher(
-            hash_block, get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo))
+            hash_block, get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        )
         self.connector = self.scheduler.connector
         self.connector_scheduler = getattr(self.connector, "connector_scheduler", None)
         self.mamba_chunk = MAMBA_BLOCK * blocks_per_chunk
@@ -657,8 +712,12 @@ class Engine:
 
         conn.get_num_new_matched_tokens = _timed(res, get_num_new_matched_tokens)
         conn.update_state_after_alloc = _timed(res, update_state_after_alloc)
-        for hook in ("build_connector_meta", "update_connector_output", "request_finished",
-                     "request_finished_all_groups"):
+        for hook in (
+            "build_connector_meta",
+            "update_connector_output",
+            "request_finished",
+            "request_finished_all_groups",
+        ):
             setattr(conn, hook, _timed(res, getattr(conn, hook)))
         cs = self.connector_scheduler
         if cs is None:
@@ -715,8 +774,13 @@ class Engine:
         rid = f"{spec.name}-{self._n}"
         sp = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
-        req = Request(request_id=rid, prompt_token_ids=list(spec.prompt), sampling_params=sp,
-                      pooling_params=None, block_hasher=self.hasher)
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(spec.prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
         self.reqs[rid] = req
         self.seqs[rid] = _Seq(list(spec.prompt))
         self.records[rid] = RequestRecord(spec.name, rid, phase, len(spec.prompt), self.step_no)
@@ -809,8 +873,11 @@ class Engine:
         # 2. _update_states
         for rid in so.finished_req_ids:
             self.rstate.pop(rid, None)
-        for rid in list(so.finished_req_ids) + list(so.preempted_req_ids or ()) + list(
-                so.scheduled_cached_reqs.resumed_req_ids):
+        for rid in (
+            list(so.finished_req_ids)
+            + list(so.preempted_req_ids or ())
+            + list(so.scheduled_cached_reqs.resumed_req_ids)
+        ):
             self.mamba_state_idx.pop(rid, None)
         if so.new_block_ids_to_zero:
             idx = torch.tensor(so.new_block_ids_to_zero, dtype=torch.long)
@@ -832,8 +899,7 @@ class Engine:
             new_ids = cached.new_block_ids[i]
             st = self.rstate.get(rid)
             if rid in cached.resumed_req_ids or st is None:
-                st = self.rstate[rid] = _RState([list(g) for g in new_ids] if new_ids else
-                                                [[] for _ in self.groups], 0)
+                st = self.rstate[rid] = _RState([list(g) for g in new_ids] if new_ids else [[] for _ in self.groups], 0)
             elif new_ids is not None:
                 for g, ids in enumerate(new_ids):
                     st.bt[g].extend(ids)
@@ -855,8 +921,9 @@ class Engine:
                 self.mamba_state_idx[rid] = curr
                 if prev != -1 and prev != curr:
                     if prev >= len(bt) or curr >= len(bt):
-                        self._wrong(f"{rid} mamba pre-copy {prev}->{curr} outside its table ({len(bt)})", 1,
-                                    4 * MAMBA_WORDS)
+                        self._wrong(
+                            f"{rid} mamba pre-copy {prev}->{curr} outside its table ({len(bt)})", 1, 4 * MAMBA_WORDS
+                        )
                     else:
                         mw[bt[curr]] = mw[bt[prev]]
                         self._copy_poison(bt[prev], bt[curr])
@@ -899,8 +966,12 @@ class Engine:
             w.clear_connector_metadata()
         if not so.total_num_scheduled_tokens:
             res.empty_steps += 1
-        return ModelRunnerOutput(req_ids=batch, req_id_to_index={r: i for i, r in enumerate(batch)},
-                                 sampled_token_ids=sampled, kv_connector_output=out)
+        return ModelRunnerOutput(
+            req_ids=batch,
+            req_id_to_index={r: i for i, r in enumerate(batch)},
+            sampled_token_ids=sampled,
+            kv_connector_output=out,
+        )
 
     def _settle(self) -> None:
         """A device step outlasts the tier I/O it overlaps: wait (for the condition, bounded) until
@@ -931,7 +1002,9 @@ class Engine:
                     self.mamba_origin[int(b)] = (f"load of {job.req_id}, step {self.step_no}", False)
                 else:
                     self.mamba_origin[int(b)] = (
-                        f"off-grid load of {job.req_id} at {boundary} tokens, step {self.step_no}", True)
+                        f"off-grid load of {job.req_id} at {boundary} tokens, step {self.step_no}",
+                        True,
+                    )
         self.off_grid_pending.clear()
 
     def _check(self, rid: str, seq: _Seq, st: _RState, c: int, n: int) -> None:
@@ -947,8 +1020,9 @@ class Engine:
                 res.checked_bytes += 4 * MAMBA_WORDS
                 want = seq.state(c)
                 if curr >= len(bt) or bt[curr] == 0:
-                    self._wrong(f"{rid} mamba state block {curr} missing (table {len(bt)}) at c={c}", 1,
-                                4 * MAMBA_WORDS)
+                    self._wrong(
+                        f"{rid} mamba state block {curr} missing (table {len(bt)}) at c={c}", 1, 4 * MAMBA_WORDS
+                    )
                     continue
                 got = self.words["mamba"][bt[curr]]
                 origin = self.mamba_origin.get(bt[curr])
@@ -960,9 +1034,12 @@ class Engine:
                     continue
                 nbytes = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
                 grid = -(-c // self.mamba_chunk) * self.mamba_chunk
-                who = next((k for k in (grid, *range(0, c + n + 1)) if torch.equal(got, seq.state(k))), None)
-                what = f"holds the state after {who} tokens" if who is not None else (
-                    "holds zeros" if not bool(got.any()) else "holds unknown bytes")
+                who = next((k for k in (grid, *range(c + n + 1)) if torch.equal(got, seq.state(k))), None)
+                what = (
+                    f"holds the state after {who} tokens"
+                    if who is not None
+                    else ("holds zeros" if not bool(got.any()) else "holds unknown bytes")
+                )
                 msg = f"{rid} mamba block {bt[curr]} (idx {curr}) at c={c}: {what}"
                 if origin is not None and origin[1]:
                     # The bytes come from a load whose boundary was off the Mamba chunk grid:
@@ -983,10 +1060,11 @@ class Engine:
             bidx = pos // ATTN_BLOCK
             nblk = -(-c // ATTN_BLOCK)
             if nblk > len(bt):
-                self._wrong(f"{rid} {g}: {c} tokens need {nblk} blocks, table has {len(bt)}", c - start,
-                            (c - start) * 64)
+                self._wrong(
+                    f"{rid} {g}: {c} tokens need {nblk} blocks, table has {len(bt)}", c - start, (c - start) * 64
+                )
                 continue
-            blocks = torch.tensor(bt[: nblk], dtype=torch.long)[bidx]
+            blocks = torch.tensor(bt[:nblk], dtype=torch.long)[bidx]
             got = self.words[g][blocks, :, pos % ATTN_BLOCK]
             want = seq.kv(g, start, c)
             res.checked_slots += c - start
@@ -998,8 +1076,12 @@ class Engine:
             nbytes = int((got[bad].contiguous().view(torch.uint8) != want[bad].contiguous().view(torch.uint8)).sum())
             p0 = int(pos[bad[0]])
             null = bool((blocks[bad] == 0).any())
-            self._wrong(f"{rid} {g}: {len(bad)} of slots [{start},{c}) wrong, first token {p0} "
-                        f"(block {int(blocks[bad[0]])}{', null block read' if null else ''})", len(bad), nbytes)
+            self._wrong(
+                f"{rid} {g}: {len(bad)} of slots [{start},{c}) wrong, first token {p0} "
+                f"(block {int(blocks[bad[0]])}{', null block read' if null else ''})",
+                len(bad),
+                nbytes,
+            )
 
     def _write(self, seq: _Seq, st: _RState, c: int, n: int) -> None:
         for g in self.groups:
@@ -1031,11 +1113,13 @@ class Engine:
 
     def describe_stall(self) -> str:
         s = self.scheduler
-        parts = [f"{rid}:{r.status.name} computed={r.num_computed_tokens}/{r.num_tokens}"
-                 for rid, r in s.requests.items()]
-        return (f"step {self.step_no}: nothing scheduled; running={[r.request_id for r in s.running]} "
-                f"free_blocks={s.kv_cache_manager.block_pool.get_num_free_blocks()}/{self.num_blocks} "
-                + "; ".join(parts))
+        parts = [
+            f"{rid}:{r.status.name} computed={r.num_computed_tokens}/{r.num_tokens}" for rid, r in s.requests.items()
+        ]
+        return (
+            f"step {self.step_no}: nothing scheduled; running={[r.request_id for r in s.running]} "
+            f"free_blocks={s.kv_cache_manager.block_pool.get_num_free_blocks()}/{self.num_blocks} " + "; ".join(parts)
+        )
 
     def can_zero(self) -> bool:
         """No transfer is in flight (zeroing now cannot corrupt a store)."""
@@ -1094,12 +1178,21 @@ def run_engine(
     res = RunResult(tuple(groups), blocks_per_chunk, async_scheduling)
     phases = workload if workload is not None else build_workload(seed)
     with cpu_workers(extra_config, tiering_cpu_worker):
-        eng = Engine(extra_config, groups=tuple(groups), blocks_per_chunk=blocks_per_chunk,
-                     async_scheduling=async_scheduling, num_gpu_blocks=num_gpu_blocks,
-                     kv_connector=kv_connector, kv_connector_module_path=kv_connector_module_path, result=res,
-                     long_prefill_token_threshold=long_prefill_token_threshold, settle=settle,
-                     store_fault=store_fault, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens)
+        eng = Engine(
+            extra_config,
+            groups=tuple(groups),
+            blocks_per_chunk=blocks_per_chunk,
+            async_scheduling=async_scheduling,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_connector=kv_connector,
+            kv_connector_module_path=kv_connector_module_path,
+            result=res,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            settle=settle,
+            store_fault=store_fault,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)
         except Exception as exc:  # noqa: BLE001 - reported, the caller decides
@@ -1138,8 +1231,15 @@ def _timed(res: RunResult, fn: Any) -> Any:
     return call
 
 
-def _drive(eng: Engine, phases: list[list[ReqSpec]], step_budget: int, idle_grace_steps: int,
-           idle_sleep: float, stall_steps: int = 200, reset_connector: bool = False) -> None:
+def _drive(
+    eng: Engine,
+    phases: list[list[ReqSpec]],
+    step_budget: int,
+    idle_grace_steps: int,
+    idle_sleep: float,
+    stall_steps: int = 200,
+    reset_connector: bool = False,
+) -> None:
     res = eng.result
     for pi, phase in enumerate(phases):
         pending = sorted(phase, key=lambda r: r.arrival)
@@ -1184,16 +1284,20 @@ def _drive(eng: Engine, phases: list[list[ReqSpec]], step_budget: int, idle_grac
     res.idle_reached = len(res.phase_idle) == len(phases) and all(res.phase_idle)
 
 
-def run_matrix(make_extra: Any, *, group_sets: tuple[tuple[str, ...], ...] = GROUP_SETS,
-               bpcs: tuple[int, ...] = (1, 2, 4), asyncs: tuple[bool, ...] = (False, True),
-               **kw: Any) -> list[RunResult]:
+def run_matrix(
+    make_extra: Any,
+    *,
+    group_sets: tuple[tuple[str, ...], ...] = GROUP_SETS,
+    bpcs: tuple[int, ...] = (1, 2, 4),
+    asyncs: tuple[bool, ...] = (False, True),
+    **kw: Any,
+) -> list[RunResult]:
     """``run_engine`` over groups × blocks_per_chunk × async; ``make_extra(bpc)`` gives the config."""
     out = []
     for groups in group_sets:
         for bpc in bpcs:
             for a in asyncs:
-                out.append(run_engine(make_extra(bpc), groups=groups, blocks_per_chunk=bpc,
-                                      async_scheduling=a, **kw))
+                out.append(run_engine(make_extra(bpc), groups=groups, blocks_per_chunk=bpc, async_scheduling=a, **kw))
     return out
 
 

@@ -74,14 +74,20 @@ class Runner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vllm_config = VllmConfig(
-            model_config=ModelConfig(model=str(TINY_MODEL), skip_tokenizer_init=True, dtype="float32",
-                                     max_model_len=1024, seed=0),
+            model_config=ModelConfig(
+                model=str(TINY_MODEL), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, seed=0
+            ),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=1024, enable_chunked_prefill=True,
-                                             is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                kv_connector_extra_config=extra_config),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=4,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=1024,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra_config
+            ),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec_kw = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float32)
@@ -103,8 +109,10 @@ class Runner:
             )
             self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             # CPU tensors standing in for the GPU KV cache: (blocks, 2 (K,V), block_size, heads, head_size).
-            self.kv = {name: torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_size, dtype=torch.float32)
-                       for name in LAYERS.values()}
+            self.kv = {
+                name: torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_size, dtype=torch.float32)
+                for name in LAYERS.values()
+            }
             self.worker.register_kv_caches(self.kv)
         conn = self.scheduler.connector
         assert isinstance(conn, OffloadingConnector)
@@ -133,8 +141,13 @@ class Runner:
 
         def rec_store(keys: Any, ctx: Any) -> Any:
             out = prepare_store(keys, ctx)
-            rec.prepare_store.append((self.step_no, tuple(bytes(k) for k in keys),
-                                      None if out is None else tuple(bytes(k) for k in out.keys_to_store)))
+            rec.prepare_store.append(
+                (
+                    self.step_no,
+                    tuple(bytes(k) for k in keys),
+                    None if out is None else tuple(bytes(k) for k in out.keys_to_store),
+                )
+            )
             return out
 
         def rec_load(keys: Any, ctx: Any) -> Any:
@@ -179,7 +192,8 @@ class Runner:
                 want = self.kv_value(tokens[pos], pos, layer_idx)
                 got = self.kv[name][b, :, pos % self.block_size]
                 assert torch.all(got == want), (
-                    f"group {layer_idx} token {pos} block {b}: KV {got.flatten()[:4].tolist()} != {want}")
+                    f"group {layer_idx} token {pos} block {b}: KV {got.flatten()[:4].tolist()} != {want}"
+                )
                 checked += 1
         return checked
 
@@ -189,8 +203,13 @@ class Runner:
         self._n += 1
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
-        req = Request(request_id=f"r{self._n}", prompt_token_ids=list(token_ids), sampling_params=sp,
-                      pooling_params=None, block_hasher=self.hasher)
+        req = Request(
+            request_id=f"r{self._n}",
+            prompt_token_ids=list(token_ids),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
         self.scheduler.add_request(req)
         return req
 
@@ -206,11 +225,23 @@ class Runner:
         meta = out.kv_connector_metadata
         w = self.worker
         for job_id, job in meta.store_jobs.items():
-            self.recorded.store_jobs.append((job_id, list(map(int, job.src_spec.block_ids)),
-                                             list(job.src_spec.group_sizes), list(job.src_spec.block_indices)))
+            self.recorded.store_jobs.append(
+                (
+                    job_id,
+                    list(map(int, job.src_spec.block_ids)),
+                    list(job.src_spec.group_sizes),
+                    list(job.src_spec.block_indices),
+                )
+            )
         for job_id, job in meta.load_jobs.items():
-            self.recorded.load_jobs.append((job_id, list(map(int, job.dst_spec.block_ids)),
-                                            list(job.dst_spec.group_sizes), list(job.dst_spec.block_indices)))
+            self.recorded.load_jobs.append(
+                (
+                    job_id,
+                    list(map(int, job.dst_spec.block_ids)),
+                    list(job.dst_spec.group_sizes),
+                    list(job.dst_spec.block_indices),
+                )
+            )
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
@@ -234,9 +265,9 @@ class Runner:
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled_ids,
-            kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
-                                                  finished_recving=recving or None,
-                                                  kv_connector_worker_meta=worker_meta),
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending or None, finished_recving=recving or None, kv_connector_worker_meta=worker_meta
+            ),
         )
         self.scheduler.update_from_output(out, mro)
         return out

@@ -30,10 +30,15 @@ class Shadow:
 
     def __init__(self, runner: Runner, bpc: int) -> None:
         self.r = runner
-        self.sched = OffloadScheduler(GroupLayout(
-            (GroupSpec(0, "full", BLOCK_SIZE, bpc), GroupSpec(1, "sliding_window", BLOCK_SIZE, bpc,
-                                                              window_tokens=WINDOW)),
-            tokens_per_hash=BLOCK_SIZE))
+        self.sched = OffloadScheduler(
+            GroupLayout(
+                (
+                    GroupSpec(0, "full", BLOCK_SIZE, bpc),
+                    GroupSpec(1, "sliding_window", BLOCK_SIZE, bpc, window_tokens=WINDOW),
+                ),
+                tokens_per_hash=BLOCK_SIZE,
+            )
+        )
         self.seen_hashes: dict[str, int] = {}
         self.ids: dict[str, list[list[int]]] = {}
         self.stored: set[bytes] = set()
@@ -46,7 +51,7 @@ class Shadow:
             if rid not in self.seen_hashes:
                 s.add_request(rid, req.num_prompt_tokens)
                 self.seen_hashes[rid], self.ids[rid] = 0, [[], []]
-            hashes = [bytes(h) for h in req.block_hashes[self.seen_hashes[rid]:]]
+            hashes = [bytes(h) for h in req.block_hashes[self.seen_hashes[rid] :]]
             self.seen_hashes[rid] += len(hashes)
             cur = [list(g) for g in mgr.get_block_ids(rid)]
             prev = self.ids[rid]
@@ -54,8 +59,12 @@ class Shadow:
                 released = [p for p in range(len(prev[g])) if prev[g][p] and cur[g][p] == 0]
                 if released:
                     s.release_blocks(rid, g, released)
-            s.update_request(rid, block_hashes=hashes, block_ids=[cur[g][len(prev[g]):] for g in range(2)],
-                             num_tokens=req.num_tokens)
+            s.update_request(
+                rid,
+                block_hashes=hashes,
+                block_ids=[cur[g][len(prev[g]) :] for g in range(2)],
+                num_tokens=req.num_tokens,
+            )
             self.ids[rid] = cur
             plan = s.plan_store(rid, num_computed_tokens=req.num_computed_tokens - n, num_scheduled_tokens=n)
             self._settle(rid, plan)
@@ -129,10 +138,13 @@ def test_adapter_vs_vllm_connector(tmp_path: Path) -> None:
         assert set(load.keys) == set(loads)
         record = {
             "full_stored_equal": True,
-            "swa_stored_vllm": len(v_swa), "swa_stored_tieredkv": len(o_swa), "swa_extra_tieredkv": extra_swa,
+            "swa_stored_vllm": len(v_swa),
+            "swa_stored_tieredkv": len(o_swa),
+            "swa_extra_tieredkv": extra_swa,
             "lookup_boundary": vllm_boundary,
-            "vllm_prepare_store_calls": [(s, len(k), None if a_ is None else len(a_))
-                                         for s, k, a_ in runner.recorded.prepare_store],
+            "vllm_prepare_store_calls": [
+                (s, len(k), None if a_ is None else len(a_)) for s, k, a_ in runner.recorded.prepare_store
+            ],
             "tieredkv_store_plans": [(s, len(k)) for s, _, k in shadow.planned],
             "vllm_lookup_states": sorted({st for _, _, st in runner.recorded.lookups}),
             "vllm_store_jobs": runner.recorded.store_jobs,

@@ -37,12 +37,14 @@ VARIANTS = ("none", "every_other", "partial", "last_pass")
 _REPORT: list[dict[str, Any]] = []
 
 
-def _pair(groups: tuple[str, ...], bpc: int, async_scheduling: bool, fault: str | None,
-          **tkc_extra: Any) -> tuple[RunResult, RunResult]:
+def _pair(
+    groups: tuple[str, ...], bpc: int, async_scheduling: bool, fault: str | None, **tkc_extra: Any
+) -> tuple[RunResult, RunResult]:
     kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": async_scheduling}
     ref = run_engine(reference_extra_config(bpc), store_fault=fault and StoreFault(fault), **kw)
-    tkc = run_engine(dict(reference_extra_config(bpc), **tkc_extra), store_fault=fault and StoreFault(fault),
-                     **TKC, **kw)
+    tkc = run_engine(
+        dict(reference_extra_config(bpc), **tkc_extra), store_fault=fault and StoreFault(fault), **TKC, **kw
+    )
     print(f"ref {ref.summary()} lost={ref.lost_keys} reoffered={ref.reoffered_keys}")
     print(f"tkc {tkc.summary()} lost={tkc.lost_keys} reoffered={tkc.reoffered_keys} {tkc.connector_counters}")
     return ref, tkc
@@ -168,8 +170,13 @@ def test_any_spec_behind_the_connector(tmp_path: Path) -> None:
     kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": True, "settle": True}
     runs = {
         "spec-lmdb": run_engine(spec_extra(bpc, _tiers_file(tmp_path / "a", "lmdb")), **TKC, **kw),
-        "sec-lmdb": run_engine(secondary_extra(bpc, _tiers_file(tmp_path / "b", "lmdb")), tiering_cpu_worker=True,
-                               reset_connector=True, **TKC, **kw),
+        "sec-lmdb": run_engine(
+            secondary_extra(bpc, _tiers_file(tmp_path / "b", "lmdb")),
+            tiering_cpu_worker=True,
+            reset_connector=True,
+            **TKC,
+            **kw,
+        ),
     }
     for name, r in runs.items():
         print(f"{name} {r.summary()}")
@@ -185,8 +192,15 @@ def test_readme_configuration_runs(tmp_path: Path) -> None:
     cfg = readme_kv_transfer_configs()["TieredKVConnector"]
     extra = extra_config("TieredKVConnector", _tiers_file(tmp_path, "lmdb"))
     bpc = extra["blocks_per_chunk"]
-    r = run_engine(extra, groups=HYBRID, blocks_per_chunk=bpc, async_scheduling=True, settle=True,
-                   kv_connector=cfg["kv_connector"], kv_connector_module_path=cfg["kv_connector_module_path"])
+    r = run_engine(
+        extra,
+        groups=HYBRID,
+        blocks_per_chunk=bpc,
+        async_scheduling=True,
+        settle=True,
+        kv_connector=cfg["kv_connector"],
+        kv_connector_module_path=cfg["kv_connector_module_path"],
+    )
     ref = run_engine(reference_extra_config(bpc), groups=HYBRID, blocks_per_chunk=bpc, async_scheduling=True)
     print(f"ref {ref.summary()}\nreadme {r.summary()}")
     assert_healthy("readme", r)
@@ -224,14 +238,20 @@ def test_connector_rows(row: tuple[tuple[str, ...], int, bool]) -> None:
     for variant in VARIANTS:
         ref, tkc = _pair(groups, bpc, a, None if variant == "none" else variant)
         rec["variants"][variant] = {
-            name: {"hits": {g: r.hit_tokens.get(g, 0) for g in groups},
-                   "first_hits": {g: r.first_hit_tokens.get(g, 0) for g in groups},
-                   "lost": sum(r.lost_keys.values()),
-                   "refused": r.fault_refused_keys, "steps": r.steps, "off_grid_loads": r.mamba_off_grid_loads,
-                   "keys_offered": r.keys_offered, "reoffered": r.reoffered_keys,
-                   "us_per_step": round(r.connector_s / max(1, r.steps) * 1e6),
-                   **({"counters": r.connector_counters} if r.connector_counters else {})}
-            for name, r in (("OffloadingConnector", ref), ("TieredKVConnector", tkc))}
+            name: {
+                "hits": {g: r.hit_tokens.get(g, 0) for g in groups},
+                "first_hits": {g: r.first_hit_tokens.get(g, 0) for g in groups},
+                "lost": sum(r.lost_keys.values()),
+                "refused": r.fault_refused_keys,
+                "steps": r.steps,
+                "off_grid_loads": r.mamba_off_grid_loads,
+                "keys_offered": r.keys_offered,
+                "reoffered": r.reoffered_keys,
+                "us_per_step": round(r.connector_s / max(1, r.steps) * 1e6),
+                **({"counters": r.connector_counters} if r.connector_counters else {}),
+            }
+            for name, r in (("OffloadingConnector", ref), ("TieredKVConnector", tkc))
+        }
         try:
             assert_healthy(f"ref-{variant}", ref)
             assert_healthy(f"tkc-{variant}", tkc)
@@ -255,7 +275,9 @@ def report_table() -> list[str]:
         cells = []
         for variant, runs in rec["variants"].items():
             ref, tkc = runs["OffloadingConnector"], runs["TieredKVConnector"]
-            cells.append(f"{variant} {'/'.join(map(str, ref['hits'].values()))} lost {ref['lost']} -> "
-                         f"{'/'.join(map(str, tkc['hits'].values()))} lost {tkc['lost']}")
+            cells.append(
+                f"{variant} {'/'.join(map(str, ref['hits'].values()))} lost {ref['lost']} -> "
+                f"{'/'.join(map(str, tkc['hits'].values()))} lost {tkc['lost']}"
+            )
         lines.append(head + " | " + " | ".join(cells))
     return lines

@@ -29,8 +29,7 @@ def _id(case: tuple[tuple[str, ...], int, bool]) -> str:
 @pytest.mark.parametrize("case", MATRIX, ids=[_id(c) for c in MATRIX])
 def test_reference_path(case: tuple[tuple[str, ...], int, bool]) -> None:
     groups, bpc, async_scheduling = case
-    r = run_engine(reference_extra_config(bpc), groups=groups, blocks_per_chunk=bpc,
-                   async_scheduling=async_scheduling)
+    r = run_engine(reference_extra_config(bpc), groups=groups, blocks_per_chunk=bpc, async_scheduling=async_scheduling)
     print(r.summary())
     assert r.error is None, r.wrong_examples
     assert r.stalled is None, r.stalled
@@ -89,8 +88,7 @@ def test_no_progress_is_reported() -> None:
     request whose load already finished (``_request_remaining_blocks`` uses the admission cap), so
     two requests holding loaded KV wait on each other with nothing running. The harness stops and
     says so instead of stepping until the budget."""
-    r = run_engine(reference_extra_config(1), groups=("full", "swa"), blocks_per_chunk=1, seed=1,
-                   num_gpu_blocks=40)
+    r = run_engine(reference_extra_config(1), groups=("full", "swa"), blocks_per_chunk=1, seed=1, num_gpu_blocks=40)
     print(r.summary())
     assert r.stalled is not None and "WAITING" in r.stalled
     assert not r.idle_reached and r.wrong_bytes == 0 and r.steps < 1000

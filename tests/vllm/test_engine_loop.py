@@ -69,26 +69,59 @@ def _tiers_file(path: Path, kind: str, url: str | None = None, cluster: bool = F
     path.mkdir(parents=True, exist_ok=True)
     tier = {
         "cpu": {"kind": "cpu", "name": "cpu", "capacity_bytes": "16MiB"},
-        "lmdb": {"kind": "lmdb", "name": "nvme", "path": str(path / "lmdb"), "map_size_bytes": "64MiB",
-                 "size_cap_bytes": "32MiB"},
-        "redis": {"kind": "redis", "name": "redis", "url": url, "cluster": cluster,
-                  "key_prefix": f"tkv-loop-{uuid.uuid4().hex[:12]}"},  # cold, like the reference
+        "lmdb": {
+            "kind": "lmdb",
+            "name": "nvme",
+            "path": str(path / "lmdb"),
+            "map_size_bytes": "64MiB",
+            "size_cap_bytes": "32MiB",
+        },
+        "redis": {
+            "kind": "redis",
+            "name": "redis",
+            "url": url,
+            "cluster": cluster,
+            "key_prefix": f"tkv-loop-{uuid.uuid4().hex[:12]}",
+        },  # cold, like the reference
     }[kind]
     f = path / "tiers.json"
-    f.write_text(json.dumps({"version": 1, "namespace": {"model": "engine-loop"}, "tiers": [tier],
-                             "pipeline": {"staging_bytes": "8MiB"}}))
+    f.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "namespace": {"model": "engine-loop"},
+                "tiers": [tier],
+                "pipeline": {"staging_bytes": "8MiB"},
+            }
+        )
+    )
     return f
 
 
 def spec_extra(bpc: int, tiers: Path, **kw: Any) -> dict[str, Any]:
-    return {"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tieredkv.integrations.vllm",
-            "tieredkv_config": str(tiers), "blocks_per_chunk": bpc, **kw}
+    return {
+        "spec_name": "TieredKVOffloadingSpec",
+        "spec_module_path": "tieredkv.integrations.vllm",
+        "tieredkv_config": str(tiers),
+        "blocks_per_chunk": bpc,
+        **kw,
+    }
 
 
 def secondary_extra(bpc: int, tiers: Path) -> dict[str, Any]:
-    return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": bpc,
-            "secondary_tiers": [{"type": "TieredKVSecondaryTier", "module_path": "tieredkv.integrations.vllm",
-                                 "config": str(tiers), "keep_on_reset": True}]}
+    return {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 1 << 20,
+        "blocks_per_chunk": bpc,
+        "secondary_tiers": [
+            {
+                "type": "TieredKVSecondaryTier",
+                "module_path": "tieredkv.integrations.vllm",
+                "config": str(tiers),
+                "keep_on_reset": True,
+            }
+        ],
+    }
 
 
 def report_table() -> list[str]:
@@ -117,11 +150,17 @@ def _record(row: tuple[tuple[str, ...], int, bool], runs: dict[str, RunResult]) 
     groups, bpc, a = row
     rec = {"groups": "+".join(groups), "bpc": bpc, "async": a, "runs": {}}
     for name, r in runs.items():
-        rec["runs"][name] = {"steps": r.steps, "hits": {g: r.hit_tokens.get(g, 0) for g in groups},
-                             "preemptions": r.preemptions, "deferred_lookups": r.deferred_lookups,
-                             "max_request_steps": r.max_request_steps, "wrong_bytes": r.wrong_bytes,
-                             "mamba_off_grid_loads": r.mamba_off_grid_loads,
-                             "steps_to_idle": r.phase_steps_to_idle, "wall_s": round(r.wall_s, 2)}
+        rec["runs"][name] = {
+            "steps": r.steps,
+            "hits": {g: r.hit_tokens.get(g, 0) for g in groups},
+            "preemptions": r.preemptions,
+            "deferred_lookups": r.deferred_lookups,
+            "max_request_steps": r.max_request_steps,
+            "wrong_bytes": r.wrong_bytes,
+            "mamba_off_grid_loads": r.mamba_off_grid_loads,
+            "steps_to_idle": r.phase_steps_to_idle,
+            "wall_s": round(r.wall_s, 2),
+        }
         print(f"{name:10} {r.summary()}")
     _REPORT.append(rec)
     out = os.environ.get("ENGINE_LOOP_REPORT")
@@ -131,8 +170,7 @@ def _record(row: tuple[tuple[str, ...], int, bool], runs: dict[str, RunResult]) 
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[_row_id(r) for r in ROWS])
-def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_path: Path,
-                                  redis_server: Any) -> None:
+def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_path: Path, redis_server: Any) -> None:
     groups, bpc, a = row
     kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": a}
     runs = {"ref": run_engine(reference_extra_config(bpc), **kw)}
@@ -141,8 +179,9 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
         runs[f"spec-{kind}"] = run_engine(spec_extra(bpc, tiers), settle=True, **kw)
     for kind in ("lmdb", "redis"):
         tiers = _tiers_file(tmp_path / f"sec-{kind}", kind, redis_server.url)
-        runs[f"sec-{kind}"] = run_engine(secondary_extra(bpc, tiers), settle=True, tiering_cpu_worker=True,
-                                         reset_connector=True, **kw)
+        runs[f"sec-{kind}"] = run_engine(
+            secondary_extra(bpc, tiers), settle=True, tiering_cpu_worker=True, reset_connector=True, **kw
+        )
     declined_windowed: list[int] = []
     with _watch_refusals(declined_windowed):
         tiers = _tiers_file(tmp_path / "cap1-lmdb", "lmdb")
@@ -151,8 +190,9 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
         tiers = _tiers_file(tmp_path / f"async-{kind}", kind, redis_server.url)
         runs[f"async-{kind}"] = run_engine(spec_extra(bpc, tiers), **kw)
     tiers = _tiers_file(tmp_path / "async-sec-redis", "redis", redis_server.url)
-    runs["async-sec-redis"] = run_engine(secondary_extra(bpc, tiers), tiering_cpu_worker=True, reset_connector=True,
-                                         **kw)
+    runs["async-sec-redis"] = run_engine(
+        secondary_extra(bpc, tiers), tiering_cpu_worker=True, reset_connector=True, **kw
+    )
     _record(row, runs)
     ref = runs["ref"]
     assert_healthy("ref", ref)
@@ -221,14 +261,16 @@ def test_engine_loop_cache_reset_serves_nothing_older(tmp_path: Path) -> None:
     kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "settle": True}
     plain = run_engine(spec_extra(bpc, _tiers_file(tmp_path / "a", "lmdb")), **kw)
     reset = run_engine(spec_extra(bpc, _tiers_file(tmp_path / "b", "lmdb")), reset_connector=True, **kw)
-    kept = run_engine(spec_extra(bpc, _tiers_file(tmp_path / "c", "lmdb"), keep_on_reset=True),
-                      reset_connector=True, **kw)
+    kept = run_engine(
+        spec_extra(bpc, _tiers_file(tmp_path / "c", "lmdb"), keep_on_reset=True), reset_connector=True, **kw
+    )
     for name, r in (("plain", plain), ("reset", reset), ("kept", kept)):
         print(f"{name:6} {r.summary()}")
         assert_healthy(name, r)
     later = [rec for rec in reset.requests.values() if rec.phase > 0]
     assert later and all(not rec.external_hits or rec.preemptions for rec in later), [
-        (rec.name, rec.external_hits) for rec in later]
+        (rec.name, rec.external_hits) for rec in later
+    ]
     assert sum(reset.hit_tokens.values()) < sum(plain.hit_tokens.values())
     assert kept.hit_tokens == plain.hit_tokens
 
@@ -254,8 +296,13 @@ def test_partial_records_and_mamba_states_round_trip(tmp_path: Path) -> None:
     TieredKVManager.shutdown, TieredKVWorker.shutdown = m_shutdown, w_shutdown  # type: ignore[method-assign]
     try:
         groups = ("full", "swa", "mamba")
-        r = run_engine(spec_extra(4, _tiers_file(tmp_path / "p", "lmdb")), groups=groups, blocks_per_chunk=4,
-                       async_scheduling=True, settle=True)
+        r = run_engine(
+            spec_extra(4, _tiers_file(tmp_path / "p", "lmdb")),
+            groups=groups,
+            blocks_per_chunk=4,
+            async_scheduling=True,
+            settle=True,
+        )
     finally:
         TieredKVManager.shutdown, TieredKVWorker.shutdown = orig_m, orig_w  # type: ignore[method-assign]
     print(r.summary(), seen)
@@ -263,6 +310,7 @@ def test_partial_records_and_mamba_states_round_trip(tmp_path: Path) -> None:
     assert seen["worker"].get("partial_chunks_stored", 0) > 0, seen
     assert seen["manager"].get("load_partial_chunks", 0) > 0, seen
     assert not seen["worker"].get("unmappable_chunks_not_stored") and not seen["worker"].get(
-        "chunks_with_holes_not_stored"), seen
+        "chunks_with_holes_not_stored"
+    ), seen
     assert r.hit_tokens["swa"] > 0 and r.hit_tokens["mamba"] > 0
     assert r.mamba_loaded_states_checked > 0 and r.mamba_loaded_states_ok == r.mamba_loaded_states_checked

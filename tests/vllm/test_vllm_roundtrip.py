@@ -58,15 +58,33 @@ def extra_config(mode: str, tiers_yaml: Path) -> dict[str, Any]:
 def write_tiers(path: Path, backend: str, redis_url: str | None) -> Path:
     tiers, policy = [], []
     if backend in ("lmdb", "mixed"):
-        tiers.append({"kind": "lmdb", "name": "nvme", "path": str(path.parent / "lmdb"),
-                      "map_size_bytes": "64MiB", "size_cap_bytes": "32MiB"})
+        tiers.append(
+            {
+                "kind": "lmdb",
+                "name": "nvme",
+                "path": str(path.parent / "lmdb"),
+                "map_size_bytes": "64MiB",
+                "size_cap_bytes": "32MiB",
+            }
+        )
     if backend in ("redis", "mixed", "cluster"):
-        tiers.append({"kind": "redis", "name": "redis", "url": redis_url, "cluster": backend == "cluster",
-                      "key_prefix": f"tkv-vllm-{path.parent.name}"})
+        tiers.append(
+            {
+                "kind": "redis",
+                "name": "redis",
+                "url": redis_url,
+                "cluster": backend == "cluster",
+                "key_prefix": f"tkv-vllm-{path.parent.name}",
+            }
+        )
     if backend == "mixed":
         policy = [{"kinds": ["sliding_window"], "tiers": ["redis"]}, {"tiers": ["nvme"]}]
-    cfg = {"version": 1, "namespace": {"model": "unused-vllm-names-the-model"}, "tiers": tiers,
-           "pipeline": {"staging_bytes": "8MiB"}}
+    cfg = {
+        "version": 1,
+        "namespace": {"model": "unused-vllm-names-the-model"},
+        "tiers": tiers,
+        "pipeline": {"staging_bytes": "8MiB"},
+    }
     if policy:
         cfg["policy"] = policy
     path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -168,8 +186,12 @@ def test_secondary_tier_roundtrip_bytes(tiers_yaml: tuple[str, Path], monkeypatc
 def _assert_routes(store: Any, backend: str) -> None:
     """tieredkv's per-group policy decided the tiers: each group's chunks are where its route says."""
     routes = {g: store.policy.get(g).tiers for g in (0, 1)}
-    want = {"lmdb": {0: ("nvme",), 1: ("nvme",)}, "redis": {0: ("redis",), 1: ("redis",)},
-            "cluster": {0: ("redis",), 1: ("redis",)}, "mixed": {0: ("nvme",), 1: ("redis",)}}[backend]
+    want = {
+        "lmdb": {0: ("nvme",), 1: ("nvme",)},
+        "redis": {0: ("redis",), 1: ("redis",)},
+        "cluster": {0: ("redis",), 1: ("redis",)},
+        "mixed": {0: ("nvme",), 1: ("redis",)},
+    }[backend]
     assert routes == want
 
 
@@ -197,9 +219,11 @@ def test_readme_json_is_valid_for_vllm() -> None:
 
 
 def test_import_tieredkv_does_not_import_vllm() -> None:
-    code = ("import sys, tieredkv, tieredkv.integrations.vllm as v; "
-            "assert 'vllm' not in sys.modules, 'vllm imported'; v.TieredKVSecondaryTier; "
-            "assert 'vllm' in sys.modules")
+    code = (
+        "import sys, tieredkv, tieredkv.integrations.vllm as v; "
+        "assert 'vllm' not in sys.modules, 'vllm imported'; v.TieredKVSecondaryTier; "
+        "assert 'vllm' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
@@ -262,9 +286,14 @@ def test_namespace_from_offloading_config() -> None:
 
     base = OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("a",), 0), OffloadingGroupConfig(16, ("b",), 1, 2)),
-        worker_kv_bytes_per_block=2048, enable_kv_cache_events=False, extra_config={}, engine_id="e",
-        model=OffloadingModelConfig("m", "float16"), cache=OffloadingCacheConfig(16, 2),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False))
+        worker_kv_bytes_per_block=2048,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="e",
+        model=OffloadingModelConfig("m", "float16"),
+        cache=OffloadingCacheConfig(16, 2),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
     ns = namespace_from_offloading_config(base)
     assert ns.model == "m" and ns.dtype == "float16"
     assert [g.kind for g in ns.groups] == ["full", "sliding_window"] and ns.groups[1].window_tokens == 64
@@ -281,8 +310,9 @@ def test_namespace_from_offloading_config() -> None:
 
 @pytest.mark.parametrize("mode", ["TieredKVOffloadingSpec", "TieringOffloadingSpec"])
 @pytest.mark.parametrize("keep_on_reset", [False, True])
-def test_cache_reset_starts_new_generation(mode: str, keep_on_reset: bool, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_reset_starts_new_generation(
+    mode: str, keep_on_reset: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """vLLM resets the connector on sleep and on weight updates: after it, nothing stored before
     may be hit (a new cache generation: a fresh namespace fingerprint). ``keep_on_reset`` keeps
     serving the old records (for resets that do not change the weights)."""

@@ -377,12 +377,12 @@ class Tier(ABC):
                 for fn in self._observers:
                     try:
                         fn(self.name, op, nkeys, nbytes, dt, outcome)
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         log.exception("tier observer failed")
 
     # ---- hooks -----------------------------------------------------------------------
 
-    async def _open(self) -> None:  # noqa: B027 - optional hook
+    async def _open(self) -> None:
         """Allocate / connect."""
 
     @abstractmethod
@@ -411,7 +411,7 @@ class Tier(ABC):
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         raise NotImplementedError(f"tier kind {self.kind!r} does not accept raw records")
 
-    async def _close(self) -> None:  # noqa: B027 - optional hook
+    async def _close(self) -> None:
         """Release resources (called once)."""
 
 

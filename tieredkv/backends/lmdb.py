@@ -82,6 +82,8 @@ def _disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
         return True
     return isinstance(exc, lmdb.Error) and any(os.strerror(e) in str(exc) for e in _DISK_FULL)
+
+
 _T = TypeVar("_T")
 _SCAN_PAGE = 1024
 
@@ -321,10 +323,13 @@ class LMDBTier(Tier):
 
     def _translate(self, exc: BaseException, op: str) -> TieredKVError:
         if _disk_full(exc):
-            return TierFullError(f"tier {self.name!r}: the disk under {self.path} is full ({exc}); free space or"
-                                 " lower size_cap_bytes")
+            return TierFullError(
+                f"tier {self.name!r}: the disk under {self.path} is full ({exc}); free space or lower size_cap_bytes"
+            )
         if isinstance(exc, lmdb.MapFullError):
-            return TierFullError(f"tier {self.name!r}: LMDB map is full at {self._max_map} bytes; raise max_map_size_bytes")
+            return TierFullError(
+                f"tier {self.name!r}: LMDB map is full at {self._max_map} bytes; raise max_map_size_bytes"
+            )
         if isinstance(exc, (lmdb.Error, OSError)):
             return TierUnavailableError(f"tier {self.name!r} (lmdb at {self.path}): {op} failed: {exc}")
         return super()._translate(exc, op)

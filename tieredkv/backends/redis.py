@@ -318,8 +318,14 @@ class RedisTier(Tier):
         if down:
             errs = list(dict.fromkeys(down.values()))
             self._count("node_errors", len(errs))
-            log.warning("tier %s: %d of %d keys are on %d unreachable node(s) and were not served: %s",
-                        self.name, len(down), len(rkeys), len(errs), errs[0])
+            log.warning(
+                "tier %s: %d of %d keys are on %d unreachable node(s) and were not served: %s",
+                self.name,
+                len(down),
+                len(rkeys),
+                len(errs),
+                errs[0],
+            )
         return out
 
     async def _refresh_topology(self, failed_node: str | None) -> None:
@@ -432,13 +438,19 @@ class RedisTier(Tier):
                     claimed = _claimed_record_size(value, keys[i])
                     if claimed is None or claimed <= limit:  # not our record, or longer than it says
                         says = "no header for this key" if claimed is None else f"a header for {claimed} bytes"
-                        self._on_corrupt(keys[i], CorruptRecordError(
-                            f"a value longer than {limit} bytes with {says} (not read further)"))
+                        self._on_corrupt(
+                            keys[i],
+                            CorruptRecordError(f"a value longer than {limit} bytes with {says} (not read further)"),
+                        )
                         corrupt.append((rk, value, False))
                     elif into[i] is not None:  # a record for this key, larger than the destination
                         self._count("oversize")
-                        log.warning("tier %s: record of %d bytes does not fit a %d-byte buffer; miss",
-                                    self.name, claimed - HEADER_SIZE, len(into[i]))  # type: ignore[arg-type]
+                        log.warning(
+                            "tier %s: record of %d bytes does not fit a %d-byte buffer; miss",
+                            self.name,
+                            claimed - HEADER_SIZE,
+                            len(into[i]),
+                        )  # type: ignore[arg-type]
                     else:  # bytes wanted and the header vouches for the size: read the rest
                         rest.append((i, rk, value, claimed))
                     continue
@@ -447,21 +459,31 @@ class RedisTier(Tier):
             rks = [rk for _, rk, _, _ in rest]
             try:
                 tails = await self._per_key(
-                    rks, lambda pipe, j: pipe.getrange(rks[j], len(rest[j][2]), rest[j][3]))  # ≤ claimed + 1 bytes
+                    rks, lambda pipe, j: pipe.getrange(rks[j], len(rest[j][2]), rest[j][3])
+                )  # ≤ claimed + 1 bytes
             except RedisError as e:  # their nodes went down since the first read: misses, not an error
                 log.warning("tier %s: could not read the rest of %d large records: %s", self.name, len(rks), e)
                 tails = [e] * len(rks)
             for (i, rk, head, claimed), tail in zip(rest, tails, strict=True):
                 if isinstance(tail, BaseException):
                     continue
-                out[i] = self._verify_deliver(keys[i], rk, head + tail, None, corrupt,
-                                              whole=len(head) + len(tail) <= claimed)
+                out[i] = self._verify_deliver(
+                    keys[i], rk, head + tail, None, corrupt, whole=len(head) + len(tail) <= claimed
+                )
         if corrupt:
             await self._drop_corrupt(corrupt)
         return out
 
-    def _verify_deliver(self, key: bytes, rk: bytes, value: bytes, dst: memoryview | None,
-                        corrupt: list[tuple[bytes, bytes, bool]], *, whole: bool = True) -> int | bytes | None:
+    def _verify_deliver(
+        self,
+        key: bytes,
+        rk: bytes,
+        value: bytes,
+        dst: memoryview | None,
+        corrupt: list[tuple[bytes, bytes, bool]],
+        *,
+        whole: bool = True,
+    ) -> int | bytes | None:
         try:
             payload = verify_record(value, key)
         except CorruptRecordError as e:

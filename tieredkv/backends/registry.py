@@ -59,7 +59,9 @@ def _import(target: str, kind: str, hint: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise BackendNotFoundError(f"tier kind {kind!r} needs a package that is not installed ({e.name}): {hint}") from e
+        raise BackendNotFoundError(
+            f"tier kind {kind!r} needs a package that is not installed ({e.name}): {hint}"
+        ) from e
     try:
         return getattr(module, cls_name)
     except AttributeError as e:

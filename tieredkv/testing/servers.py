@@ -287,7 +287,7 @@ class RedisServer:
 
     def _launch(self, exe: str) -> None:
         self.log_path.write_bytes(b"")
-        self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+        self._proc = subprocess.Popen(
             self._argv(exe),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -429,8 +429,14 @@ class RedisCluster:
 
     def _node(self) -> RedisServer:
         # A cache keeps serving the slots still covered when a master is gone.
-        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-require-full-coverage", "no"]
+        args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-require-full-coverage",
+            "no",
+        ]
         args += ["--cluster-node-timeout", str(self.node_timeout_ms), *self.extra_args]
         srv = RedisServer(extra_args=args, startup_timeout=self.startup_timeout)
         srv._bus_offset = CLUSTER_BUS_OFFSET
@@ -440,7 +446,7 @@ class RedisCluster:
         argv = [cli, "--cluster", "create", *(f"{h}:{p}" for h, p in self.nodes)]
         argv += ["--cluster-replicas", "0", "--cluster-yes"]
         try:
-            res = subprocess.run(  # noqa: S603 - fixed argv, no shell
+            res = subprocess.run(
                 argv, capture_output=True, timeout=self.startup_timeout, stdin=subprocess.DEVNULL, check=False
             )
         except subprocess.TimeoutExpired as e:
@@ -593,7 +599,7 @@ def start_detached_cluster(
             state["nodes"].append(_start_daemon(exe, state_dir, host, port, node_timeout_ms, startup_timeout))
             (state_dir / CLUSTER_STATE_FILE).write_text(json.dumps(state, indent=2))
         argv = [cli, "--cluster", "create", *(f"{host}:{p}" for p in ports), "--cluster-replicas", "0", "--cluster-yes"]
-        res = subprocess.run(  # noqa: S603 - fixed argv, no shell
+        res = subprocess.run(
             argv, capture_output=True, timeout=startup_timeout, stdin=subprocess.DEVNULL, check=False
         )
         text = (res.stdout + res.stderr).decode(errors="replace")
@@ -620,7 +626,7 @@ def _start_daemon(
         "--daemonize", "yes", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
         "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
     ]  # fmt: skip
-    res = subprocess.run(argv, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)  # noqa: S603
+    res = subprocess.run(argv, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"redis-server on port {port} failed to start:\n{_log_tail(log_path)}")
     deadline = time.monotonic() + timeout

@@ -313,8 +313,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 continue
             cands = led.candidates(num_chunks, share)
             if cands:
-                offers.extend(self._classify(status, pos, cfg, led, cands, num_chunks, prompt_offloadable,
-                                             reachable))
+                offers.extend(self._classify(status, pos, cfg, led, cands, num_chunks, prompt_offloadable, reachable))
             led.settle_scan()
         self._sync_cursors(status, ledgers)
         if offers:
@@ -354,11 +353,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 led.mark_dead(k)  # unreachable now; reconsidered on a resume
                 continue
             nulls = _leading_nulls(blocks)
-            if (
-                nulls == bpc
-                or 0 in blocks[nulls:]
-                or (sub is not None and any(sub[b] for b in range(nulls)))
-            ):
+            if nulls == bpc or 0 in blocks[nulls:] or (sub is not None and any(sub[b] for b in range(nulls))):
                 if led.status_of(k) == _WAITING:
                     self.counters.chunks_blocks_gone += 1
                 led.mark_dead(k)  # part of the chunk is gone (left the window, reused)
@@ -514,8 +509,11 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         assert isinstance(meta, OffloadingConnectorMetadata)
         release, self._release = self._release, set()
         return TieredKVConnectorMetadata(
-            load_jobs=meta.load_jobs, store_jobs=meta.store_jobs, jobs_to_flush=meta.jobs_to_flush,
-            finished_holds=release)
+            load_jobs=meta.load_jobs,
+            store_jobs=meta.store_jobs,
+            jobs_to_flush=meta.jobs_to_flush,
+            finished_holds=release,
+        )
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._release or self._early_store_jobs) or super().has_pending_push_work()
@@ -562,8 +560,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 self.counters.handoffs_retried += 1
             self.counters.keys_offered += 1
             out = self.manager.prepare_store([key], status.req_context)
-            if out is None or (not out.keys_to_store
-                               and self.manager.lookup(key, status.req_context) not in _PRESENT):
+            if out is None or (not out.keys_to_store and self.manager.lookup(key, status.req_context) not in _PRESENT):
                 self.counters.refusals += out is None
                 self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
                 h.attempts += 1
@@ -579,8 +576,12 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 self._req_status[req.request_id] = status
             self._block_id_to_pending_jobs.setdefault(h.block_id, set()).add(job_id)
             self._jobs[job_id] = TransferJobStatus(
-                req_id=h.req_id, pending_count=self.config.num_workers, keys={key}, is_store=True,
-                fenced_block_ids=[h.block_id])
+                req_id=h.req_id,
+                pending_count=self.config.num_workers,
+                keys={key},
+                is_store=True,
+                fenced_block_ids=[h.block_id],
+            )
             sizes = [0] * num_groups
             sizes[pos] = 1
             indices = [0] * num_groups
@@ -588,7 +589,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             store_jobs[job_id] = TransferJob(
                 req_id=h.req_id,
                 src_spec=GPULoadStoreSpec([h.block_id], group_sizes=sizes, block_indices=indices),
-                dst_spec=out.store_spec)
+                dst_spec=out.store_spec,
+            )
             self._events_tracker.record_store(req, cfg, h.boundary // cfg.tokens_per_chunk - 1, key)
         return store_jobs
 
@@ -662,5 +664,3 @@ class TieredKVConnector(OffloadingConnector):
         if holds:
             sending = set(sending or ()) | holds
         return sending, recving
-
-

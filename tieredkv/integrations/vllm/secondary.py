@@ -81,14 +81,13 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         self.keep_on_reset = keep_on_reset
         self.kinds = group_kinds_of(ocfg, group_kinds)
         # A primary row holds every worker's pages of one chunk: one namespace for all ranks.
-        self.namespace = namespace_from_offloading_config(ocfg, cfg, bytes_per_block=row_bytes, rank=0,
-                                                          kinds=self.kinds)
+        self.namespace = namespace_from_offloading_config(
+            ocfg, cfg, bytes_per_block=row_bytes, rank=0, kinds=self.kinds
+        )
         self._fp = self.namespace.fingerprint
         self.store = TieredStore(cfg, namespace=self.namespace).start()
         # Routes: tieredkv's policy by each group's kind and chunk (row) bytes.
-        self.routes = {
-            i: self.store.policy.route(i, row_bytes, self.kinds[i]) for i in range(len(ocfg.groups))
-        }
+        self.routes = {i: self.store.policy.route(i, row_bytes, self.kinds[i]) for i in range(len(ocfg.groups))}
         for i, r in self.routes.items():
             log.info("tieredkv secondary tier: group %d -> %s (%s)", i, list(r.tiers), r.write)
         self._rows = np.asarray(primary_kv_view) if primary_kv_view.nbytes else np.zeros((0, row_bytes), np.uint8)
@@ -240,8 +239,9 @@ class TieredKVSecondaryTier(SecondaryTierManager):
                 self._lookups.forget(r.done)
                 self.counters["stored_chunks"] += len(r.done)
                 self.counters["store_failed_chunks"] += len(r.failed)
-                self._finished.append(JobResult(job_id=r.job_id, success=r.ok, transfer_time=r.seconds,
-                                                transfer_bytes=r.nbytes))
+                self._finished.append(
+                    JobResult(job_id=r.job_id, success=r.ok, transfer_time=r.seconds, transfer_bytes=r.nbytes)
+                )
             else:
                 self._jobs.pop(r.job_id, None)
                 self._remember(r.done)
@@ -250,7 +250,12 @@ class TieredKVSecondaryTier(SecondaryTierManager):
                 self._lookups.forget(r.failed)
                 self.counters["loaded_chunks"] += len(r.done)
                 self.counters["load_missing_chunks"] += len(r.failed)
-                self._finished.append(JobResult(
-                    job_id=r.job_id, success=r.ok,
-                    successful_keys=None if r.ok else [self._vkey(k) for k in r.done],
-                    transfer_time=r.seconds, transfer_bytes=r.nbytes))
+                self._finished.append(
+                    JobResult(
+                        job_id=r.job_id,
+                        success=r.ok,
+                        successful_keys=None if r.ok else [self._vkey(k) for k in r.done],
+                        transfer_time=r.seconds,
+                        transfer_bytes=r.nbytes,
+                    )
+                )

@@ -72,8 +72,9 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
     partial record (:func:`~tieredkv.keys.partial_chunk_key`) whose leading sub-blocks are invalid.
     """
 
-    def __init__(self, keys: Sequence[OffloadKey], fingerprint: bytes = b"",
-                 stored: Sequence[bytes] | None = None) -> None:
+    def __init__(
+        self, keys: Sequence[OffloadKey], fingerprint: bytes = b"", stored: Sequence[bytes] | None = None
+    ) -> None:
         self.keys: list[OffloadKey] = list(keys)
         self.fingerprint = fingerprint
         self.stored: list[bytes] = list(stored) if stored is not None else [fingerprint + bytes(k) for k in self.keys]
@@ -355,8 +356,11 @@ class TieredKVManager(OffloadingManager):
         if not self.spec.keep_on_reset:
             self._sh.namespace = new_generation(self._sh.namespace)
             self.counters["cache_generations"] += 1
-            log.info("tieredkv: cache reset; new cache generation %s (fingerprint %s)",
-                     self._sh.namespace.generation, self._sh.fingerprint.hex())
+            log.info(
+                "tieredkv: cache reset; new cache generation %s (fingerprint %s)",
+                self._sh.namespace.generation,
+                self._sh.fingerprint.hex(),
+            )
 
     def shutdown(self) -> None:
         if self._closed:
@@ -442,8 +446,9 @@ class TieredKVWorker(OffloadingWorker):
 
     # ---- job building ---------------------------------------------------------------------
 
-    def _per_group(self, keys: Sequence[bytes], stored: Sequence[bytes], gpu: GPULoadStoreSpec
-                   ) -> list[tuple[int, list[bytes], list[bytes], list[int], int]]:
+    def _per_group(
+        self, keys: Sequence[bytes], stored: Sequence[bytes], gpu: GPULoadStoreSpec
+    ) -> list[tuple[int, list[bytes], list[bytes], list[int], int]]:
         """``(group, keys, stored keys, block ids, first block index)`` of each group that has keys."""
         by_group: dict[int, list[tuple[bytes, bytes]]] = collections.defaultdict(list)
         for k, s in zip(keys, stored):
@@ -470,8 +475,14 @@ class TieredKVWorker(OffloadingWorker):
             if layout is None:
                 self.counters["unmappable_chunks_not_stored"] += len(keys)
                 unstored.update(whole_keys)
-                log.warning("tieredkv: store job %d group %d: %d keys for %d blocks (first %d); not stored",
-                            job_id, g, len(keys), len(ids), first)
+                log.warning(
+                    "tieredkv: store job %d group %d: %d keys for %d blocks (first %d); not stored",
+                    job_id,
+                    g,
+                    len(keys),
+                    len(ids),
+                    first,
+                )
                 continue
             chunks, j = [], 0
             for k, whole, positions in zip(keys, whole_keys, layout):
@@ -496,8 +507,9 @@ class TieredKVWorker(OffloadingWorker):
         self._maybe_finish(job_id, job)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    expedited: bool = False) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
         assert isinstance(src_spec, TieredKVLoadStoreSpec)
         job = self._jobs[job_id] = _Job("load")
         bpc = self.bpc
@@ -522,9 +534,14 @@ class TieredKVWorker(OffloadingWorker):
                 chunks.append((skey, tuple(placed)))
             if bad:
                 self.counters["load_subblocks_never_written"] += bad
-                log.warning("tieredkv: load job %d group %d (%s): %d chunks asked for sub-blocks that were never"
-                            " written (an off-grid hit boundary); those GPU blocks are left as they are",
-                            job_id, g, self.kinds[g], bad)
+                log.warning(
+                    "tieredkv: load job %d group %d (%s): %d chunks asked for sub-blocks that were never"
+                    " written (an off-grid hit boundary); those GPU blocks are left as they are",
+                    job_id,
+                    g,
+                    self.kinds[g],
+                    bad,
+                )
             if any(any(b for b in placed) for _, placed in chunks):
                 self._submit(job_id, "load", g, chunks)
         if expedited:
@@ -587,8 +604,11 @@ class TieredKVWorker(OffloadingWorker):
             # succeeds. A failed load cannot be recovered: vLLM 0.33's connector has no load-failure
             # path (it asserts success), so it is reported as it is, never as loaded garbage.
             log.warning("tieredkv %s job %d: %s", job.kind, job_id, "; ".join(job.errors[:3]))
-        self._results.append(TransferResult(job_id=job_id, success=job.ok, transfer_size=job.nbytes,
-                                            transfer_time=time.perf_counter() - job.t0))
+        self._results.append(
+            TransferResult(
+                job_id=job_id, success=job.ok, transfer_size=job.nbytes, transfer_time=time.perf_counter() - job.t0
+            )
+        )
 
     def get_finished(self) -> list[TransferResult]:
         self._collect()

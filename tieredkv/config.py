@@ -39,27 +39,33 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
+    SerializeAsAny,
     ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tieredkv.errors import ConfigError
 
 __all__ = [
     "CPUTierConfig",
+    "EvictionPolicyName",
     "LMDBTierConfig",
     "MetricsConfig",
     "NamespaceConfig",
     "PipelineConfig",
     "PolicyRule",
     "RedisTierConfig",
+    "Size",
     "TierConfig",
+    "TierConfigBase",
     "TieredKVConfig",
     "format_validation_error",
     "load_config",
@@ -86,9 +92,30 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
 
 
-class _TierBase(_Model):
+class TierConfigBase(_Model):
+    """Base of every tier's config model, built in or third party.
+
+    ``TieredKVConfig.tiers`` holds these: each item's ``kind`` is looked up in the tier registry
+    (:func:`tieredkv.backends.registry.config_model`) and the item validated with that kind's
+    model, so a tier installed through the ``tieredkv.backends`` entry point is written in YAML
+    exactly like a built-in one. A third-party model subclasses this one and narrows ``kind``::
+
+        class DirTierConfig(TierConfigBase):
+            kind: Literal["dir"] = Field("dir", description="Tier kind (selects the backend).")
+            root: str = Field(..., description="Directory holding one file per record.")
+    """
+
+    kind: str = Field(description="Tier kind (selects the backend through the tier registry).")
     name: str = Field("", description="Unique tier name used in logs, metrics and the CLI; defaults to the kind.")
     op_timeout_s: float = Field(5.0, gt=0, description="Deadline for one tier operation (a whole batch), in seconds.")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _by_kind(cls, data: Any, handler: Any) -> Any:
+        """Validated as the base (a ``tiers`` item): dispatch to the model registered for ``kind``."""
+        if cls is not TierConfigBase or isinstance(data, TierConfigBase) or not isinstance(data, Mapping):
+            return handler(data)
+        return _tier_model(data).model_validate(data)
 
     @model_validator(mode="before")
     @classmethod
@@ -103,7 +130,48 @@ class _TierBase(_Model):
         return self.name or str(self.kind)
 
 
-class CPUTierConfig(_TierBase):
+#: The old private name of :class:`TierConfigBase`.
+_TierBase = TierConfigBase
+#: Type of a ``tiers`` item (a :class:`TierConfigBase` subclass chosen by ``kind``).
+TierConfig = TierConfigBase
+
+
+def _tier_model(data: Mapping[str, Any]) -> type[TierConfigBase]:
+    """The registered config model for ``data['kind']``, or a one-line validation error."""
+    from tieredkv.backends import registry
+    from tieredkv.errors import BackendNotFoundError
+
+    kind = data.get("kind")
+    if kind is None or kind == "":
+        raise PydanticCustomError("tier_kind_missing", "a tier needs a 'kind'")
+    if not isinstance(kind, str) or kind not in registry.known_kinds():
+        raise PydanticCustomError("tier_kind_unknown", "{detail}", {"detail": f"unknown tier kind {kind!r}"})
+    try:
+        return registry.config_model(kind)
+    except BackendNotFoundError as e:  # registered, but its package is broken or incomplete
+        raise PydanticCustomError("tier_kind_unavailable", "{detail}", {"detail": str(e)}) from None
+
+
+def _known_policy(name: str) -> str:
+    from tieredkv.eviction import policies
+
+    if name not in policies:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; known: {sorted(policies)} (a new policy registers in"
+            " tieredkv.eviction.policies)"
+        )
+    return name
+
+
+#: The name of an eviction policy in :data:`tieredkv.eviction.policies`, checked at validation.
+EvictionPolicyName = Annotated[str, AfterValidator(_known_policy)]
+
+_EVICTION_POLICY_DOC = (
+    "Which records go first when the tier is full: a policy named in tieredkv.eviction.policies ('lru')."
+)
+
+
+class CPUTierConfig(TierConfigBase):
     """In-process slab of host memory (pinned when CUDA is available)."""
 
     kind: Literal["cpu"] = Field("cpu", description="Tier kind (selects the backend).")
@@ -122,6 +190,7 @@ class CPUTierConfig(_TierBase):
         "auto", description="Pin the slab: 'auto' pins when CUDA is available."
     )
     prefault: bool = Field(True, description="Touch every slab page at open so first stores do not pay page faults.")
+    eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
 
     @model_validator(mode="after")
     def _sizes(self) -> CPUTierConfig:
@@ -134,7 +203,7 @@ class CPUTierConfig(_TierBase):
         return self
 
 
-class LMDBTierConfig(_TierBase):
+class LMDBTierConfig(TierConfigBase):
     """One LMDB environment on local disk (NVMe)."""
 
     kind: Literal["lmdb"] = Field("lmdb", description="Tier kind (selects the backend).")
@@ -155,6 +224,7 @@ class LMDBTierConfig(_TierBase):
         description="'durable': fsync every write transaction; 'fast': no fsync per commit (a power loss may lose recent puts, never corrupt older ones).",
     )
     max_readers: int = Field(126, gt=0, description="LMDB reader slots.")
+    eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
 
     @model_validator(mode="after")
     def _sizes(self) -> LMDBTierConfig:
@@ -168,7 +238,7 @@ class LMDBTierConfig(_TierBase):
         return self
 
 
-class RedisTierConfig(_TierBase):
+class RedisTierConfig(TierConfigBase):
     """A Redis server or Redis Cluster."""
 
     kind: Literal["redis"] = Field("redis", description="Tier kind (selects the backend).")
@@ -209,9 +279,6 @@ class RedisTierConfig(_TierBase):
         if not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return v
-
-
-TierConfig = Annotated[CPUTierConfig | LMDBTierConfig | RedisTierConfig, Field(discriminator="kind")]
 
 
 class NamespaceConfig(_Model):
@@ -279,7 +346,11 @@ class TieredKVConfig(_Model):
 
     version: Literal[1] = Field(1, description="Config file format version.")
     namespace: NamespaceConfig = Field(default_factory=NamespaceConfig, description="Namespace identity.")
-    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1, description="Tiers, fastest first.")
+    tiers: list[SerializeAsAny[TierConfigBase]] = Field(
+        default_factory=_default_tiers,
+        min_length=1,
+        description="Tiers, fastest first; each item's 'kind' selects its model in the tier registry.",
+    )
     policy: list[PolicyRule] = Field(
         default_factory=lambda: [PolicyRule()],
         min_length=1,
@@ -304,7 +375,7 @@ class TieredKVConfig(_Model):
                 raise ValueError(f"policy.{i}.write: 'back' needs at least two tiers to write back to")
         return self
 
-    def tier(self, name: str) -> TierConfig:
+    def tier(self, name: str) -> TierConfigBase:
         """The tier config called ``name`` (its ``name`` or, when unnamed, its ``kind``)."""
         for t in self.tiers:
             if t.label == name:
@@ -588,8 +659,7 @@ def format_validation_error(err: ValidationError, raw: Any = None, source: Any =
 
 
 def _loc_path(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("cpu", "lmdb", "redis") or not isinstance(p, str)]
-    return ".".join(parts) or "(top level)"
+    return ".".join(str(p) for p in loc) or "(top level)"
 
 
 def _short(value: Any) -> str:
@@ -607,10 +677,11 @@ def _hint(e: Any, raw: Any) -> str:
             close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
             guess = f"did you mean {close[0]!r}? " if close else ""
             return f"{guess}allowed fields: {', '.join(allowed)}"
-    if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        return (
-            "allowed kinds: 'cpu', 'lmdb', 'redis' (third-party kinds register under entry point 'tieredkv.backends')"
-        )
+    if e["type"] in ("tier_kind_missing", "tier_kind_unknown"):
+        from tieredkv.backends.registry import ENTRY_POINT_GROUP, known_kinds
+
+        kinds = ", ".join(repr(k) for k in known_kinds())
+        return f"allowed kinds: {kinds} (a third-party kind installs under the entry point {ENTRY_POINT_GROUP!r})"
     model = _model_at(e["loc"][:-1], raw)
     if model is not None:
         field = model.model_fields.get(str(e["loc"][-1]))
@@ -619,41 +690,37 @@ def _hint(e: Any, raw: Any) -> str:
     return ""
 
 
-_TIER_MODELS: dict[str, type[BaseModel]] = {
-    "cpu": CPUTierConfig,
-    "lmdb": LMDBTierConfig,
-    "redis": RedisTierConfig,
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "namespace": NamespaceConfig,
+    "pipeline": PipelineConfig,
+    "metrics": MetricsConfig,
 }
 
 
 def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
-    """The pydantic model that owns location ``loc`` (best effort)."""
-    model: type[BaseModel] | None = TieredKVConfig
-    node = raw
-    i = 0
-    while i < len(loc) and model is not None:
-        part = loc[i]
-        if model is TieredKVConfig and part == "tiers":
-            if i + 1 >= len(loc):
-                return model
-            idx = loc[i + 1]
-            item = node.get("tiers", [])[idx] if isinstance(node, dict) and isinstance(idx, int) else None
-            kind = loc[i + 2] if i + 2 < len(loc) and loc[i + 2] in _TIER_MODELS else None
-            if kind is None and isinstance(item, dict):
-                kind = item.get("kind")
-            model = _TIER_MODELS.get(str(kind))
-            node = item
-            i += 3 if i + 2 < len(loc) and loc[i + 2] in _TIER_MODELS else 2
-            continue
-        sub = {"namespace": NamespaceConfig, "pipeline": PipelineConfig, "metrics": MetricsConfig}.get(str(part))
-        if model is TieredKVConfig and sub is not None:
-            model, node, i = sub, node.get(part) if isinstance(node, dict) else None, i + 1
-            continue
-        if model is TieredKVConfig and part == "policy" and i + 1 < len(loc):
-            model, node, i = PolicyRule, None, i + 2
-            continue
-        return None
-    return model
+    """The pydantic model that owns the fields at location ``loc`` (best effort; a tier's model
+    comes from the registry by the raw item's ``kind``)."""
+    if not loc:
+        return TieredKVConfig
+    head = loc[0]
+    if len(loc) == 1:
+        return _SECTIONS.get(str(head))
+    if len(loc) == 2 and head == "policy":
+        return PolicyRule
+    if len(loc) == 2 and head == "tiers":
+        items = raw.get("tiers") if isinstance(raw, dict) else None
+        idx = loc[1]
+        item = items[idx] if isinstance(items, list) and isinstance(idx, int) and idx < len(items) else None
+        kind = item.get("kind") if isinstance(item, dict) else None
+        if isinstance(kind, str):
+            from tieredkv.backends.registry import config_model
+            from tieredkv.errors import BackendNotFoundError
+
+            try:
+                return config_model(kind)
+            except BackendNotFoundError:
+                return None
+    return None
 
 
 # ---------------------------------------------------------------------------------------

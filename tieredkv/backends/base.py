@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, overload
+from typing import Any, ClassVar, Self, overload
 
 from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
@@ -94,16 +94,33 @@ class TierCapabilities:
     local_eviction: bool = True
     #: Several engines or processes may read and write it at once.
     shared: bool = False
+    #: :meth:`Tier.probe` answers from any thread without I/O that can wait (an in-process index,
+    #: a memory-mapped B-tree) once the tier is open; otherwise it may return None.
+    sync_probe: bool = False
 
 
 class Tier(ABC):
-    """Base of every tier. Subclasses set :attr:`kind` and implement the underscore hooks."""
+    """Base of every tier. Subclasses set :attr:`kind`, :attr:`config_model` and
+    :attr:`capabilities`, and implement the underscore hooks.
+
+    A third-party tier is this subclass plus one entry-point line
+    (``[project.entry-points."tieredkv.backends"] mykind = "pkg.mod:MyTier"``): the registry
+    finds the class, the config validates ``kind: mykind`` items with :attr:`config_model`.
+    """
 
     kind: ClassVar[str] = "abstract"
+    #: The pydantic model of this tier's config: a :class:`~tieredkv.config.TierConfigBase`
+    #: subclass whose ``kind`` is :attr:`kind` (the registry validates config items with it).
+    config_model: ClassVar[type[Any] | None] = None
     capabilities: ClassVar[TierCapabilities] = TierCapabilities()
-    #: True when the tier enforces capacity itself (LRU eviction in-process); False when a
-    #: server does (Redis ``maxmemory``).
+    #: Same as ``capabilities.local_eviction`` (set from it for each subclass that does not set it):
+    #: True when the tier enforces capacity itself, False when a server does (Redis ``maxmemory``).
     evicts_locally: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" in cls.__dict__ and "evicts_locally" not in cls.__dict__:
+            cls.evicts_locally = cls.capabilities.local_eviction
 
     def __init__(self, config: Any, *, name: str | None = None) -> None:
         self.config = config
@@ -120,7 +137,7 @@ class Tier(ABC):
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    async def open(self) -> Tier:
+    async def open(self) -> Self:
         """Connect / allocate. Idempotent; called by ``async with`` and by the first operation."""
         if self._closed:
             raise TierClosedError(f"tier {self.name!r} is closed")
@@ -145,7 +162,7 @@ class Tier(ABC):
             except Exception as e:  # noqa: BLE001 - closing must not raise native errors
                 log.warning("tier %s: error while closing: %s", self.name, e)
 
-    async def __aenter__(self) -> Tier:
+    async def __aenter__(self) -> Self:
         return await self.open()
 
     async def __aexit__(self, *exc: object) -> None:

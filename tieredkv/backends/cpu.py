@@ -7,8 +7,10 @@ size class (``min_slot_bytes`` doubling up to ``segment_bytes``). A record (64-b
 payload) goes to the smallest class that holds it.
 
 Allocation order for a record of class *c*: a free slot of *c*; a free segment carved for
-*c*; the least-recently-used unpinned record of *c*; a whole segment of another class
-whose records are all unpinned (they are evicted). Otherwise the batch fails with
+*c*; the first unpinned victim of *c*'s eviction policy (one
+:class:`~tieredkv.eviction.EvictionPolicy` per slot class, named by ``eviction_policy``;
+``lru``: the least recently used); a whole segment of another class whose records are all
+unpinned (they are evicted). Otherwise the batch fails with
 :class:`~tieredkv.errors.TierFullError` and nothing of it is stored.
 
 An overwrite writes a new slot and switches the index afterwards (copy-on-write), so a
@@ -26,7 +28,6 @@ instance belongs to one event loop.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import CPUTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
+from tieredkv.eviction import EvictionPolicy, make_policy
 from tieredkv.format import HEADER_SIZE, make_header, verify_parts
 
 __all__ = ["CPUTier"]
@@ -55,7 +57,10 @@ class CPUTier(Tier):
     """In-process slab tier. ``CPUTier(CPUTierConfig(capacity_bytes="8GiB"))``."""
 
     kind = "cpu"
-    capabilities = TierCapabilities(in_process=True, slots=True, access_stamps=True, local_eviction=True)
+    capabilities = TierCapabilities(
+        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True
+    )
+    config_model = CPUTierConfig
 
     def __init__(self, config: CPUTierConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config or CPUTierConfig(), **kwargs)
@@ -93,7 +98,8 @@ class CPUTier(Tier):
         self._seg_cls: dict[int, int] = {}
         self._seg_keys: dict[int, set[bytes]] = {}
         self._free: list[list[int]] = [[] for _ in self._class_sizes]
-        self._lru: list[OrderedDict[bytes, _Slot]] = [OrderedDict() for _ in self._class_sizes]
+        policy = self.config.eviction_policy
+        self._policies: list[EvictionPolicy] = [make_policy(policy) for _ in self._class_sizes]
         self._index: dict[bytes, _Slot] = {}
         self._used = 0
         self._seg_reserved: dict[int, int] = {}  # segment -> slots reserved, not yet committed
@@ -148,7 +154,7 @@ class CPUTier(Tier):
                 continue
             out.append(self._deliver(key, payload, dst))
             slot.stamp = now
-            self._lru[slot.cls].move_to_end(key)
+            self._policies[slot.cls].touch(key)
         return out
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
@@ -186,7 +192,7 @@ class CPUTier(Tier):
                 "pinned_memory": self.pinned,
                 "free_segments": len(self._free_segs),
                 "segments": self._nseg,
-                "slot_classes": {s: len(l) for s, l in zip(self._class_sizes, self._lru) if l},
+                "slot_classes": {s: len(p) for s, p in zip(self._class_sizes, self._policies) if len(p)},
                 "lent_slots": sum(len(v) for v in self._lent.values()),
                 "parked_slots": self._parked,
             },
@@ -216,7 +222,7 @@ class CPUTier(Tier):
         if old is not None:
             self._drop(key, old)
         self._index[key] = slot
-        self._lru[slot.cls][key] = slot
+        self._policies[slot.cls].insert(key, self._class_sizes[slot.cls])
         self._seg_keys[slot.seg].add(key)
         self._used += self._class_sizes[slot.cls]
 
@@ -299,7 +305,7 @@ class CPUTier(Tier):
                 out.append(None)
                 continue
             slot.stamp = now
-            self._lru[slot.cls].move_to_end(key)
+            self._policies[slot.cls].touch(key)
             slot.refs += 1
             self._seg_lent[slot.seg] = self._seg_lent.get(slot.seg, 0) + 1
             self._lent.setdefault(key, []).append(slot)
@@ -373,9 +379,11 @@ class CPUTier(Tier):
         self._free[cls].extend(range(base + (self._seg_bytes // size - 1) * size, base - 1, -size))
 
     def _evict_one(self, cls: int, reserved: set[bytes]) -> bool:
-        for key in self._lru[cls]:
+        """Evict the first record of class ``cls`` its policy offers that is neither pinned nor
+        part of the batch being reserved."""
+        for key in self._policies[cls].victims():
             if key not in reserved and not self.is_pinned(key):
-                self._evict(key, self._lru[cls][key])
+                self._evict(key, self._index[key])  # ends the iteration: the policy changes
                 return True
         return False
 
@@ -413,7 +421,7 @@ class CPUTier(Tier):
 
     def _drop(self, key: bytes, slot: _Slot) -> None:
         del self._index[key]
-        del self._lru[slot.cls][key]
+        self._policies[slot.cls].remove(key)
         self._seg_keys[slot.seg].discard(key)
         self._used -= self._class_sizes[slot.cls]
         self._release(slot)

@@ -1,10 +1,12 @@
-"""LMDBTier: one LMDB environment on local disk, LRU-evicted below a size cap.
+"""LMDBTier: one LMDB environment on local disk, evicted below a size cap (LRU by default).
 
 Layout: named DB ``records`` (stored key → record), named DB ``access`` (stored key →
 ``<d Q`` last-access Unix time, record bytes) and, in the main DB, ``tieredkv:used-bytes``
 (``<Q``: the sum of every record's bytes, kept in the same write transaction as the records it
-counts). The access DB survives restarts; at open it is read once to rebuild the in-memory LRU
-order.
+counts). The access DB survives restarts; at open it is read once to rebuild the in-memory
+eviction order: an :class:`~tieredkv.eviction.EvictionPolicy` named by ``eviction_policy``
+(``lru``), fed in the order its :meth:`~tieredkv.eviction.EvictionPolicy.rank` gives the stamps.
+Below, "LRU" stands for that policy's order.
 
 * Every blocking LMDB call runs on one dedicated thread (a single-worker executor), never
   on the event loop; all LRU state is touched only from that thread.
@@ -55,8 +57,7 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -66,6 +67,7 @@ import lmdb
 from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
+from tieredkv.eviction import EvictionPolicy, make_policy
 from tieredkv.format import HEADER_SIZE, encode_record_into, verify_record
 
 __all__ = ["LMDBTier"]
@@ -294,7 +296,8 @@ class LMDBTier(Tier):
     """``LMDBTier(LMDBTierConfig(path="/nvme/tieredkv", size_cap_bytes="100GiB"))``."""
 
     kind = "lmdb"
-    capabilities = TierCapabilities(access_stamps=True, local_eviction=True, shared=True)
+    capabilities = TierCapabilities(access_stamps=True, local_eviction=True, shared=True, sync_probe=True)
+    config_model = LMDBTierConfig
 
     def __init__(self, config: LMDBTierConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config or LMDBTierConfig(), **kwargs)
@@ -304,11 +307,10 @@ class LMDBTier(Tier):
         self._max_map = int(cfg.max_map_size_bytes)
         self._pool: ThreadPoolExecutor | None = None
         self._shared: _SharedEnv | None = None
-        self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> record bytes, oldest first
+        self._policy: EvictionPolicy = make_policy(cfg.eviction_policy)  # key -> record bytes
         self._dirty: dict[bytes, float] = {}
         self._scratch = memoryview(bytearray(0))
-        self._known = 0  # bytes of the records in self._lru
-        self._rescan: list[tuple[float, int, bytes]] | None = None  # shared LRU read by the last eviction
+        self._rescan: list[RecordInfo] | None = None  # shared order read by the last eviction
         self._next_scan = 0.0  # monotonic time before which only a shortfall triggers a shared scan
 
     @property
@@ -377,22 +379,12 @@ class LMDBTier(Tier):
         self._shared = shared
         try:
             self._count("stale_readers_cleared", shared.reader_check())
-
-            def scan(txn: Any) -> list[tuple[float, bytes, int]]:
-                entries = []
-                for k, v in txn.cursor(db=shared.acc):
-                    stamp, size = _ACCESS.unpack(v)
-                    entries.append((stamp, bytes(k), size))
-                return entries
-
-            entries = self._txn(scan)
+            ranked = self._txn(self._ranked)
         except BaseException:
             self._shared = None
             _release_env(shared)
             raise
-        entries.sort()
-        self._lru = OrderedDict((k, size) for _, k, size in entries)
-        self._known = sum(self._lru.values())
+        self._adopt(ranked, skip=())
 
     async def _close(self) -> None:
         if self._pool is None:
@@ -441,11 +433,11 @@ class LMDBTier(Tier):
             txn.delete(k, db=sh.acc)
             evicted[k] = size
 
-        foreign = self._used_in(txn) - self._known  # bytes this process has never seen
+        foreign = self._used_in(txn) - self._policy.total_bytes  # bytes this process has never seen
         if foreign > self._cap // 8 and time.monotonic() >= self._next_scan:
             self._scan_in(txn, excess, protect, evicted, take)  # their records may be the oldest
             return
-        for k in self._lru:
+        for k in self._policy.victims():  # not changed here: _after_evictions forgets them
             if excess <= 0:
                 return
             if k in protect or k in evicted or self.is_pinned(k):
@@ -466,12 +458,14 @@ class LMDBTier(Tier):
         the access DB: when not forced by a shortfall, run at most every 20x its own duration."""
         started = time.monotonic()
         self._count("shared_lru_scans")
-        self._rescan = sorted((*_ACCESS.unpack(v), bytes(k)) for k, v in txn.cursor(db=self._shared.acc))
-        for _, size, k in self._rescan:
+        self._rescan = self._ranked(txn)
+        for info in self._rescan:
             if excess <= 0:
                 break
+            k = info.key
             if k in protect or evicted.get(k) or self.is_pinned(k):
                 continue
+            size = info.size + HEADER_SIZE
             take(k, size)
             excess -= size
         now = time.monotonic()
@@ -485,16 +479,32 @@ class LMDBTier(Tier):
     def _after_evictions(self, evicted: dict[bytes, int]) -> None:
         """After the commit: drop what went from the LRU, and adopt a shared LRU order just read."""
         if self._rescan is not None:
-            self._lru = OrderedDict((k, size) for _, size, k in self._rescan if k not in evicted)
-            self._known = sum(self._lru.values())
+            self._adopt(self._rescan, skip=evicted)
             self._rescan = None
         self._forget(evicted)
         self._count("evictions", sum(1 for size in evicted.values() if size))
 
     def _forget(self, keys: Any) -> None:
         for k in keys:
-            self._known -= self._lru.pop(k, 0)
+            self._policy.remove(k)
             self._dirty.pop(k, None)
+
+    def _ranked(self, txn: Any) -> list[RecordInfo]:
+        """Every record of the environment (every process's) by its shared access stamp, in the
+        policy's eviction order (:meth:`~tieredkv.eviction.EvictionPolicy.rank`)."""
+        infos = []
+        for k, v in txn.cursor(db=self._shared.acc):
+            stamp, size = _ACCESS.unpack(v)
+            infos.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
+        return self._policy.rank(infos)
+
+    def _adopt(self, ranked: list[RecordInfo], skip: Container[bytes]) -> None:
+        """Replace the in-memory order by ``ranked`` (first = evict first), less ``skip``."""
+        policy = make_policy(self.config.eviction_policy)
+        for info in ranked:
+            if info.key not in skip:
+                policy.insert(info.key, info.size + HEADER_SIZE)
+        self._policy = policy
 
     # ---- writes ------------------------------------------------------------------------
 
@@ -533,8 +543,7 @@ class LMDBTier(Tier):
         self._write(body, protect=set(sizes))
         self._after_evictions(evicted)
         for k, size in sizes.items():
-            self._known += size - self._lru.pop(k, 0)
-            self._lru[k] = size
+            self._policy.insert(k, size)
             self._dirty.pop(k, None)
 
     def _scratch_for(self, n: int) -> memoryview:
@@ -577,7 +586,7 @@ class LMDBTier(Tier):
                     continue
                 more: dict[bytes, int] = {}
 
-                def evict(txn: Any) -> None:
+                def evict(txn: Any, more: dict[bytes, int] = more) -> None:
                     more.clear()
                     self._rescan = None
                     used = self._used_in(txn)
@@ -600,9 +609,9 @@ class LMDBTier(Tier):
     def _flush_stamps(self, txn: Any) -> None:
         acc = self._shared.acc
         for k, stamp in self._dirty.items():
-            size = self._lru.get(k)
-            if size is not None and txn.get(k, db=acc) is not None:  # not deleted meanwhile
-                txn.put(k, _ACCESS.pack(stamp, size), db=acc, overwrite=True)
+            raw = txn.get(k, db=acc)
+            if raw is not None and k in self._policy:  # not deleted meanwhile
+                txn.put(k, _ACCESS.pack(stamp, _ACCESS.unpack(raw)[1]), db=acc, overwrite=True)
         self._dirty.clear()
 
     # ---- reads -------------------------------------------------------------------------
@@ -625,7 +634,7 @@ class LMDBTier(Tier):
             for key, dst in zip(keys, into):
                 rec = txn.get(key)
                 if rec is None:
-                    if key in self._lru:
+                    if key in self._policy:
                         gone.append(key)
                     out.append(None)
                     continue
@@ -636,11 +645,10 @@ class LMDBTier(Tier):
                     out.append(None)
                     continue
                 out.append(self._deliver(key, payload, dst))
-                if key in self._lru:
-                    self._lru.move_to_end(key)
+                if key in self._policy:
+                    self._policy.touch(key)
                 else:  # written by another process
-                    self._lru[key] = len(rec)
-                    self._known += len(rec)
+                    self._policy.insert(key, len(rec))
                 self._dirty[key] = now
             return out, bad, gone
 

@@ -18,9 +18,14 @@ Usage — subclass :class:`TierContract` in a test module and provide one fixtur
                 await t.close()
 
 ``make(capacity_bytes)`` returns an opened tier holding at most about ``capacity_bytes`` of
-payload (``None``: plenty). A tier whose capacity is enforced by a server rather than
-in-process (``evicts_locally = False``) only needs to show that old records go and new
-ones stay. Override :meth:`TierContract.corrupt` if the tier has no raw-record hooks.
+payload (``None``: plenty). What the suite demands follows the tier's
+:attr:`~tieredkv.backends.base.Tier.capabilities`, never its kind: a tier whose capacity a
+server enforces (``local_eviction=False``) only needs to show that old records go and new
+ones stay; one with ``sync_probe=True`` must answer :meth:`~tieredkv.backends.base.Tier.probe`.
+Override :meth:`TierContract.corrupt` if the tier has no raw-record hooks.
+
+A third-party tier (see ``tests/plugin_sample/`` in the tieredkv repository) needs exactly one
+such class: ``pip install 'tieredkv[contract]'`` brings pytest and pytest-asyncio.
 """
 
 from __future__ import annotations
@@ -143,8 +148,8 @@ class TierContract:
         assert want == [True, False, False]
         got = await asyncio.to_thread(tier.probe, [k1, k2, k3])  # another thread, as the scheduler's
         assert got is None or got == want, got
-        if tier.kind in ("cpu", "lmdb"):
-            assert got == want, f"{tier.kind}: an in-process tier must answer probe"
+        if tier.capabilities.sync_probe:
+            assert got == want, f"{tier.kind}: a tier with capabilities.sync_probe must answer probe"
 
     async def test_pinned_keys_are_not_deleted(self, tier: Tier, ns: Namespace) -> None:
         key = ns.key(_h(1), 0)
@@ -225,7 +230,7 @@ class TierContract:
             await tier.put_many([(k, payload(chunk, i))])
         present = await tier.contains_many(keys[:16])
         assert present[-1] and not present[0], "LRU must evict the oldest, keep the newest"
-        if not tier.evicts_locally:
+        if not tier.capabilities.local_eviction:
             return  # the server evicts; it knows nothing of pins
         assert sum(present) <= 8
         st = await tier.stats()

@@ -7,6 +7,7 @@ operation that is not faulted runs on the inner tier unchanged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,9 @@ class FaultyTier(Tier):
     ) -> None:
         super().__init__(inner.config, name=f"faulty-{inner.name}")
         self.kind = inner.kind  # type: ignore[misc]
+        # What the inner tier can do, less what this wrapper does not pass through: the slot
+        # API (reserve/borrow) and the synchronous probe.
+        self.capabilities = dataclasses.replace(inner.capabilities, slots=False, sync_probe=False)  # type: ignore[misc]
         self.evicts_locally = inner.evicts_locally  # type: ignore[misc]
         self.inner = inner
         self.delay_s = delay_s

@@ -9,8 +9,12 @@ One seam shared by every place that evicts:
   the :class:`~tieredkv.backends.base.RecordInfo` of a scan (``stamp`` = last access), and
   :func:`plan_eviction` picks the records to delete.
 
-LRU is the only policy today; ARC or S3-FIFO would be another :class:`EvictionPolicy` subclass
-registered in :data:`policies` and named by a tier's config.
+A tier that evicts locally builds one with :func:`make_policy` from its config's
+``eviction_policy`` field (``"lru"`` by default; the CPU slab keeps one per slot class, LMDB one
+per process, fed from the shared access stamps at open). LRU is the only built-in policy; ARC or
+S3-FIFO would be another :class:`EvictionPolicy` subclass registered in :data:`policies`, after
+which ``eviction_policy: <name>`` validates and takes effect. A policy sees sizes and accesses,
+never pins: the tier skips pinned keys while it walks :meth:`EvictionPolicy.victims`.
 """
 
 from __future__ import annotations
@@ -137,7 +141,8 @@ def plan_eviction(
         victims = {i.key: i for i in infos if i.stamp is not None and now - i.stamp > older_than}
     if to_size is not None:
         left = sum(record_bytes(i) for i in infos if i.key not in victims)
-        for i in (policy or LRUPolicy()).rank(infos):
+        ranked = (policy if policy is not None else LRUPolicy()).rank(infos)  # an empty policy is falsy
+        for i in ranked:
             if left <= to_size:
                 break
             if i.key not in victims:

@@ -15,7 +15,9 @@ from tieredkv.config import (
     CPUTierConfig,
     LMDBTierConfig,
     RedisTierConfig,
+    TierConfigBase,
     TieredKVConfig,
+    config_provenance,
     load_config,
     mask_secrets,
 )
@@ -142,7 +144,7 @@ def _load_in_child(path: Path | str) -> subprocess.CompletedProcess[str]:
 
     return subprocess.run(
         [sys.executable, "-c", _LOAD_CHILD, str(path)],
-        capture_output=True, text=True, timeout=100, preexec_fn=limit, cwd=ROOT,
+        capture_output=True, text=True, timeout=100, preexec_fn=limit, cwd=ROOT, check=False,
     )  # fmt: skip
 
 
@@ -258,3 +260,37 @@ def test_a_bad_url_field_error_masks_an_at_sign_password() -> None:
     with pytest.raises(ConfigError) as ei:
         load_config({"tiers": [{"kind": "redis", "url": "http://user:p@ss@host:6379/0"}]}, env={})
     assert "http://user:***@host:6379/0" in str(ei.value) and "ss@" not in str(ei.value)
+
+
+# ---- tiers resolve their model through the registry ----------------------------------------
+
+
+def test_tiers_items_are_the_registered_models_and_dump_all_their_fields(tmp_path: Path) -> None:
+    lmdb = LMDBTierConfig(path=str(tmp_path / "kv"))
+    cfg = TieredKVConfig(tiers=[CPUTierConfig(capacity_bytes="64MiB"), lmdb])
+    assert cfg.tiers[1] is lmdb and isinstance(cfg.tiers[0], TierConfigBase)
+    dumped = cfg.model_dump(mode="json")["tiers"]
+    assert dumped[0]["capacity_bytes"] == 64 << 20 and dumped[1]["path"] == str(tmp_path / "kv")
+    assert dumped[1]["eviction_policy"] == "lru"
+    again = load_config(cfg.model_dump(mode="json"), env={})
+    assert [type(t) for t in again.tiers] == [CPUTierConfig, LMDBTierConfig]
+    assert [t.model_dump(exclude={"name"}) for t in again.tiers] == [t.model_dump(exclude={"name"}) for t in cfg.tiers]
+
+
+def test_eviction_policy_override_by_tier_name_and_provenance() -> None:
+    env = {"TIEREDKV_TIERS__lmdb__EVICTION_POLICY": "lru"}
+    cfg, origin = config_provenance(env=env)
+    assert cfg.tier("lmdb").eviction_policy == "lru"
+    assert origin["tiers.1.eviction_policy"] == "env:TIEREDKV_TIERS__lmdb__EVICTION_POLICY"
+    assert origin["tiers.0.eviction_policy"] == "default"
+    with pytest.raises(ConfigError, match="tiers.1.eviction_policy: got 'mru' — unknown eviction policy 'mru'"):
+        load_config(env={"TIEREDKV_TIERS__lmdb__EVICTION_POLICY": "mru"})
+
+
+def test_a_tier_without_kind_or_of_a_bad_type_says_what_kinds_exist() -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config({"tiers": [{"capacity_bytes": 5}, {"kind": 7}, "cpu"]}, env={})
+    lines = str(ei.value).splitlines()[1:]
+    assert lines[0].strip().startswith("tiers.0: a tier needs a 'kind'; allowed kinds: 'cpu', 'lmdb', 'redis'")
+    assert lines[1].strip().startswith("tiers.1: unknown tier kind 7; allowed kinds:")
+    assert lines[2].strip().startswith("tiers.2: got 'cpu' — Input should be a valid dictionary")

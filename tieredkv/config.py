@@ -35,7 +35,7 @@ import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import yaml
 from pydantic import (
@@ -124,10 +124,32 @@ class TierConfigBase(_Model):
             data = {**data, "name": data["kind"]}
         return data
 
+    #: The field naming the directory on local disk that the tier keeps its data in (LMDB:
+    #: ``path``), or None (in memory, on a server). Lets callers relocate a tier's data
+    #: (``tieredkv demo --data-dir``) without knowing its kind: :meth:`with_local_dir`.
+    local_dir_field: ClassVar[str | None] = None
+
     @property
     def label(self) -> str:
         """The tier's name, or its kind when unnamed."""
         return self.name or str(self.kind)
+
+    def _updated(self, **fields: Any) -> Self:
+        """A validated copy with ``fields`` changed (``model_copy`` would skip the checks)."""
+        return type(self).model_validate({**self.model_dump(), **fields})
+
+    def with_local_dir(self, path: str | os.PathLike[str]) -> Self:
+        """A copy keeping its data under ``path`` when the tier has a local directory, else itself."""
+        if self.local_dir_field is None:
+            return self
+        return self._updated(**{self.local_dir_field: str(path)})
+
+    def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
+        """A copy that holds about ``capacity_bytes`` of records (headers included) before it
+        evicts, records of up to ``largest_record_bytes`` fitting, adjusting whatever else that
+        needs; itself when a server holds the capacity (Redis ``maxmemory``). For callers that
+        size tiers for a workload (``tieredkv bench``, tests) without knowing the kind."""
+        return self
 
 
 #: The old private name of :class:`TierConfigBase`.
@@ -192,6 +214,12 @@ class CPUTierConfig(TierConfigBase):
     prefault: bool = Field(True, description="Touch every slab page at open so first stores do not pay page faults.")
     eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
 
+    def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
+        """Segments large enough for the largest record; the slab a whole number of them, at
+        least ``capacity_bytes`` plus one segment (slot classes round records up)."""
+        seg = max(int(self.segment_bytes), largest_record_bytes)
+        return self._updated(segment_bytes=seg, capacity_bytes=(-(-capacity_bytes // seg) + 1) * seg)
+
     @model_validator(mode="after")
     def _sizes(self) -> CPUTierConfig:
         if self.segment_bytes > self.capacity_bytes:
@@ -225,6 +253,16 @@ class LMDBTierConfig(TierConfigBase):
     )
     max_readers: int = Field(126, gt=0, description="LMDB reader slots.")
     eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
+
+    local_dir_field: ClassVar[str | None] = "path"
+
+    def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
+        """The size cap at ``capacity_bytes``; the map (and its growth limit) at least twice it,
+        plus 32 MiB of headroom for LMDB's B-tree and free pages."""
+        cap = max(capacity_bytes, largest_record_bytes)
+        map_size = max(int(self.map_size_bytes), 2 * cap + (32 << 20))
+        max_map = max(int(self.max_map_size_bytes), 2 * map_size)
+        return self._updated(size_cap_bytes=cap, map_size_bytes=map_size, max_map_size_bytes=max_map)
 
     @model_validator(mode="after")
     def _sizes(self) -> LMDBTierConfig:

@@ -13,6 +13,7 @@ import torch
 
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.registry import build_tier
 from tieredkv.config import CPUTierConfig, LMDBTierConfig
 from tieredkv.errors import ConfigError, TierUnavailableError
 from tieredkv.keys import Namespace
@@ -304,3 +305,36 @@ async def test_lmdb_evicts_by_the_shared_stamps_records_it_never_saw(tmp_path: P
         assert mine.counters["shared_lru_scans"] == 1 and mine.counters["evictions"] == 1
         st = await other.stats()
         assert st.used_bytes == 4 * rec and st.records == 4
+
+
+# ---- kind-free seams: sizing, relocating, "no data here yet" -----------------------------------
+
+
+@pytest.mark.parametrize("kind", ["cpu", "lmdb"])
+async def test_with_capacity_holds_that_many_records_without_evicting(tmp_path: Path, kind: str) -> None:
+    chunk, n = 300 * KiB, 12
+    base: CPUTierConfig | LMDBTierConfig = (
+        CPUTierConfig(segment_bytes=256 * KiB) if kind == "cpu" else lmdb_cfg(tmp_path / "kv")
+    )
+    cfg = base.with_capacity(n * (chunk + 64), largest_record_bytes=chunk + 64)
+    tier = build_tier(cfg)
+    async with tier:
+        for i in range(n):
+            await tier.put_many([(k(i), payload(chunk, i))])
+        assert await tier.contains_many([k(i) for i in range(n)]) == [True] * n
+        assert tier.counters["evictions"] == 0
+        for i in range(n, 3 * n):  # past the capacity: it evicts, it does not fail
+            await tier.put_many([(k(i), payload(chunk, i))])
+        assert tier.counters["evictions"] > 0
+
+
+async def test_missing_says_where_no_lmdb_environment_is_yet_without_creating_one(tmp_path: Path) -> None:
+    cfg = lmdb_cfg(tmp_path / "kv")
+    assert LMDBTier.missing(cfg) == f"no LMDB environment at {tmp_path / 'kv'}"
+    assert not (tmp_path / "kv").exists()
+    async with build_tier(cfg) as tier:
+        await tier.put_many([(k(1), payload(10))])
+    assert LMDBTier.missing(cfg) is None
+    assert CPUTier.missing(CPUTierConfig()) is None  # the default: cannot tell, may hold data
+    moved = cfg.with_local_dir(tmp_path / "elsewhere")
+    assert moved.path == str(tmp_path / "elsewhere") and LMDBTier.missing(moved) is not None

@@ -294,3 +294,19 @@ def test_a_tier_without_kind_or_of_a_bad_type_says_what_kinds_exist() -> None:
     assert lines[0].strip().startswith("tiers.0: a tier needs a 'kind'; allowed kinds: 'cpu', 'lmdb', 'redis'")
     assert lines[1].strip().startswith("tiers.1: unknown tier kind 7; allowed kinds:")
     assert lines[2].strip().startswith("tiers.2: got 'cpu' — Input should be a valid dictionary")
+
+
+def test_with_local_dir_and_with_capacity_know_the_fields_so_callers_do_not(tmp_path: Path) -> None:
+    cpu, lmdb, redis = CPUTierConfig(), LMDBTierConfig(name="nvme"), RedisTierConfig()
+    assert cpu.with_local_dir(tmp_path) is cpu and redis.with_local_dir(tmp_path) is redis
+    moved = lmdb.with_local_dir(tmp_path / "kv")
+    assert moved.path == str(tmp_path / "kv") and moved.label == "nvme" and lmdb.path != moved.path
+    assert redis.with_capacity(1 << 30) is redis  # the server holds the capacity
+    big = cpu.with_capacity(100 << 20, largest_record_bytes=20 << 20)
+    assert big.segment_bytes == 20 << 20 and big.capacity_bytes == 120 << 20
+    sized = lmdb.with_capacity(1 << 30)
+    assert sized.size_cap_bytes == 1 << 30 and sized.map_size_bytes == lmdb.map_size_bytes  # 4 GiB: room
+    assert sized.max_map_size_bytes == lmdb.max_map_size_bytes  # 64 GiB
+    huge = lmdb.with_capacity(40 << 30)
+    assert huge.size_cap_bytes == 40 << 30 and huge.map_size_bytes == (80 << 30) + (32 << 20)
+    assert huge.max_map_size_bytes == 2 * huge.map_size_bytes

@@ -135,6 +135,13 @@ class Tier(ABC):
         self._closed = False
         self._open_lock: asyncio.Lock | None = None
 
+    @classmethod
+    def missing(cls, config: Any) -> str | None:
+        """Where ``config`` points at no data of this tier yet (an LMDB directory without an
+        environment), said without creating anything; None when it may hold data or cannot tell.
+        Admin commands that must not create a tier ask this before :meth:`open`."""
+        return None
+
     # ---- lifecycle -----------------------------------------------------------------
 
     async def open(self) -> Self:

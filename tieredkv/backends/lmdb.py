@@ -313,6 +313,12 @@ class LMDBTier(Tier):
         self._rescan: list[RecordInfo] | None = None  # shared order read by the last eviction
         self._next_scan = 0.0  # monotonic time before which only a shortfall triggers a shared scan
 
+    @classmethod
+    def missing(cls, config: Any) -> str | None:
+        """The directory, when it holds no LMDB environment (``data.mdb``)."""
+        path = os.path.abspath(os.path.expanduser(config.path))
+        return None if os.path.exists(os.path.join(path, "data.mdb")) else f"no LMDB environment at {path}"
+
     @property
     def _env(self) -> Any:
         return None if self._shared is None else self._shared.env

@@ -1,4 +1,4 @@
-"""CPUTier: one preallocated slab of host memory with size-classed slots and LRU eviction.
+"""CPUTier: one preallocated slab of host memory with size-classed slots, evicted by policy (LRU).
 
 The slab is a single ``uint8`` torch tensor (pinned when CUDA is available, so H2D/D2H
 copies can run asynchronously; plain otherwise — pinning needs an accelerator). It is cut

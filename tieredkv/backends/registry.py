@@ -62,10 +62,10 @@ _BUILTINS: dict[str, _Builtin] = {
         "tieredkv.backends.cpu:CPUTier", "tieredkv.config:CPUTierConfig", "pip install 'tieredkv[engine]' (torch)"
     ),
     "lmdb": _Builtin(
-        "tieredkv.backends.lmdb:LMDBTier", "tieredkv.config:LMDBTierConfig", "pip install 'tieredkv[admin]' (lmdb)"
+        "tieredkv.backends.lmdb:LMDBTier", "tieredkv.config:LMDBTierConfig", "pip install 'tieredkv[lmdb]'"
     ),
     "redis": _Builtin(
-        "tieredkv.backends.redis:RedisTier", "tieredkv.config:RedisTierConfig", "pip install 'tieredkv[admin]' (redis)"
+        "tieredkv.backends.redis:RedisTier", "tieredkv.config:RedisTierConfig", "pip install 'tieredkv[redis]'"
     ),
 }
 assert list(_BUILTINS) == sorted(_BUILTINS), "keep the built-in tiers alphabetized"

@@ -2,8 +2,11 @@
 
 Primitives:
 
-* :class:`CPUTierConfig`, :class:`LMDBTierConfig`, :class:`RedisTierConfig` — one model per
-  tier, discriminated by ``kind``, ``extra="forbid"``, every field documented.
+* :class:`TierConfigBase` — base of every tier's model. A ``tiers`` item is validated with
+  the model the tier registry gives for its ``kind`` (built in, or a third-party tier
+  installed under the ``tieredkv.backends`` entry point): no kind is special here.
+* :class:`CPUTierConfig`, :class:`LMDBTierConfig`, :class:`RedisTierConfig` — the built-in
+  tiers' models, ``extra="forbid"``, every field documented.
 * :class:`NamespaceConfig` — what the namespace fingerprint is built from.
 * :class:`TieredKVConfig` — the whole file.
 * :func:`load_config` — from a YAML/JSON path, a dict or nothing (defaults), with

@@ -254,7 +254,7 @@ def test_spec_manager_contract(tmp_path: Path) -> None:
         fp = m.spec.namespace.fingerprint
         spec = m.prepare_load([k[0]], ctx)
         assert spec.keys == [k[0]]
-        m.store.pipeline.drain(5)
+        m.store.drain(5)
         tier = m.store.tiers[0]
         import time as _t
 

@@ -291,3 +291,76 @@ def test_demo_run_gives_every_readme_and_dashboard_metric_a_sample(tmp_path: Pat
     stored = {smp.labels["group"]: smp.value for smp in samples["tieredkv_group_stored_bytes_total"]}
     assert hits["0"] > 0 and hits["1"] > 0 and stored["0"] > 0 and stored["1"] > 0
     assert sum(smp.value for smp in samples["tieredkv_group_loaded_bytes_total"]) > 0
+
+
+# ---- the facade: what the integrations, demo and bench use instead of store.pipeline ---------
+
+
+def test_register_a_group_spec_then_plan_with_the_store_planner(tmp_path: Path) -> None:
+    from tieredkv.errors import ConfigError
+    from tieredkv.groups import GroupKind, GroupSpec
+    from tieredkv.keys import GroupGeometry
+
+    full = GroupSpec(0, GroupKind.FULL, tokens_per_block=16, blocks_per_chunk=2)
+    swa = GroupSpec(1, GroupKind.SLIDING_WINDOW, tokens_per_block=16, blocks_per_chunk=2, window_tokens=64)
+    with tieredkv.open_store(cfg(tmp_path)) as store:
+        with pytest.raises(ValueError, match="bytes_per_block=7"):
+            store.register_group(GroupSpec(0, GroupKind.FULL, 16, 2, 7), [torch.zeros(8, 512, dtype=torch.uint8)])
+        store.register_group(full, [torch.zeros(8, 512, dtype=torch.uint8)])
+        store.register_group(swa, [torch.zeros(8, 256, dtype=torch.uint8)])
+        assert store.groups[1].bytes_per_block == 256 and store.groups[1].window_tokens == 64
+        assert store.namespace.groups == (
+            GroupGeometry("full", 16, 2, 512, 0),
+            GroupGeometry("sliding_window", 16, 2, 256, 64),
+        )
+        plan = store.planner(16)
+        assert [g.index for g in plan.layout.groups] == [0, 1]
+        store.register_group(7, [torch.zeros(8, 64, dtype=torch.uint8)])  # by index: tokens unknown
+        assert store.namespace.groups[2] == GroupGeometry("full", 0, 1, 64, 0)
+        with pytest.raises(ConfigError, match=r"groups \[7\] were registered by index"):
+            store.planner(16)
+        with pytest.raises(ValueError, match="kind='dense' is unknown"):
+            store.register_group(8, [torch.zeros(8, 64, dtype=torch.uint8)], kind="dense")
+
+
+def test_store_facade_records_lookups_and_tier_calls(tmp_path: Path) -> None:
+    with tieredkv.open_store(cfg(tmp_path)) as store:
+        store.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
+        keys = [store.key(bytes([i]) * 32, 0) for i in range(3)]
+        assert store.stored_key(keys[0][16:]) == keys[0]
+        job = store.put_records([(k, bytes([i]) * 64) for i, k in enumerate(keys[:2])])
+        assert job is not None and store.drain(10)
+        assert store.wait([job])[job].ok
+        assert [store.probe(k) for k in keys] == [KeyState.HIT, KeyState.HIT, KeyState.MISS]
+        assert not store.is_pending(keys[0])
+        fut = store.lookup_async(keys)
+        assert [s for s, _ in fut.result(10)] == [KeyState.HIT, KeyState.HIT, KeyState.MISS]
+        bufs = [bytearray(64) for _ in keys]
+        job = store.get_records(list(zip(keys, bufs)), job_id=99)
+        assert job == 99
+        res = store.wait([99])[99]
+        assert not res.ok and res.done == tuple(keys[:2]) and res.failed == (keys[2],)
+        assert bufs[1] == bytes([1]) * 64
+        st = store.tier_stats()
+        assert st["cpu"] is not None and st["cpu"].records == 2
+        assert store.run(store.tiers[1].contains_many(keys), timeout=10) == [True, True, False]
+        g = store.stats().groups[0]
+        assert (g.hits, g.misses, g.stores, g.loads, g.load_missing) == (4, 2, 2, 2, 1)
+    assert store.put_records([(keys[0], b"x" * 64)]) is None  # closed: refused, never raises
+
+
+def test_only_the_store_and_the_pipeline_package_touch_the_pipeline() -> None:
+    """The integrations, demo, bench and CLI go through TieredStore; the pipeline never branches on
+    a concrete tier class (capabilities only); key bytes are built in tieredkv.keys only."""
+    import re
+
+    src = ROOT / "tieredkv"
+    for path in [*src.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if rel != "tieredkv/store.py" and not rel.startswith("tieredkv/pipeline/"):
+            assert not re.search(r"\bstore\.pipeline\b|\._call\(|\bPipeline\(", text), rel
+        if rel.startswith("tieredkv/pipeline/"):
+            assert "backends.cpu" not in text and "CPUTier" not in text, rel
+        if not rel.startswith(("tieredkv/backends/", "tieredkv/keys.py", "tieredkv/admin.py")):
+            assert not re.search(r'to_bytes\(4, "big"\)|\[-4:\]', text), rel

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.harness import Runner
+from tieredkv.keys import key_group
 
 pytestmark = pytest.mark.vllm
 
@@ -132,8 +133,8 @@ def roundtrip(make_runner: Any) -> tuple[Runner, dict[str, Any]]:
     loads = [k for _, keys in runner.recorded.prepare_load for k in keys]
     assert loads, "no hit was loaded"
     # Loaded chunks: full group from 0, sliding-window group within the window before the boundary.
-    full_keys = [k for k in loads if k[-4:] == b"\x00\x00\x00\x00"]
-    swa_keys = [k for k in loads if k[-4:] == b"\x00\x00\x00\x01"]
+    full_keys = [k for k in loads if key_group(k) == 0]
+    swa_keys = [k for k in loads if key_group(k) == 1]
     tokens_per_chunk = BLOCK * runner.connector_scheduler.config.blocks_per_chunk
     boundary = len(full_keys) * tokens_per_chunk
     assert boundary >= 128 and swa_keys, (boundary, len(swa_keys))
@@ -337,7 +338,7 @@ def test_cache_reset_starts_new_generation(
         loads = [k for _, keys in runner.recorded.prepare_load[before:] for k in keys]
         if keep_on_reset:
             assert loads, "keep_on_reset: the records written before the reset must still hit"
-            full = sum(1 for k in loads if k[-4:] == b"\x00\x00\x00\x00")
+            full = sum(1 for k in loads if key_group(k) == 0)
             assert runner.check_kv(b, 0, full * BLOCK, groups=(0,)) == full * BLOCK
         else:
             assert not loads, f"{len(loads)} chunks stored before the cache reset were loaded after it"

@@ -160,7 +160,7 @@ class Pipeline:
         (block id first)."""
         kv = KVGroupTensors(tensors)
         spec = group if isinstance(group, GroupSpec) else _spec(group, kind, blocks_per_chunk, kv)
-        route = self.policy.route(spec.index, kv.chunk_bytes(spec.blocks_per_chunk), spec.kind.value)
+        route = self.policy.route(spec, kv.chunk_bytes(spec.blocks_per_chunk))
         unknown = [n for n in route.tiers if n not in self.tiers]
         if unknown:
             raise TieredKVError(f"group {spec.index} routes to unknown tiers {unknown}")

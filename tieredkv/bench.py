@@ -23,14 +23,21 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tieredkv.backends.base import Tier
-from tieredkv.config import CPUTierConfig, LMDBTierConfig, PipelineConfig, RedisTierConfig, TieredKVConfig
+from tieredkv.config import (
+    CPUTierConfig,
+    LMDBTierConfig,
+    NamespaceConfig,
+    PipelineConfig,
+    RedisTierConfig,
+    TieredKVConfig,
+)
 from tieredkv.keys import Namespace
 from tieredkv.store import TieredStore
 
@@ -248,16 +255,16 @@ def pipeline_store_load(tier: Tier, src: torch.Tensor, dst: torch.Tensor, ns: Na
         job_timeout_s=600,
         staging_bytes=min(n * size, 512 * MiB) + BATCH_BYTES,
     )
-    cfg = TieredKVConfig(namespace={"model": ns.model}, pipeline=pipeline)
+    cfg = TieredKVConfig(namespace=NamespaceConfig(model=ns.model), pipeline=pipeline)
     store = TieredStore(cfg, namespace=ns, tiers=[tier])
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
     with store.start():
         store.register_group(0, [blocks])
 
-        def run(submit: Callable[[list[tuple[bytes, tuple[int, ...]]]], int | None], first: int) -> float:
+        def run(submit: Callable[[list[tuple[bytes, Sequence[int]]]], int | None], first: int) -> float:
             t0 = time.perf_counter()
             for b in range(0, n, per):
-                chunks = [(keys[i], (first + i,)) for i in range(b, min(n, b + per))]
+                chunks: list[tuple[bytes, Sequence[int]]] = [(keys[i], (first + i,)) for i in range(b, min(n, b + per))]
                 while submit(chunks) is None:  # staging full: wait for room (back-pressure)
                     time.sleep(0.0005)
             if not store.drain(600):

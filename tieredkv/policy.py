@@ -53,8 +53,8 @@ class TierPolicy:
         (its index, kind and chunk bytes; ``chunk_bytes`` may override the spec's) or an index with
         its chunk bytes and kind."""
         if isinstance(group, GroupSpec):
-            chunk_bytes = group.bytes_per_chunk if chunk_bytes is None else chunk_bytes
-            group, kind = group.index, group.kind.value
+            spec = group
+            return self.route(spec.index, spec.bytes_per_chunk if chunk_bytes is None else chunk_bytes, spec.kind.value)
         if chunk_bytes is None:
             raise ValueError(f"policy.route({group}): chunk_bytes is required with a group index")
         for i, rule in enumerate(self.rules):

@@ -445,7 +445,7 @@ def _distributed_layout() -> ParallelLayout:
 
 def _group_spec(group: int | GroupSpec, kv: KVGroupTensors, blocks_per_chunk: int, kind: str) -> tuple[GroupSpec, bool]:
     """The spec of a group being registered, and whether the caller gave it whole. By index, the
-    tokens per block (and a sliding window's size) are unknown: a placeholder of 1 stands in, and
+    tokens per block (and a sliding window's size) are unknown (:meth:`GroupSpec.by_index`), and
     the namespace records them as 0 (``GroupGeometry.from_spec(exact=False)``)."""
     if isinstance(group, GroupSpec):
         if group.bytes_per_block not in (0, kv.bytes_per_block):
@@ -460,8 +460,7 @@ def _group_spec(group: int | GroupSpec, kv: KVGroupTensors, blocks_per_chunk: in
         raise ValueError(
             f"register_group({group}): kind={kind!r} is unknown; allowed: {[k.value for k in GroupKind]}"
         ) from None
-    window = 1 if gkind is GroupKind.SLIDING_WINDOW else None
-    return GroupSpec(group, gkind, 1, blocks_per_chunk, kv.bytes_per_block, window), False
+    return GroupSpec.by_index(group, gkind, blocks_per_chunk, kv.bytes_per_block), False
 
 
 def open_store(

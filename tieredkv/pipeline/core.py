@@ -159,7 +159,11 @@ class Pipeline:
         """Declare a KV group: its spec (or index, chunk size in blocks and kind) and its tensors
         (block id first)."""
         kv = KVGroupTensors(tensors)
-        spec = group if isinstance(group, GroupSpec) else _spec(group, kind, blocks_per_chunk, kv)
+        spec = (
+            group
+            if isinstance(group, GroupSpec)
+            else GroupSpec.by_index(group, kind, blocks_per_chunk, kv.bytes_per_block)
+        )
         route = self.policy.route(spec, kv.chunk_bytes(spec.blocks_per_chunk))
         unknown = [n for n in route.tiers if n not in self.tiers]
         if unknown:
@@ -490,12 +494,6 @@ class Pipeline:
         if res.ok:
             self.latencies[res.kind].append(res.seconds)
         self.inflight.end()
-
-
-def _spec(group: int, kind: str, blocks_per_chunk: int, kv: KVGroupTensors) -> GroupSpec:
-    """The spec of a group registered by index (tokens per block unknown to the pipeline)."""
-    window = 1 if str(kind) == "sliding_window" else None
-    return GroupSpec(group, kind, 1, blocks_per_chunk, kv.bytes_per_block, window)
 
 
 def _nbytes(buf: Any) -> int:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import tieredkv
 from tieredkv.backends.lmdb import LMDBTier
@@ -130,8 +136,6 @@ def test_demo_with_bounded_store_plans_drains_finished_requests(tmp_path: Path) 
 
 
 def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> None:
-    import urllib.request
-
     with tieredkv.open_store(cfg(tmp_path, metrics={"port": 0})) as store:
         assert store.metrics_server is not None
         t = torch.randint(0, 256, (8, 4096), dtype=torch.uint8)
@@ -140,8 +144,8 @@ def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> N
         store.wait([store.store(3, [(key, (1, 2))])])
         store.wait([store.load(3, [(key, (5, 6))])])
         text = ""
-        deadline = __import__("time").monotonic() + 10
-        while "tieredkv_tier_used_bytes" not in text and __import__("time").monotonic() < deadline:
+        deadline = time.monotonic() + 10
+        while "tieredkv_tier_used_bytes" not in text and time.monotonic() < deadline:
             text = urllib.request.urlopen(store.metrics_server.url, timeout=5).read().decode()
         assert 'tieredkv_tier_stored_bytes_total{tier="cpu"} 8192.0' in text
         assert 'tieredkv_tier_used_bytes{tier="lmdb"}' in text
@@ -172,8 +176,6 @@ async def _count_records(tier: Any) -> int:
 
 
 def test_redis_benchmark_baseline_deletes_every_key_it_creates(redis_server: RedisServer) -> None:
-    import redis
-
     from tieredkv.bench import REDIS_BENCHMARK_KEYS, redis_benchmark
 
     client = redis.Redis(host="127.0.0.1", port=redis_server.port)
@@ -224,9 +226,6 @@ def _readme_metrics_paragraph() -> str:
 
 
 def _dashboard_metrics() -> set[str]:
-    import json
-    import re
-
     names: set[str] = set()
     for path in sorted((ROOT / "config" / "grafana" / "dashboards").glob("*.json")):
 
@@ -246,11 +245,6 @@ def _dashboard_metrics() -> set[str]:
 
 
 def test_demo_run_gives_every_readme_and_dashboard_metric_a_sample(tmp_path: Path) -> None:
-    import time
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     scraped: list[str] = []
 
     class Engine(_Engine):
@@ -278,8 +272,6 @@ def test_demo_run_gives_every_readme_and_dashboard_metric_a_sample(tmp_path: Pat
         assert phrase in paragraph, f"README's Metrics paragraph no longer says {phrase!r}: update README_METRICS"
         for name in names:
             assert samples.get(name), f"README promises {phrase!r} but {name} has no sample"
-    import re
-
     for name in re.findall(r"\btieredkv_[a-z_]+", paragraph):
         assert samples.get(name), f"README names {name}, which has no sample"
     dashboard = _dashboard_metrics()
@@ -352,8 +344,6 @@ def test_store_facade_records_lookups_and_tier_calls(tmp_path: Path) -> None:
 def test_only_the_store_and_the_pipeline_package_touch_the_pipeline() -> None:
     """The integrations, demo, bench and CLI go through TieredStore; the pipeline never branches on
     a concrete tier class (capabilities only); key bytes are built in tieredkv.keys only."""
-    import re
-
     src = ROOT / "tieredkv"
     for path in [*src.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
         rel = path.relative_to(ROOT).as_posix()

@@ -5,7 +5,7 @@ spec owns both sides:
 
 * :class:`TieredKVManager` (scheduler side) — tracks what is being written and asks tieredkv's
   tiers what is stored, never blocking: a key being written answers HIT_PENDING, an unknown key
-  RETRY until a batched ``lookup_future`` (sent at the end of the step) resolves it.
+  RETRY until a batched ``TieredStore.lookup_async`` (sent at the end of the step) resolves it.
   ``prepare_store`` is all-or-nothing: ``None`` (retry the same range later) when the chunks in
   flight would overrun the staging budget, never a key dropped for lack of space.
   ``prepare_load`` pins the chunks in every tier until ``complete_load``.

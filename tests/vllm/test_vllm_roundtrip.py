@@ -152,8 +152,8 @@ def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
 
         assert isinstance(runner.manager_obj, TieredKVManager)
         store = runner.manager_obj.store
-        groups = store.stats()["groups"]
-        assert groups[0]["load_chunks"] == len(res["full_keys"]) and groups[1]["load_chunks"] == len(res["swa_keys"])
+        groups = store.stats().groups
+        assert groups[0].loads == len(res["full_keys"]) and groups[1].loads == len(res["swa_keys"])
         _assert_routes(store, backend)
         # Never a blocking call: LMDB answers at once from its memory-mapped B-tree (Tier.probe);
         # a Redis route answers RETRY until the batched lookup is back.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine, Sequence
@@ -446,11 +447,8 @@ class Pipeline:
     def stats(self) -> PipelineStats:
         """A typed snapshot: counters, per-tier lanes, per-group stats, staging, jobs in flight."""
         pending = self.inflight.pending_per_group()
-        groups = {}
-        for g, gs in list(self.group_stats.items()):
-            groups[g] = GroupStats(**{f: getattr(gs, f) for f in GroupStats.__dataclass_fields__})
-            groups[g].pending = pending.get(g, 0)
-        for g in self._groups:
+        groups = {g: dataclasses.replace(gs, pending=pending.get(g, 0)) for g, gs in list(self.group_stats.items())}
+        for g in self._groups:  # registered groups are reported (as zeros) before their first job
             groups.setdefault(g, GroupStats(pending=pending.get(g, 0)))
         return PipelineStats(
             counters=dict(self.counters),

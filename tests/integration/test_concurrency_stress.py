@@ -28,6 +28,7 @@ constant. At the end the figures are printed: operations, chunks verified, wrong
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
@@ -456,7 +457,5 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
                     keys = [i.key async for i in r.scan()]
                     await r.delete_many(keys)
 
-            try:
+            with contextlib.suppress(Exception):  # best effort cleanup of this run's keys
                 asyncio.run(wipe())
-            except Exception:  # noqa: BLE001 - best effort cleanup of this run's keys
-                pass

@@ -18,7 +18,7 @@ __all__ = ["group_kind", "group_kinds", "group_specs", "namespace_from_offloadin
 
 
 def _is_attention_layer(name: str) -> bool:
-    return name.endswith(".attn") or ".self_attn" in name or ".cross_attn" in name or name.endswith("attention")
+    return name.endswith((".attn", "attention")) or ".self_attn" in name or ".cross_attn" in name
 
 
 def group_kind(group: Any, override: str | None = None) -> str:

@@ -77,7 +77,9 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         ocfg = offloading_spec.config
         row_bytes = int(self.block_size_bytes)
         if not isinstance(keep_on_reset, bool):
-            raise ValueError(f"TieredKVSecondaryTier: keep_on_reset must be true or false, got {keep_on_reset!r}")
+            raise ValueError(  # noqa: TRY004 - a bad tier option, like the others: ValueError
+                f"TieredKVSecondaryTier: keep_on_reset must be true or false, got {keep_on_reset!r}"
+            )
         self.keep_on_reset = keep_on_reset
         self.kinds = group_kinds_of(ocfg, group_kinds)
         # A primary row holds every worker's pages of one chunk: one namespace for all ranks.

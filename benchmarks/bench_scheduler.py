@@ -39,7 +39,7 @@ BLOCK_POOL = list(range(1, 4097))  # shared int objects keep memory flat
 
 
 def _hashes(rid: int, start: int, n: int) -> list[bytes]:
-    return [rid.to_bytes(4, "big") + i.to_bytes(4, "big") for i in range(start, start + n)]
+    return [((rid << 32) | i).to_bytes(8, "big") for i in range(start, start + n)]  # 8-byte hashes
 
 
 def _blocks(first_token: int, n_tokens: int, window: bool) -> list[list[int]]:

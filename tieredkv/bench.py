@@ -2,7 +2,7 @@
 
 Used by ``benchmarks/bench_tiers.py`` and ``tieredkv bench``. For each chunk size it measures:
 
-* through tieredkv (``Pipeline`` with one tier, a KV "device" tensor of CPU memory, bytes verified):
+* through tieredkv (a :class:`~tieredkv.store.TieredStore` over one tier, a KV "device" tensor of CPU memory, bytes verified):
   store GB/s (device blocks → tier) and load GB/s (tier → device blocks);
 * the raw limit of the same medium on the same bytes: ``torch`` ``copy_`` into a preallocated
   tensor (CPU memory), ``os.pwrite``/``os.preadv`` of a file (page cache, and with ``fdatasync``),
@@ -23,18 +23,23 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tieredkv.backends.base import Tier
-from tieredkv.config import CPUTierConfig, LMDBTierConfig, PipelineConfig, PolicyRule, RedisTierConfig
+from tieredkv.config import (
+    CPUTierConfig,
+    LMDBTierConfig,
+    NamespaceConfig,
+    PipelineConfig,
+    RedisTierConfig,
+    TieredKVConfig,
+)
 from tieredkv.keys import Namespace
-from tieredkv.pipeline import ChunkRef, LoadJob, Pipeline, StoreJob
-from tieredkv.policy import TierPolicy
-from tieredkv.staging import StagingPool
+from tieredkv.store import TieredStore
 
 __all__ = ["SIZES", "BenchResult", "run_tier_bench"]
 
@@ -164,11 +169,34 @@ def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str) -> tuple[float, fl
     return _run_loop(run())
 
 
+#: The keys ``redis-benchmark -t set,get`` writes (without ``-r`` the placeholder stays literal).
+REDIS_BENCHMARK_KEYS = ("key:__rand_int__",)
+
+
 def redis_benchmark(port: int, size: int, n: int) -> tuple[float, float] | None:
-    """GB/s of SET and GET from ``redis-benchmark`` (-P1 -c1: the best setting for big values here)."""
+    """GB/s of SET and GET from ``redis-benchmark`` (-P1 -c1: the best setting for big values here).
+
+    It writes :data:`REDIS_BENCHMARK_KEYS` into database 0 of the user's server: when one of them
+    already exists there (someone's data) nothing is run (None); otherwise they are deleted after
+    the run, whatever happens, so the server is left as it was found."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return None
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, db=0, socket_timeout=30)
+    try:
+        if client.exists(*REDIS_BENCHMARK_KEYS):
+            return None  # never overwrite (and then delete) a key that is not ours
+        try:
+            return _run_redis_benchmark(exe, port, size, n)
+        finally:
+            client.delete(*REDIS_BENCHMARK_KEYS)
+    finally:
+        client.close()
+
+
+def _run_redis_benchmark(exe: str, port: int, size: int, n: int) -> tuple[float, float] | None:
     out = subprocess.run(
         [
             exe,
@@ -212,43 +240,47 @@ def _run_loop(coro: Any) -> Any:
 
 
 def pipeline_store_load(tier: Tier, src: torch.Tensor, dst: torch.Tensor, ns: Namespace) -> tuple[float, float]:
-    """(store seconds, load seconds) of every chunk of ``src`` through a one-tier pipeline; bytes verified.
+    """(store seconds, load seconds) of every chunk of ``src`` through a one-tier store; bytes verified.
 
-    Row ``i`` of ``src`` is device block ``i + 1`` (block 0 is the engine's null block)."""
+    Row ``i`` of ``src`` is device block ``i + 1`` (block 0 is the engine's null block); it loads
+    back into block ``n + 1 + i``. Every key it writes is deleted again (a shared tier is left as
+    it was found)."""
     n, size = src.shape
     null = torch.zeros(1, size, dtype=torch.uint8)
-    src_blocks, dst_blocks = torch.cat([null, src]), torch.cat([null, torch.zeros_like(src)])
+    blocks = torch.cat([null, src, torch.zeros_like(src)])
     per = max(1, BATCH_BYTES // size)
-    cfg = PipelineConfig(max_batch_bytes=BATCH_BYTES, max_batch_items=max(per, 1), job_timeout_s=600)
-    p = Pipeline(
-        [tier],
-        TierPolicy([PolicyRule(tiers=[tier.name])], [tier.name]),
-        cfg,
-        staging=StagingPool(min(n * size, 512 * MiB) + BATCH_BYTES),
+    pipeline = PipelineConfig(
+        max_batch_bytes=BATCH_BYTES,
+        max_batch_items=max(per, 1),
+        job_timeout_s=600,
+        staging_bytes=min(n * size, 512 * MiB) + BATCH_BYTES,
     )
+    cfg = TieredKVConfig(namespace=NamespaceConfig(model=ns.model), pipeline=pipeline)
+    store = TieredStore(cfg, namespace=ns, tiers=[tier])
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
-    with p:
-        p.register_group(0, [src_blocks])
-        p.register_group(1, [dst_blocks])
+    with store.start():
+        store.register_group(0, [blocks])
 
-        def run(make: Callable[[int, tuple[ChunkRef, ...]], Any], submit: Callable[[Any], bool]) -> float:
+        def run(submit: Callable[[list[tuple[bytes, Sequence[int]]]], int | None], first: int) -> float:
             t0 = time.perf_counter()
-            for j, b in enumerate(range(0, n, per)):
-                refs = tuple(ChunkRef(keys[i], (i + 1,)) for i in range(b, min(n, b + per)))
-                while not submit(make(j, refs)):  # staging full: wait for room (back-pressure)
+            for b in range(0, n, per):
+                chunks: list[tuple[bytes, Sequence[int]]] = [(keys[i], (first + i,)) for i in range(b, min(n, b + per))]
+                while submit(chunks) is None:  # staging full: wait for room (back-pressure)
                     time.sleep(0.0005)
-            if not p.drain(600):
+            if not store.drain(600):
                 raise RuntimeError("pipeline did not drain")
             dt = time.perf_counter() - t0
-            bad = [r for r in p.poll_finished() if not r.ok]
+            bad = [r for r in store.poll() if not r.ok]
             if bad:
                 raise RuntimeError(f"{len(bad)} jobs failed: {bad[0].error}")
             return dt
 
-        ts = run(lambda j, refs: StoreJob(j, 0, refs), p.submit_store)
-        tl = run(lambda j, refs: LoadJob(j, 1, refs), p.submit_load)
-        p._call(tier.delete_many(keys), timeout=120)  # leave a shared tier as we found it
-    if not torch.equal(src_blocks, dst_blocks):
+        try:
+            ts = run(lambda chunks: store.store(0, chunks), 1)
+            tl = run(lambda chunks: store.load(0, chunks), n + 1)
+        finally:
+            store.run(tier.delete_many(keys), timeout=120)
+    if not torch.equal(blocks[n + 1 :], src):
         raise RuntimeError(f"{tier.kind} tier: loaded bytes differ from stored bytes")
     return ts, tl
 
@@ -294,7 +326,7 @@ def run_tier_bench(
         nbytes = n * size
         samples: dict[str, list[float]] = {}
 
-        def add(name: str, seconds: float) -> None:
+        def add(name: str, seconds: float, nbytes: int = nbytes, samples: dict[str, list[float]] = samples) -> None:
             samples.setdefault(name, []).append(nbytes / seconds / 1e9)
 
         # Each rep measures every figure once, raw limits and tiers interleaved, so both see the

@@ -26,11 +26,9 @@ import torch
 import xxhash
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.errors import TieredKVError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
-from tieredkv.keys import GroupGeometry, Namespace
 from tieredkv.pipeline import JobResult, KeyState
-from tieredkv.scheduler import DEFAULT_MAX_CHUNKS_PER_PLAN, LoadPlan, OffloadScheduler, StoreOutcome, StorePlan
+from tieredkv.scheduler import DEFAULT_MAX_CHUNKS_PER_PLAN, LoadPlan, StoreOutcome, StorePlan
 from tieredkv.store import TieredStore
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -150,11 +148,10 @@ class _Trace:
 class _Engine:
     def __init__(self, store: TieredStore, layout: GroupLayout, o: DemoOptions, device: str) -> None:
         self.store, self.layout, self.o = store, layout, o
-        self.sched = OffloadScheduler(layout, max_chunks_per_plan=o.max_chunks_per_plan)
         self.gpu = FakeGPU(layout, blocks=o.concurrency * 400 + 64, device=device)
-        self.fp = store.namespace.fingerprint
-        for pos, g in enumerate(layout.groups):
-            store.register_group(g.index, [self.gpu.kv[pos]], blocks_per_chunk=g.blocks_per_chunk, kind=g.kind.value)
+        for pos, g in enumerate(layout.groups):  # the store builds the namespace and the planner from these
+            store.register_group(g, [self.gpu.kv[pos]])
+        self.sched = store.planner(layout.tokens_per_hash, max_chunks_per_plan=o.max_chunks_per_plan)
         self.served = [0] * len(layout.groups)
         self.recomputed = [0] * len(layout.groups)
         self.verified = 0
@@ -164,7 +161,7 @@ class _Engine:
 
     # keys: the adapter speaks chunk keys (hash + group); tiers store fingerprint + chunk key
     def skey(self, chunk_key: bytes) -> bytes:
-        return self.fp + chunk_key
+        return self.store.stored_key(chunk_key)
 
     def admit(self, r: _Req) -> bool:
         if r.rid not in self.sched:
@@ -320,19 +317,8 @@ def run_demo(
     o = o or DemoOptions()
     layout = demo_layout(o.mamba)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ns = cfg.namespace
-    namespace = Namespace(
-        model=ns.model,
-        revision=ns.revision,
-        dtype=ns.dtype,
-        tenant_salt=ns.tenant_salt,
-        groups=tuple(
-            GroupGeometry(g.kind.value, g.tokens_per_block, g.blocks_per_chunk, g.bytes_per_block, g.window_tokens or 0)
-            for g in layout.groups
-        ),
-    )
     t_start = time.perf_counter()
-    store = TieredStore(cfg, namespace=namespace).start()
+    store = TieredStore(cfg).start()  # namespace: the config's, completed by the registered groups
     try:
         eng = engine_cls(store, layout, o, device)
         trace = _Trace(o)
@@ -369,7 +355,7 @@ def run_demo(
                         progress(done, total)
                     if r.turn + 1 < o.turns:
                         waiting.append(trace.turn(r.conv, r.turn + 1))
-        store.pipeline.drain(30)
+        store.drain(30)
         eng.collect(running)
         wall = time.perf_counter() - t_start
         summary = _summary(eng, store, layout, done, tokens, wall)
@@ -400,19 +386,18 @@ def _summary(
         return sum(r.nbytes for r in rs) / span / 1e9 if span > 0 else 0.0
 
     tiers = {}
+    held = store.tier_stats()  # None: unreachable now (report what the pipeline saw)
     for tier in store.tiers:
-        try:
-            s = store.pipeline._call(tier.stats(), timeout=10)
-            held: dict[str, Any] = {"records": s.records, "used_bytes": s.used_bytes}
-        except TieredKVError:  # unreachable now: report what the pipeline saw
-            held = {"records": None, "used_bytes": 0}
+        ts = held[tier.name]
+        lane = st.lanes[tier.name]
         tiers[tier.name] = {
             "kind": tier.kind,
-            **held,
+            "records": None if ts is None else ts.records,
+            "used_bytes": 0 if ts is None else ts.used_bytes,
             "hits": tier.counters.get("hits", 0),
             "put_bytes": tier.counters.get("put_bytes", 0),
-            "dropped_stores": st["dropped"].get(tier.name, 0),
-            "breaker": st["breakers"][tier.name],
+            "dropped_stores": lane.dropped,
+            "breaker": lane.breaker,
         }
     groups = []
     for pos, g in enumerate(layout.groups):
@@ -424,8 +409,8 @@ def _summary(
                 "tokens_per_chunk": g.tokens_per_chunk,
                 "tokens_from_cache": served,
                 "tokens_recomputed": recomputed,
-                "stored_chunks": st["groups"].get(g.index, {}).get("store_chunks", 0),
-                "loaded_chunks": st["groups"].get(g.index, {}).get("load_chunks", 0),
+                "stored_chunks": st.groups[g.index].stores,
+                "loaded_chunks": st.groups[g.index].loads,
             }
         )
     ms = [1e3 * r.seconds for r in stores if r.ok]
@@ -453,9 +438,9 @@ def _summary(
             "p50_ms": round(_pct(ml, 0.5), 3),
             "p99_ms": round(_pct(ml, 0.99), 3),
         },
-        "drops": {"staging_backpressure": st["counters"].get("store_backpressure", 0), **st["dropped"]},
+        "drops": {"staging_backpressure": st.counters.get("store_backpressure", 0), **st.dropped},
         "verified_blocks": eng.verified,
         "mismatches": eng.mismatches,
-        "breaker_opens": st["breaker_opens"],
+        "breaker_opens": {n: lane.breaker_opens for n, lane in st.lanes.items()},
         **eng.extra_summary(),
     }

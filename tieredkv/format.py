@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from tieredkv.errors import CorruptRecordError
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+from tieredkv.keys import key_fingerprint, key_group
 
 __all__ = [
     "FORMAT_VERSION",
@@ -128,8 +128,8 @@ def make_header(key: bytes, payload: memoryview, *, flags: int = 0) -> bytes:
     ``key`` is a stored key (fingerprint + hash + group); fingerprint and group come from it.
     """
     hdr = bytearray(HEADER_SIZE)
-    fp = key[:FINGERPRINT_BYTES]
-    group = int.from_bytes(key[-GROUP_BYTES:], "big")
+    fp = key_fingerprint(key)
+    group = key_group(key)
     HEADER.pack_into(hdr, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, fp, group, flags, len(payload), 0)
     struct.pack_into("<Q", hdr, 40, _checksum(key, memoryview(hdr)[:_PREFIX], payload))
     return bytes(hdr)
@@ -184,9 +184,9 @@ def verify_parts(header: memoryview | bytes, payload: memoryview, key: bytes) ->
         CorruptRecordError: any header field, the namespace, the group or the checksum is wrong.
     """
     hdr = decode_header(header[:HEADER_SIZE], len(payload))
-    if hdr.fingerprint != key[:FINGERPRINT_BYTES]:
+    if hdr.fingerprint != key_fingerprint(key):
         raise CorruptRecordError("record belongs to another namespace")
-    if hdr.group != int.from_bytes(key[-GROUP_BYTES:], "big"):
+    if hdr.group != key_group(key):
         raise CorruptRecordError(f"record is for group {hdr.group}, key says another")
     if _checksum(key, memoryview(header)[:_PREFIX], payload) != hdr.checksum:
         raise CorruptRecordError("payload checksum mismatch")

@@ -98,6 +98,16 @@ class GroupSpec:
                 f"sliding_window groups, not {self.kind.value!r}; remove it"
             )
 
+    @classmethod
+    def by_index(cls, index: int, kind: GroupKind | str, blocks_per_chunk: int, bytes_per_block: int) -> GroupSpec:
+        """The spec of a group known only by index, kind and chunk size (e.g. registered with
+        ``TieredStore.register_group(3, tensors)``): tokens per block, and a sliding window's
+        size, are unknown, and a placeholder of 1 stands in for them. Good for routing and
+        transfers; the planner needs a whole spec."""
+        sliding = str(getattr(kind, "value", kind)) == GroupKind.SLIDING_WINDOW.value
+        # a kind string is converted (or refused, naming it) by __post_init__
+        return cls(index, kind, 1, blocks_per_chunk, bytes_per_block, 1 if sliding else None)  # type: ignore[arg-type]
+
     @property
     def tokens_per_chunk(self) -> int:
         """Tokens covered by one offloaded chunk (one key) of this group."""

@@ -18,9 +18,12 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tieredkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tieredkv.groups import GroupSpec
 
 __all__ = [
     "FINGERPRINT_BYTES",
@@ -29,6 +32,9 @@ __all__ = [
     "GroupGeometry",
     "Namespace",
     "ParallelLayout",
+    "chunk_key_of",
+    "group_suffix",
+    "key_fingerprint",
     "key_group",
     "key_hash",
     "make_chunk_key",
@@ -37,6 +43,7 @@ __all__ = [
     "split_stored_key",
     "stored_key",
     "stored_key_group",
+    "with_group",
 ]
 
 FINGERPRINT_BYTES = 16
@@ -44,11 +51,21 @@ GROUP_BYTES = 4
 _MAX_GROUP = 2**32 - 1
 
 
-def make_chunk_key(block_hash: bytes, group: int) -> bytes:
-    """Build a chunk key: the block hash followed by ``group`` as 4 bytes big-endian."""
+def group_suffix(group: int) -> bytes:
+    """The last bytes of every key of ``group``: its index, 4 bytes big-endian."""
     if not 0 <= group <= _MAX_GROUP:
         raise ValueError(f"group index {group!r} out of range 0..{_MAX_GROUP}")
-    return bytes(block_hash) + group.to_bytes(GROUP_BYTES, "big")
+    return group.to_bytes(GROUP_BYTES, "big")
+
+
+def make_chunk_key(block_hash: bytes, group: int) -> bytes:
+    """Build a chunk key: the block hash followed by ``group`` as 4 bytes big-endian."""
+    return bytes(block_hash) + group_suffix(group)
+
+
+def with_group(chunk_key: bytes, group: int) -> bytes:
+    """The same hash's chunk key in another group."""
+    return bytes(chunk_key[:-GROUP_BYTES]) + group_suffix(group)
 
 
 def key_hash(chunk_key: bytes) -> bytes:
@@ -91,12 +108,22 @@ def partial_valid_from(key: bytes, whole_len: int) -> int:
 
 def stored_key(fingerprint: bytes, chunk_key: bytes) -> bytes:
     """The key a tier stores: namespace fingerprint + chunk key."""
-    return fingerprint + chunk_key
+    return bytes(fingerprint) + bytes(chunk_key)
+
+
+def key_fingerprint(key: bytes) -> bytes:
+    """The namespace fingerprint a stored key starts with."""
+    return bytes(key[:FINGERPRINT_BYTES])
+
+
+def chunk_key_of(key: bytes) -> bytes:
+    """The chunk key (``hash + group``) inside a stored key: :func:`stored_key` undone."""
+    return bytes(key[FINGERPRINT_BYTES:])
 
 
 def stored_key_group(key: bytes) -> int:
     """Group index of a stored key."""
-    return int.from_bytes(key[-GROUP_BYTES:], "big")
+    return key_group(key)
 
 
 def split_stored_key(key: bytes) -> tuple[bytes, bytes, int]:
@@ -123,6 +150,19 @@ class GroupGeometry:
     blocks_per_chunk: int = 1
     bytes_per_block: int = 0
     window_tokens: int = 0
+
+    @classmethod
+    def from_spec(cls, spec: GroupSpec, *, exact: bool = True) -> GroupGeometry:
+        """The namespace's record of a :class:`~tieredkv.groups.GroupSpec` (the group model).
+        ``exact=False``: the spec's tokens per block and window are placeholders (a group
+        registered by index), recorded as 0 = unknown."""
+        return cls(
+            kind=spec.kind.value,
+            tokens_per_block=spec.tokens_per_block if exact else 0,
+            blocks_per_chunk=spec.blocks_per_chunk,
+            bytes_per_block=spec.bytes_per_block,
+            window_tokens=(spec.window_tokens or 0) if exact else 0,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +202,16 @@ class Namespace:
 
     def key(self, block_hash: bytes, group: int) -> bytes:
         """The stored key for ``block_hash`` in ``group`` under this namespace."""
-        return self.fingerprint + make_chunk_key(block_hash, group)
+        return stored_key(self.fingerprint, make_chunk_key(block_hash, group))
+
+    def stored_key(self, chunk_key: bytes) -> bytes:
+        """The stored key of a chunk key (``hash + group``) under this namespace."""
+        return stored_key(self.fingerprint, chunk_key)
 
     def keys(self, block_hashes: Sequence[bytes], group: int) -> list[bytes]:
         """Stored keys for several hashes of one group."""
         fp = self.fingerprint
-        suffix = group.to_bytes(GROUP_BYTES, "big")
+        suffix = group_suffix(group)
         return [fp + bytes(h) + suffix for h in block_hashes]
 
     def describe(self) -> dict[str, Any]:

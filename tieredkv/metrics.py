@@ -5,9 +5,11 @@ Primitives:
 * :class:`TieredKVCollector` — a custom collector. At each scrape it reads the tiers'
   ``counters`` (plain ints under a lock), an optional cached :class:`~tieredkv.backends.base.TierStats`
   snapshot per tier (refreshed by :meth:`TieredKVCollector.refresh_stats`, since ``stats()`` is
-  async), and, when given, a pipeline-like object (duck-typed: ``stats()`` with ``counters``,
-  ``dropped``, ``breakers``, ``breaker_opens``, ``staging``; ``group_counters``). Anything missing
-  is skipped, so it works for bare tiers now and for the full pipeline later.
+  async), and, when given, a pipeline whose ``stats()`` returns a typed
+  :class:`~tieredkv.pipeline.stats.PipelineStats` (read by attribute: a renamed field breaks the
+  tests, not the dashboards). Per-group metrics are one per :class:`~tieredkv.pipeline.stats.GroupStats`
+  field, named by the field's metadata: to add a metric, add a field there and count it in the
+  pipeline.
 * :class:`TieredKVMetrics` — the registry, the collector and the per-operation latency
   histogram fed by :meth:`Tier.add_observer <tieredkv.backends.base.Tier.add_observer>`.
 * :func:`start_metrics_server` — serve ``/metrics`` on ``metrics.port`` (``metrics.addr``).
@@ -32,7 +34,11 @@ Metric names (all prefixed ``tieredkv_``; ``tier`` / ``group`` labels):
 ``pipeline_events_total{event}``       pipeline counters (store_ok, load_failed, ...)
 ``pending``                            pipeline jobs in flight (when the pipeline reports it)
 ``staging_bytes{kind}``                staging pool capacity / in_use / high_water
-``group_hits_total`` ...               per KV group: hits, misses, pending, store/load bytes
+``group_hits_total`` / ``group_misses_total``   per KV group: lookups that found / missed a chunk
+``group_stores_total`` / ``group_loads_total``  per KV group: chunks stored / loaded
+``group_stored_bytes_total`` / ``group_loaded_bytes_total``   per KV group: bytes
+``group_dropped_stores_total`` / ``group_load_missing_total``  per KV group: refused / missing
+``group_pending``                      per KV group: chunks being written
 =====================================  =====================================================
 """
 
@@ -47,6 +53,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from tieredkv.pipeline.stats import GroupStats, PipelineStats, group_metric_fields
 
 __all__ = [
     "BREAKER_STATES",
@@ -78,18 +86,6 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "deletes": ("tier_deletes", "Records removed by delete_many."),
 }
 
-# group counter name -> (metric suffix, help)
-_GROUP_COUNTERS: dict[str, tuple[str, str]] = {
-    "hits": ("group_hits", "Chunks of this KV group found by lookups."),
-    "misses": ("group_misses", "Chunks of this KV group not found by lookups."),
-    "store_bytes": ("group_stored_bytes", "Bytes of this KV group stored."),
-    "load_bytes": ("group_loaded_bytes", "Bytes of this KV group loaded."),
-    "stores": ("group_stores", "Chunks of this KV group stored."),
-    "loads": ("group_loads", "Chunks of this KV group loaded."),
-    "dropped": ("group_dropped_stores", "Chunks of this KV group whose store was dropped."),
-}
-_GROUP_GAUGES = {"pending": ("group_pending", "Chunks of this KV group written but not yet durable.")}
-
 
 def _name(suffix: str) -> str:
     return f"{PREFIX}_{suffix}"
@@ -111,7 +107,8 @@ class TieredKVCollector(Collector):
     Args:
         tiers: tiers to report (anything with ``name`` and ``counters``); more can be added
             with :meth:`add_tier`.
-        pipeline: optional object with ``stats()`` and/or ``group_counters`` (duck-typed).
+        pipeline: optional object whose ``stats()`` returns a :class:`PipelineStats` (a
+            :class:`~tieredkv.pipeline.Pipeline` or :class:`~tieredkv.store.TieredStore`).
     """
 
     def __init__(self, tiers: Iterable[Any] = (), pipeline: Any = None) -> None:
@@ -184,83 +181,64 @@ class TieredKVCollector(Collector):
 
     def _collect_pipeline(self, p: Any) -> Iterator[Any]:
         stats = _get(p, "stats")
-        if isinstance(stats, Mapping):
+        if isinstance(stats, Mapping):  # a stand-in that still reports the older dict layout
+            groups = _get(p, "group_counters")  # the older per-group surface, beside the dict
+            if isinstance(groups, Mapping) and "groups" not in stats:
+                stats = {**stats, "groups": groups}
+            try:
+                stats = PipelineStats.from_mapping(stats)
+            except (TypeError, ValueError) as e:
+                log.warning("metrics: pipeline stats skipped: %s", e)
+                return
+        if isinstance(stats, PipelineStats):
             yield from _pipeline_families(stats)
-        groups = _get(p, "group_counters")
-        if isinstance(groups, Mapping):
-            yield from _group_families(groups)
+            yield from _group_families(stats.groups)
 
 
-def _pipeline_families(stats: Mapping[str, Any]) -> Iterator[Any]:
-    dropped = stats.get("dropped")
-    if isinstance(dropped, Mapping):
-        fam = CounterMetricFamily(
-            _name("dropped_stores"),
-            "Chunks the pipeline dropped for a tier (dead, full or breaker open).",
-            labels=["tier"],
-        )
-        for tier, n in sorted(dropped.items()):
-            fam.add_metric([str(tier)], float(n))
-        yield fam
-    breakers = stats.get("breakers")
-    if isinstance(breakers, Mapping):
-        state = GaugeMetricFamily(
-            _name("breaker_state"), "1 for the circuit breaker's current state.", labels=["tier", "state"]
-        )
-        is_open = GaugeMetricFamily(_name("breaker_open"), "1 while the breaker is open or half-open.", labels=["tier"])
-        for tier, value in sorted(breakers.items()):
-            current = str(getattr(value, "value", value))
-            for s in dict.fromkeys((*BREAKER_STATES, current)):
-                state.add_metric([str(tier), s], 1.0 if s == current else 0.0)
-            is_open.add_metric([str(tier)], 0.0 if current == "closed" else 1.0)
-        yield state
-        yield is_open
-    opens = stats.get("breaker_opens")
-    if isinstance(opens, Mapping):
-        fam = CounterMetricFamily(_name("breaker_opens"), "Times the tier's breaker opened.", labels=["tier"])
-        for tier, n in sorted(opens.items()):
-            fam.add_metric([str(tier)], float(n))
-        yield fam
-    counters = stats.get("counters")
-    if isinstance(counters, Mapping):
-        fam = CounterMetricFamily(_name("pipeline_events"), "Pipeline counters.", labels=["event"])
-        for event, n in sorted(counters.items()):
-            fam.add_metric([str(event)], float(n))
-        yield fam
-    pending = stats.get("pending")
-    if isinstance(pending, (int, float)):
-        yield GaugeMetricFamily(_name("pending"), "Pipeline jobs in flight.", value=float(pending))
-    staging = stats.get("staging")
-    if isinstance(staging, Mapping):
+def _pipeline_families(st: PipelineStats) -> Iterator[Any]:
+    lanes = sorted(st.lanes.items())
+    dropped = CounterMetricFamily(
+        _name("dropped_stores"), "Chunks the pipeline dropped for a tier (dead, full or breaker open).", labels=["tier"]
+    )
+    state = GaugeMetricFamily(
+        _name("breaker_state"), "1 for the circuit breaker's current state.", labels=["tier", "state"]
+    )
+    is_open = GaugeMetricFamily(_name("breaker_open"), "1 while the breaker is open or half-open.", labels=["tier"])
+    opens = CounterMetricFamily(_name("breaker_opens"), "Times the tier's breaker opened.", labels=["tier"])
+    for tier, lane in lanes:
+        dropped.add_metric([tier], float(lane.dropped))
+        for s in dict.fromkeys((*BREAKER_STATES, lane.breaker)):
+            state.add_metric([tier, s], 1.0 if s == lane.breaker else 0.0)
+        is_open.add_metric([tier], 0.0 if lane.breaker == "closed" else 1.0)
+        opens.add_metric([tier], float(lane.breaker_opens))
+    yield from (dropped, state, is_open, opens)
+    events = CounterMetricFamily(_name("pipeline_events"), "Pipeline counters.", labels=["event"])
+    for event, n in sorted(st.counters.items()):
+        events.add_metric([str(event)], float(n))
+    yield events
+    if st.jobs_in_flight is not None:
+        yield GaugeMetricFamily(_name("pending"), "Pipeline jobs in flight.", value=float(st.jobs_in_flight))
+    if st.staging is not None:
         gauge = GaugeMetricFamily(_name("staging_bytes"), "Staging buffer pool bytes.", labels=["kind"])
         for kind in ("capacity", "in_use", "high_water"):
-            if isinstance(staging.get(kind), (int, float)):
-                gauge.add_metric([kind], float(staging[kind]))
+            gauge.add_metric([kind], float(getattr(st.staging, kind)))
         yield gauge
-        if isinstance(staging.get("refusals"), (int, float)):
-            yield CounterMetricFamily(
-                _name("staging_refusals"), "Jobs refused because staging was full.", value=float(staging["refusals"])
-            )
+        yield CounterMetricFamily(
+            _name("staging_refusals"), "Jobs refused because staging was full.", value=float(st.staging.refusals)
+        )
 
 
-def _group_families(groups: Mapping[Any, Any]) -> Iterator[Any]:
-    fams = {k: CounterMetricFamily(_name(s), h, labels=["group"]) for k, (s, h) in _GROUP_COUNTERS.items()}
-    gauges = {k: GaugeMetricFamily(_name(s), h, labels=["group"]) for k, (s, h) in _GROUP_GAUGES.items()}
-    other = CounterMetricFamily(_name("group_events"), "Other per-group counters.", labels=["group", "event"])
-    for group, counters in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        if not isinstance(counters, Mapping):
-            continue
-        g = str(group)
-        for key, value in sorted(counters.items()):
-            if key in fams:
-                fams[key].add_metric([g], float(value))
-            elif key in gauges:
-                gauges[key].add_metric([g], float(value))
-            else:
-                other.add_metric([g, str(key)], float(value))
-    yield from fams.values()
-    yield from gauges.values()
-    yield other
+def _group_families(groups: Mapping[int, GroupStats]) -> Iterator[Any]:
+    """One family per :class:`GroupStats` field, named by the field's ``metric`` metadata."""
+    fams = []
+    for f in group_metric_fields():
+        meta = f.metadata
+        family = CounterMetricFamily if meta["type"] == "counter" else GaugeMetricFamily
+        fam = family(_name(meta["metric"]), meta["help"], labels=["group"])
+        for group, gs in sorted(groups.items()):
+            fam.add_metric([str(group)], float(getattr(gs, f.name)))
+        fams.append(fam)
+    yield from fams
 
 
 class TieredKVMetrics:

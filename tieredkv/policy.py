@@ -19,12 +19,16 @@ from enum import Enum
 
 from tieredkv.config import PolicyRule
 from tieredkv.errors import ConfigError
+from tieredkv.groups import GroupSpec
 
 __all__ = ["BreakerState", "CircuitBreaker", "GroupRoute", "TierPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
 class GroupRoute:
+    """Where a group's chunks go: the policy's decision for one :class:`~tieredkv.groups.GroupSpec`
+    (the group model); it holds no geometry of its own."""
+
     group: int
     tiers: tuple[str, ...]
     write: str  # "through" | "back"
@@ -44,8 +48,15 @@ class TierPolicy:
         self.tier_names = tuple(tier_names)
         self._routes: dict[int, GroupRoute] = {}
 
-    def route(self, group: int, chunk_bytes: int, kind: str = "full") -> GroupRoute:
-        """Resolve (and remember) the route of ``group``."""
+    def route(self, group: int | GroupSpec, chunk_bytes: int | None = None, kind: str = "full") -> GroupRoute:
+        """Resolve (and remember) the route of ``group``: a :class:`~tieredkv.groups.GroupSpec`
+        (its index, kind and chunk bytes; ``chunk_bytes`` may override the spec's) or an index with
+        its chunk bytes and kind."""
+        if isinstance(group, GroupSpec):
+            spec = group
+            return self.route(spec.index, spec.bytes_per_chunk if chunk_bytes is None else chunk_bytes, spec.kind.value)
+        if chunk_bytes is None:
+            raise ValueError(f"policy.route({group}): chunk_bytes is required with a group index")
         for i, rule in enumerate(self.rules):
             if rule.max_chunk_bytes is not None and chunk_bytes > rule.max_chunk_bytes:
                 continue

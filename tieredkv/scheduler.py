@@ -81,6 +81,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
+from tieredkv.keys import make_chunk_key
 
 __all__ = [
     "ChunkLedger",
@@ -107,7 +108,7 @@ _UNSEEN, _WAITING, _DONE, _DEAD = 0, 1, 2, 3
 
 def _chunk_key(block_hash: bytes, group: int) -> bytes:
     """vLLM OffloadKey layout: hash bytes + group index, 4 bytes big-endian."""
-    return block_hash + group.to_bytes(4, "big")
+    return make_chunk_key(block_hash, group)
 
 
 # --------------------------------------------------------------------- plans

@@ -21,24 +21,35 @@ used together.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import operator
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Self
 
 import torch
 
-from tieredkv.backends.base import Tier
+from tieredkv.backends.base import Tier, TierStats
 from tieredkv.backends.registry import build_tier
 from tieredkv.config import TieredKVConfig, load_config
-from tieredkv.errors import TierClosedError, TierTimeoutError
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, GroupGeometry, Namespace, ParallelLayout, stored_key_group
+from tieredkv.errors import ConfigError, TierClosedError, TieredKVError, TierTimeoutError
+from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
+from tieredkv.keys import (
+    FINGERPRINT_BYTES,
+    GROUP_BYTES,
+    GroupGeometry,
+    Namespace,
+    ParallelLayout,
+    key_fingerprint,
+    key_group,
+)
 from tieredkv.metrics import MetricsServer, TieredKVMetrics, start_metrics_server
-from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, StoreJob
+from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, PipelineStats, StoreJob
 from tieredkv.policy import GroupRoute, TierPolicy
+from tieredkv.scheduler import OffloadScheduler
 from tieredkv.staging import KVGroupTensors
 
 __all__ = ["KeyState", "TieredStore", "open_store"]
@@ -71,6 +82,7 @@ class TieredStore:
         # that passes its own namespace may move it on, e.g. a new cache generation)
         self._own_namespace = namespace is None
         self._geometry: dict[int, tuple[GroupGeometry, tuple[str, ...]]] = {}
+        self._specs: dict[int, tuple[GroupSpec, bool]] = {}  # spec, and whether the caller gave it whole
         self._num_blocks: dict[int, int] = {}
         self._closed = False
         self.namespace = namespace or Namespace(
@@ -91,7 +103,7 @@ class TieredStore:
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    def start(self, *, stats_interval_s: float = 5.0) -> TieredStore:
+    def start(self, *, stats_interval_s: float = 5.0) -> Self:
         """Start the pipeline (opening the tiers) and, when ``metrics.port`` is set, ``/metrics``."""
         self.pipeline.start()
         self.metrics_server = start_metrics_server(self.config.metrics, self.metrics.registry)
@@ -113,7 +125,7 @@ class TieredStore:
             self.metrics_server.close()
             self.metrics_server = None
 
-    def __enter__(self) -> TieredStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -122,40 +134,46 @@ class TieredStore:
     # ---- groups and keys ---------------------------------------------------------------
 
     def register_group(
-        self, group: int, tensors: Sequence[Any], *, blocks_per_chunk: int = 1, kind: str = "full"
+        self,
+        group: int | GroupSpec,
+        tensors: Sequence[Any],
+        *,
+        blocks_per_chunk: int = 1,
+        kind: str = "full",
     ) -> GroupRoute:
-        """Declare KV group ``group``: its tensors (block id first), chunk size in blocks, kind.
+        """Declare a KV group and its tensors (block id first): a whole
+        :class:`~tieredkv.groups.GroupSpec` (what :meth:`planner` needs), or an index with the
+        chunk size in blocks and the kind. The one place a group's spec is built: it feeds the
+        pipeline (route, transfers), the namespace and the planner.
 
         Register every group before making keys: unless the store was given a whole namespace,
         the group's dtype and geometry join the namespace fingerprint (an fp16 and a bf16 engine
         on one YAML never share a record). Registering a group again with another shape raises
         ``ValueError``."""
         self._check_open("register_group")
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**32:
-            raise ValueError(f"register_group: group={group!r} is invalid: expected an integer 0..2**32-1")
+        index = group.index if isinstance(group, GroupSpec) else group
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**32:
+            raise ValueError(f"register_group: group={index!r} is invalid: expected an integer 0..2**32-1")
         if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
             raise ValueError(
-                f"register_group({group}): blocks_per_chunk={blocks_per_chunk!r} is invalid: "
+                f"register_group({index}): blocks_per_chunk={blocks_per_chunk!r} is invalid: "
                 "expected an integer >= 1 (GPU blocks per stored chunk)"
             )
-        _check_tensors(group, tensors)
+        _check_tensors(index, tensors)
         kv = KVGroupTensors(tensors)
-        geometry = GroupGeometry(
-            kind=str(kind),
-            tokens_per_block=0,
-            blocks_per_chunk=int(blocks_per_chunk),
-            bytes_per_block=kv.bytes_per_block,
-        )
+        spec, exact = _group_spec(group, kv, blocks_per_chunk, kind)
+        geometry = GroupGeometry.from_spec(spec, exact=exact)
         dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
-        old = self._geometry.get(group)
+        old = self._geometry.get(index)
         if old is not None and old != (geometry, dtypes):
             raise ValueError(
-                f"register_group({group}): group {group} is registered already as {old[0]} {list(old[1])}; "
+                f"register_group({index}): group {index} is registered already as {old[0]} {list(old[1])}; "
                 f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)"
             )
-        route = self.pipeline.register_group(group, tensors, blocks_per_chunk=blocks_per_chunk, kind=kind)
-        self._geometry[group] = (geometry, dtypes)
-        self._num_blocks[group] = int(tensors[0].shape[0])  # one count for all (_check_tensors)
+        route = self.pipeline.register_group(spec, tensors)
+        self._specs[index] = (spec, exact)
+        self._geometry[index] = (geometry, dtypes)
+        self._num_blocks[index] = int(tensors[0].shape[0])  # one count for all (_check_tensors)
         if self._derive:
             ordered = [self._geometry[g] for g in sorted(self._geometry)]
             self.namespace = dataclasses.replace(
@@ -165,6 +183,23 @@ class TieredStore:
             )
         return route
 
+    @property
+    def groups(self) -> dict[int, GroupSpec]:
+        """The registered groups' specs, by index."""
+        return {g: spec for g, (spec, _) in sorted(self._specs.items())}
+
+    def planner(self, tokens_per_hash: int, **options: Any) -> OffloadScheduler:
+        """An :class:`~tieredkv.scheduler.OffloadScheduler` over the registered groups, in
+        registration order (``options``: its keyword arguments). Every group must have been
+        registered with a whole :class:`~tieredkv.groups.GroupSpec` (tokens per block known)."""
+        partial = [g for g, (_, exact) in self._specs.items() if not exact]
+        if partial:
+            raise ConfigError(
+                f"planner: groups {partial} were registered by index, so their tokens per block are"
+                " unknown; register them with a GroupSpec (register_group(GroupSpec(...), tensors))"
+            )
+        return OffloadScheduler(GroupLayout(tuple(s for s, _ in self._specs.values()), tokens_per_hash), **options)
+
     def with_geometry(self, groups: Sequence[GroupGeometry]) -> TieredStore:
         """Bind the namespace to the KV geometry (call before storing anything); it then stays as
         given (registered tensors no longer change it)."""
@@ -173,7 +208,12 @@ class TieredStore:
         return self
 
     def key(self, block_hash: bytes, group: int) -> bytes:
+        """The stored key of ``block_hash`` in ``group`` under this store's namespace."""
         return self.namespace.key(block_hash, group)
+
+    def stored_key(self, chunk_key: bytes) -> bytes:
+        """The stored key of a chunk key (``hash + group``, e.g. vLLM's ``OffloadKey``)."""
+        return self.namespace.stored_key(chunk_key)
 
     # ---- operations --------------------------------------------------------------------
 
@@ -239,8 +279,73 @@ class TieredStore:
     def wait_all(self, timeout: float | None = 30.0) -> dict[int, JobResult]:
         return self.wait(set(self._open_jobs) | set(self._results), timeout)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PipelineStats:
+        """The pipeline's typed stats (what ``/metrics`` exports): counters, per-tier lanes,
+        per-group hits/misses/stores/bytes, staging."""
         return self.pipeline.stats()
+
+    # ---- raw records (callers that hold the bytes in host memory: vLLM's secondary tier) -------
+
+    def put_records(self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None) -> int | None:
+        """Store ``(stored key, host buffer)`` records, each routed by its key's group. Returns the
+        job id (``job_id`` if given) at once, or None when refused (store closed). Keep the buffers
+        unchanged until the job's result (kind ``"put"``) is polled."""
+        return self._submit_records("put", items, job_id)
+
+    def get_records(self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None) -> int | None:
+        """Read ``(stored key, writable host buffer)`` records, each buffer filled completely by its
+        record. Result kind ``"get"``: ``done`` found and copied, ``failed`` missing."""
+        return self._submit_records("get", items, job_id)
+
+    def _submit_records(self, kind: str, items: Sequence[tuple[bytes, Any]], job_id: int | None) -> int | None:
+        jid = next(self._ids) if job_id is None else int(job_id)
+        submit = self.pipeline.submit_put if kind == "put" else self.pipeline.submit_get
+        if not submit(jid, items):
+            return None
+        self._open_jobs.add(jid)
+        return jid
+
+    # ---- non-blocking lookups and tier calls --------------------------------------------------
+
+    def lookup_async(self, keys: Sequence[bytes]) -> concurrent.futures.Future[list[tuple[KeyState, str | None]]]:
+        """Like :meth:`lookup` but a ``concurrent.futures.Future`` at once (never blocks); raises
+        :class:`~tieredkv.errors.TierClosedError` when the store is not running."""
+        return self.pipeline.lookup_future(keys)
+
+    def probe(self, key: bytes) -> KeyState | None:
+        """Answer a lookup of ``key`` at once from the calling thread when every tier of its route
+        can tell without waiting (CPU slab, local LMDB); None: ask :meth:`lookup_async`."""
+        return self.pipeline.probe(key)
+
+    def is_pending(self, key: bytes) -> bool:
+        """Is a store of ``key`` in flight (submitted, not yet written)?"""
+        return self.pipeline.is_pending(key)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job (write-backs included) has finished; False on timeout.
+        Results stay for :meth:`poll` / :meth:`wait`."""
+        return self.pipeline.drain(timeout)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30.0) -> Any:
+        """Run ``coro`` — a call on one of :attr:`tiers`, e.g. ``tier.stats()`` or
+        ``tier.delete_many(keys)`` — on the store's loop (where the tiers live) and return its result."""
+        return self.pipeline.run(coro, timeout)
+
+    def tier_stats(self, timeout: float = 10.0) -> dict[str, TierStats | None]:
+        """Each tier's :class:`~tieredkv.backends.base.TierStats` now; None for a tier that cannot
+        answer (unreachable or past ``timeout``)."""
+        out: dict[str, TierStats | None] = {}
+        for tier in self.tiers:
+            try:
+                out[tier.name] = self.run(tier.stats(), timeout)
+            except (TieredKVError, TimeoutError):
+                out[tier.name] = None
+        return out
+
+    @property
+    def staging_capacity(self) -> int:
+        """Bytes of the staging pool (a job larger than this moves through it in parts)."""
+        return int(self.pipeline.staging.capacity)
 
     # ---- input checks (at the call: nothing a caller passes reaches a writer lane unchecked) ----
 
@@ -271,14 +376,14 @@ class TieredStore:
                     f"{op}: chunk {i} key is {len(key)} bytes; expected "
                     f"{FINGERPRINT_BYTES + GROUP_BYTES + 1}..{MAX_KEY_BYTES} bytes from store.key()"
                 )
-            if self._own_namespace and key[:FINGERPRINT_BYTES] != fp:
+            if self._own_namespace and key_fingerprint(key) != fp:
                 raise ValueError(
                     f"{op}: chunk {i} key belongs to another namespace (fingerprint "
-                    f"{key[:FINGERPRINT_BYTES].hex()}, this store's is {fp.hex()}); build keys "
+                    f"{key_fingerprint(key).hex()}, this store's is {fp.hex()}); build keys "
                     "with this store's key() after registering its groups"
                 )
-            if stored_key_group(key) != group:
-                raise ValueError(f"{op}: chunk {i} key is of group {stored_key_group(key)}, not of group {group}")
+            if key_group(key) != group:
+                raise ValueError(f"{op}: chunk {i} key is of group {key_group(key)}, not of group {group}")
             try:
                 block_ids = tuple(operator.index(b) for b in ids)
             except TypeError:
@@ -338,8 +443,24 @@ def _distributed_layout() -> ParallelLayout:
     return ParallelLayout()
 
 
-def _refs(chunks: Iterable[ChunkArg]) -> tuple[ChunkRef, ...]:
-    return tuple(ChunkRef(bytes(k), tuple(int(b) for b in ids)) for k, ids in chunks)
+def _group_spec(group: int | GroupSpec, kv: KVGroupTensors, blocks_per_chunk: int, kind: str) -> tuple[GroupSpec, bool]:
+    """The spec of a group being registered, and whether the caller gave it whole. By index, the
+    tokens per block (and a sliding window's size) are unknown (:meth:`GroupSpec.by_index`), and
+    the namespace records them as 0 (``GroupGeometry.from_spec(exact=False)``)."""
+    if isinstance(group, GroupSpec):
+        if group.bytes_per_block not in (0, kv.bytes_per_block):
+            raise ValueError(
+                f"register_group({group.index}): spec.bytes_per_block={group.bytes_per_block} but the tensors"
+                f" hold {kv.bytes_per_block} bytes per block; fix the spec or pass the group's own tensors"
+            )
+        return dataclasses.replace(group, bytes_per_block=kv.bytes_per_block), True
+    try:
+        gkind = GroupKind(str(kind))
+    except ValueError:
+        raise ValueError(
+            f"register_group({group}): kind={kind!r} is unknown; allowed: {[k.value for k in GroupKind]}"
+        ) from None
+    return GroupSpec.by_index(group, gkind, blocks_per_chunk, kv.bytes_per_block), False
 
 
 def open_store(

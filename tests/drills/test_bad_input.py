@@ -235,19 +235,14 @@ def _start_degraded(raw: dict[str, Any], caplog: pytest.LogCaptureFixture, names
         name = store.tiers[0].name
         warning = " ".join(m for r in caplog.records if r.levelname == "WARNING" and name in (m := r.getMessage()))
         assert names in warning, f"no warning names the problem: {warning!r}"
-        assert store.stats()["breakers"][name] == "open"
+        assert store.stats().breakers[name] == "open"
         key = NS.key(block_hash(1), 0)
         t1 = time.perf_counter()
         assert store.lookup([key]) == [(KeyState.MISS, None)]
-        assert store.pipeline.submit_get(1, [(key, bytearray(64))])
-        res = store.pipeline  # results of host-buffer jobs are polled from the pipeline
-        deadline = time.monotonic() + 10
-        done = []
-        while not done:
-            done = [r for r in res.poll_finished() if r.job_id == 1]
-            assert time.monotonic() < deadline, "a get on a dead tier never finished"
-            time.sleep(0.005)
-        assert not done[0].ok and done[0].failed == (key,)
+        job = store.get_records([(key, bytearray(64))])
+        assert job is not None
+        got = store.wait([job], timeout=10)[job]  # a get on a dead tier finishes (failed)
+        assert not got.ok and got.failed == (key,)
         assert time.perf_counter() - t1 < 3.0
     finally:
         t2 = time.perf_counter()

@@ -116,13 +116,13 @@ def test_single_node_killed_and_restarted_mid_load() -> None:
         assert "open" in seen_states[30:60] and "open" in seen_states[90:120], "the breaker never opened"
         assert len(heal_s) == 2 and max(heal_s) < 5.0, f"breaker healed after restarts: {heal_s}"
         assert seen_states[-1] == "closed"
-        assert counts["redis_served"] > 0 and st["dropped"]["redis"] > 0
+        assert counts["redis_served"] > 0 and st.dropped["redis"] > 0
         report(
             "redis-kill-restart",
             kills=2,
             **counts,
-            dropped_stores=st["dropped"]["redis"],
-            breaker_opens=st["breaker_opens"]["redis"],
+            dropped_stores=st.dropped["redis"],
+            breaker_opens=st.lanes["redis"].breaker_opens,
             heal_s=[round(h, 2) for h in heal_s],
         )
 

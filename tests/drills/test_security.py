@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -149,14 +148,8 @@ def _tenant_cfg(url: str, prefix: str, salt: str) -> Any:
 
 def _get(store: Any, job: int, keys: list[bytes], size: int) -> Any:
     bufs = [bytearray(size) for _ in keys]
-    assert store.pipeline.submit_get(job, list(zip(keys, bufs)))
-    deadline = time.monotonic() + 10
-    while True:
-        for r in store.pipeline.poll_finished():
-            if r.job_id == job:
-                return r, bufs
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    assert store.get_records(list(zip(keys, bufs)), job_id=job) == job
+    return store.wait([job], timeout=10)[job], bufs
 
 
 def test_tenant_salt_isolates_two_tenants_on_one_redis(redis_server: RedisServer) -> None:
@@ -168,11 +161,8 @@ def test_tenant_salt_isolates_two_tenants_on_one_redis(redis_server: RedisServer
         hashes = [block_hash(i) for i in range(32)]
         ka = [a.key(h, 0) for h in hashes]
         kb = [b.key(h, 0) for h in hashes]  # the same blocks (same prompt) in tenant b
-        assert a.pipeline.submit_put(1, [(k, payload(i, 1, 2048)) for i, k in enumerate(ka)])
-        deadline = time.monotonic() + 10
-        while not [r for r in a.pipeline.poll_finished() if r.job_id == 1]:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        job = a.put_records([(k, payload(i, 1, 2048)) for i, k in enumerate(ka)])
+        assert job is not None and a.wait([job], timeout=10)[job].ok
         assert all(s is KeyState.HIT for s, _ in a.lookup(ka))
         assert b.lookup(kb) == [(KeyState.MISS, None)] * len(kb), "tenant b sees tenant a's blocks"
         res, _ = _get(b, 2, kb, 2048)
@@ -181,13 +171,13 @@ def test_tenant_salt_isolates_two_tenants_on_one_redis(redis_server: RedisServer
         # the checksum covers the stored key, namespace fingerprint included.
         tier_b = b.tiers[0]
         tier_a = a.tiers[0]
-        raws = a.pipeline._call(tier_a.raw_get_many(ka), timeout=10)
-        b.pipeline._call(tier_b.raw_put_many(list(zip(kb, raws))), timeout=10)
+        raws = a.run(tier_a.raw_get_many(ka), timeout=10)
+        b.run(tier_b.raw_put_many(list(zip(kb, raws))), timeout=10)
         res, _ = _get(b, 3, kb, 2048)
         assert res.done == (), "a record copied from another tenant was served"
-        corrupt = b.pipeline._call(tier_b.stats(), timeout=10).counters["corrupt"]
+        corrupt = b.run(tier_b.stats(), timeout=10).counters["corrupt"]
         assert corrupt == len(kb)
-        listed_b = b.pipeline._call(_scan_keys(tier_b, b.namespace), timeout=10)
+        listed_b = b.run(_scan_keys(tier_b, b.namespace), timeout=10)
         assert not listed_b & set(ka)
         report("security-tenant-salt", keys=len(ka), cross_tenant_hits=0, copied_records_rejected=corrupt)
     finally:

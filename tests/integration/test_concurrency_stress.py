@@ -28,6 +28,7 @@ constant. At the end the figures are printed: operations, chunks verified, wrong
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
@@ -396,7 +397,7 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
         assert p.drain(WAIT_LIMIT_S)
         assert not failures, failures[:3]
 
-        cs = p._call(cpu.stats(), timeout=30)
+        cs = p.run(cpu.stats(), timeout=30)
         st = p.stats()
         f = model.figures
         ops = sum(
@@ -417,17 +418,17 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
             f" bytes_verified={f['bytes_verified']} wrong_chunks={f['wrong_chunks']} wrong_bytes={f['wrong_bytes']}"
             f" stale_reads={f['stale_reads']} load_misses={f['load_misses']} get_misses={f['get_misses']}"
             f" refused={f['refused']}\n  figures={dict(f)}\n  cpu={dict(cs.counters)} extra={cs.extra}"
-            f"\n  pipeline={st['counters']}"
+            f"\n  pipeline={st.counters}"
         )
         assert model.errors == [] and f["wrong_bytes"] == 0, model.errors
         assert f["chunks_verified"] > 0
         assert cs.extra["lent_slots"] == 0 and cs.extra["parked_slots"] == 0, cs.extra
-        assert cs.counters.get("evictions", 0) > 0 and st["counters"].get("promotions", 0) > 0
+        assert cs.counters.get("evictions", 0) > 0 and st.counters.get("promotions", 0) > 0
 
         # a clean close writes the write-back group's CPU-only chunks down; LMDB then holds valid bytes
         res.stop.set()
         p.close()
-        assert p.stats()["counters"].get("write_back_lost", 0) == 0, p.stats()["counters"]
+        assert p.stats().counters.get("write_back_lost", 0) == 0, p.stats().counters
 
         async def read_lmdb() -> list[bytes | None]:
             async with LMDBTier(
@@ -441,7 +442,7 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
                 kept += 1
                 model.check(kid_of(1, i), data, 0, "LMDB after close")
         print(
-            f"  after close: write_back_flushed={p.stats()['counters'].get('write_back_flushed', 0)}"
+            f"  after close: write_back_flushed={p.stats().counters.get('write_back_flushed', 0)}"
             f" group-1 keys in LMDB={kept}/{NKEYS[1]} wrong_bytes={f['wrong_bytes']}"
         )
         assert model.errors == [] and f["wrong_bytes"] == 0, model.errors
@@ -456,7 +457,5 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
                     keys = [i.key async for i in r.scan()]
                     await r.delete_many(keys)
 
-            try:
+            with contextlib.suppress(Exception):  # best effort cleanup of this run's keys
                 asyncio.run(wipe())
-            except Exception:  # noqa: BLE001 - best effort cleanup of this run's keys
-                pass

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import tieredkv
+from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import load_config
 from tieredkv.demo import DemoOptions, _Engine, run_demo
+from tieredkv.keys import Namespace
 from tieredkv.pipeline import KeyState
+from tieredkv.testing.servers import RedisServer
 
 
 def cfg(tmp_path: Path, **extra: object) -> dict:
@@ -72,16 +82,10 @@ def test_a_job_larger_than_the_staging_pool_is_stored_in_parts_and_loads_back(tm
         assert torch.equal(k[33:65], k0[1:33]) and torch.equal(v[33:65], v0[1:33])  # byte-exact
         assert torch.equal(k[:33], k0[:33]) and torch.equal(v[:33], v0[:33])
 
-        # With most of the pool busy, such a job goes through the room that is free.
-        held = store.pipeline.staging.try_acquire(8192)
-        assert held is not None
-        more = [store.key(bytes([100 + i]) * 32, 0) for i in range(5)]
-        job = store.store(0, [(more[i], (1 + 2 * i, 2 + 2 * i)) for i in range(5)])
-        assert job is not None and store.wait([job])[job].ok
-        store.pipeline.staging.release(held)
-        assert store.stats()["counters"]["store_in_parts"] == 2
-        assert store.stats()["counters"]["load_in_parts"] == 1
-        assert store.pipeline.staging.in_use == 0
+        assert store.stats().counters["store_in_parts"] == 1
+        assert store.stats().counters["load_in_parts"] == 1
+        assert store.stats().staging.in_use == 0  # (a busy pool: test_pipeline.py)
+        assert store.staging_capacity == 12 << 10
 
         # Only a single chunk larger than the whole pool can never be staged.
         store.register_group(1, [k, v], blocks_per_chunk=8)  # 16 KiB chunks
@@ -132,8 +136,6 @@ def test_demo_with_bounded_store_plans_drains_finished_requests(tmp_path: Path) 
 
 
 def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> None:
-    import urllib.request
-
     with tieredkv.open_store(cfg(tmp_path, metrics={"port": 0})) as store:
         assert store.metrics_server is not None
         t = torch.randint(0, 256, (8, 4096), dtype=torch.uint8)
@@ -142,11 +144,213 @@ def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> N
         store.wait([store.store(3, [(key, (1, 2))])])
         store.wait([store.load(3, [(key, (5, 6))])])
         text = ""
-        deadline = __import__("time").monotonic() + 10
-        while "tieredkv_tier_used_bytes" not in text and __import__("time").monotonic() < deadline:
+        deadline = time.monotonic() + 10
+        while "tieredkv_tier_used_bytes" not in text and time.monotonic() < deadline:
             text = urllib.request.urlopen(store.metrics_server.url, timeout=5).read().decode()
         assert 'tieredkv_tier_stored_bytes_total{tier="cpu"} 8192.0' in text
         assert 'tieredkv_tier_used_bytes{tier="lmdb"}' in text
         assert 'tieredkv_breaker_open{tier="lmdb"} 0.0' in text
         assert 'group="3"' in text
     assert store.metrics_server is None
+
+
+# ---- bench: through the store, and the raw baselines leave the user's data alone -------------
+
+
+def test_bench_moves_bytes_through_the_store_and_deletes_what_it_wrote(tmp_path: Path) -> None:
+    from tieredkv.bench import make_tier, pipeline_store_load
+
+    src = torch.randint(0, 256, (24, 4096), dtype=torch.uint8)
+    tier = make_tier("lmdb", 4096, 24, str(tmp_path), None)
+    ns = Namespace(model="bench-test")
+    ts, tl = pipeline_store_load(tier, src, torch.zeros_like(src), ns)  # raises if bytes differ
+    assert ts > 0 and tl > 0
+    assert tier.counters["hits"] == 24 and tier.counters["put_bytes"] == 24 * 4096
+    assert tier.counters["deletes"] == 24  # every key it wrote: the tier is empty again
+    assert asyncio.run(_count_records(LMDBTier(tier.config))) == 0
+
+
+async def _count_records(tier: Any) -> int:
+    async with tier:
+        return sum([1 async for _ in tier.scan()])
+
+
+def test_redis_benchmark_baseline_deletes_every_key_it_creates(redis_server: RedisServer) -> None:
+    from tieredkv.bench import REDIS_BENCHMARK_KEYS, redis_benchmark
+
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        client.set("user:key", b"keep me")
+        before = set(client.keys("*"))
+        got = redis_benchmark(redis_server.port, 4096, 200)
+        assert got is not None and got[0] > 0 and got[1] > 0
+        assert set(client.keys("*")) == before  # key:__rand_int__ and friends are gone
+        assert client.get("user:key") == b"keep me"
+        # A key of the same name that was there before is the user's: never touched, nothing run.
+        client.set(REDIS_BENCHMARK_KEYS[0], b"users")
+        assert redis_benchmark(redis_server.port, 4096, 200) is None
+        assert client.get(REDIS_BENCHMARK_KEYS[0]) == b"users"
+    finally:
+        client.delete("user:key", *REDIS_BENCHMARK_KEYS)
+        client.close()
+
+
+# ---- every documented metric has a sample after a real run -----------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: What README.md's "Metrics" paragraph promises, phrase by phrase, and the metrics that keep it.
+README_METRICS = {
+    "hits": ["tieredkv_tier_hits_total", "tieredkv_group_hits_total"],
+    "misses": ["tieredkv_tier_misses_total", "tieredkv_group_misses_total"],
+    "pending": ["tieredkv_pending", "tieredkv_group_pending"],
+    "stored and loaded bytes": [
+        "tieredkv_tier_stored_bytes_total",
+        "tieredkv_tier_loaded_bytes_total",
+        "tieredkv_group_stored_bytes_total",
+        "tieredkv_group_loaded_bytes_total",
+    ],
+    "dropped stores": ["tieredkv_dropped_stores_total", "tieredkv_group_dropped_stores_total"],
+    "corrupt records": ["tieredkv_tier_corrupt_records_total"],
+    "evictions": ["tieredkv_tier_evictions_total"],
+    "breaker state": ["tieredkv_breaker_state", "tieredkv_breaker_open"],
+    "usage and capacity": ["tieredkv_tier_used_bytes", "tieredkv_tier_capacity_bytes"],
+    "latency histogram": ["tieredkv_tier_op_seconds_bucket", "tieredkv_tier_op_seconds_count"],
+}
+
+
+def _readme_metrics_paragraph() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("**Metrics.**")
+    return " ".join(text[start : text.index("\n\n", start)].split())
+
+
+def _dashboard_metrics() -> set[str]:
+    names: set[str] = set()
+    for path in sorted((ROOT / "config" / "grafana" / "dashboards").glob("*.json")):
+
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    if k == "expr" and isinstance(v, str):
+                        names.update(re.findall(r"\btieredkv_[a-z_]+", v))
+                    else:
+                        walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    walk(v)
+
+        walk(json.loads(path.read_text()))
+    return names
+
+
+def test_demo_run_gives_every_readme_and_dashboard_metric_a_sample(tmp_path: Path) -> None:
+    scraped: list[str] = []
+
+    class Engine(_Engine):
+        def extra_summary(self) -> dict[str, Any]:  # the store is still running here
+            srv = self.store.metrics_server
+            assert srv is not None
+            deadline = time.monotonic() + 30
+            text = ""
+            while "tieredkv_tier_capacity_bytes{" not in text:  # the first stats refresh has run
+                assert time.monotonic() < deadline, "tier stats gauges never appeared"
+                text = urllib.request.urlopen(srv.url, timeout=5).read().decode()
+            scraped.append(text)
+            return {}
+
+    c = load_config(cfg(tmp_path, metrics={"port": 0}), env={})
+    s = run_demo(c, DemoOptions(conversations=3, turns=2, system_tokens=(256, 512)), engine_cls=Engine)
+    assert s["requests"] == 6 and s["mismatches"] == 0 and s["groups"][0]["tokens_from_cache"] > 0
+    samples: dict[str, list[Any]] = {}
+    for fam in text_string_to_metric_families(scraped[0]):
+        for smp in fam.samples:
+            samples.setdefault(smp.name, []).append(smp)
+
+    paragraph = _readme_metrics_paragraph()
+    for phrase, names in README_METRICS.items():
+        assert phrase in paragraph, f"README's Metrics paragraph no longer says {phrase!r}: update README_METRICS"
+        for name in names:
+            assert samples.get(name), f"README promises {phrase!r} but {name} has no sample"
+    for name in re.findall(r"\btieredkv_[a-z_]+", paragraph):
+        assert samples.get(name), f"README names {name}, which has no sample"
+    dashboard = _dashboard_metrics()
+    assert "tieredkv_group_hits_total" in dashboard  # the per-group panel is checked too
+    for name in sorted(dashboard):
+        assert samples.get(name), f"a Grafana dashboard queries {name}, which has no sample"
+    # per-group counters are really counted, not just present
+    hits = {smp.labels["group"]: smp.value for smp in samples["tieredkv_group_hits_total"]}
+    stored = {smp.labels["group"]: smp.value for smp in samples["tieredkv_group_stored_bytes_total"]}
+    assert hits["0"] > 0 and hits["1"] > 0 and stored["0"] > 0 and stored["1"] > 0
+    assert sum(smp.value for smp in samples["tieredkv_group_loaded_bytes_total"]) > 0
+
+
+# ---- the facade: what the integrations, demo and bench use instead of store.pipeline ---------
+
+
+def test_register_a_group_spec_then_plan_with_the_store_planner(tmp_path: Path) -> None:
+    from tieredkv.errors import ConfigError
+    from tieredkv.groups import GroupKind, GroupSpec
+    from tieredkv.keys import GroupGeometry
+
+    full = GroupSpec(0, GroupKind.FULL, tokens_per_block=16, blocks_per_chunk=2)
+    swa = GroupSpec(1, GroupKind.SLIDING_WINDOW, tokens_per_block=16, blocks_per_chunk=2, window_tokens=64)
+    with tieredkv.open_store(cfg(tmp_path)) as store:
+        with pytest.raises(ValueError, match="bytes_per_block=7"):
+            store.register_group(GroupSpec(0, GroupKind.FULL, 16, 2, 7), [torch.zeros(8, 512, dtype=torch.uint8)])
+        store.register_group(full, [torch.zeros(8, 512, dtype=torch.uint8)])
+        store.register_group(swa, [torch.zeros(8, 256, dtype=torch.uint8)])
+        assert store.groups[1].bytes_per_block == 256 and store.groups[1].window_tokens == 64
+        assert store.namespace.groups == (
+            GroupGeometry("full", 16, 2, 512, 0),
+            GroupGeometry("sliding_window", 16, 2, 256, 64),
+        )
+        plan = store.planner(16)
+        assert [g.index for g in plan.layout.groups] == [0, 1]
+        store.register_group(7, [torch.zeros(8, 64, dtype=torch.uint8)])  # by index: tokens unknown
+        assert store.namespace.groups[2] == GroupGeometry("full", 0, 1, 64, 0)
+        with pytest.raises(ConfigError, match=r"groups \[7\] were registered by index"):
+            store.planner(16)
+        with pytest.raises(ValueError, match="kind='dense' is unknown"):
+            store.register_group(8, [torch.zeros(8, 64, dtype=torch.uint8)], kind="dense")
+
+
+def test_store_facade_records_lookups_and_tier_calls(tmp_path: Path) -> None:
+    with tieredkv.open_store(cfg(tmp_path)) as store:
+        store.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
+        keys = [store.key(bytes([i]) * 32, 0) for i in range(3)]
+        assert store.stored_key(keys[0][16:]) == keys[0]
+        job = store.put_records([(k, bytes([i]) * 64) for i, k in enumerate(keys[:2])])
+        assert job is not None and store.drain(10)
+        assert store.wait([job])[job].ok
+        assert [store.probe(k) for k in keys] == [KeyState.HIT, KeyState.HIT, KeyState.MISS]
+        assert not store.is_pending(keys[0])
+        fut = store.lookup_async(keys)
+        assert [s for s, _ in fut.result(10)] == [KeyState.HIT, KeyState.HIT, KeyState.MISS]
+        bufs = [bytearray(64) for _ in keys]
+        job = store.get_records(list(zip(keys, bufs)), job_id=99)
+        assert job == 99
+        res = store.wait([99])[99]
+        assert not res.ok and res.done == tuple(keys[:2]) and res.failed == (keys[2],)
+        assert bufs[1] == bytes([1]) * 64
+        st = store.tier_stats()
+        assert st["cpu"] is not None and st["cpu"].records == 2
+        assert store.run(store.tiers[1].contains_many(keys), timeout=10) == [True, True, False]
+        g = store.stats().groups[0]
+        assert (g.hits, g.misses, g.stores, g.loads, g.load_missing) == (4, 2, 2, 2, 1)
+    assert store.put_records([(keys[0], b"x" * 64)]) is None  # closed: refused, never raises
+
+
+def test_only_the_store_and_the_pipeline_package_touch_the_pipeline() -> None:
+    """The integrations, demo, bench and CLI go through TieredStore; the pipeline never branches on
+    a concrete tier class (capabilities only); key bytes are built in tieredkv.keys only."""
+    src = ROOT / "tieredkv"
+    for path in [*src.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if rel != "tieredkv/store.py" and not rel.startswith("tieredkv/pipeline/"):
+            assert not re.search(r"\bstore\.pipeline\b|\._call\(|\bPipeline\(", text), rel
+        if rel.startswith("tieredkv/pipeline/"):
+            assert "backends.cpu" not in text and "CPUTier" not in text, rel
+        if not rel.startswith(("tieredkv/backends/", "tieredkv/keys.py", "tieredkv/admin.py")):
+            assert not re.search(r'to_bytes\(4, "big"\)|\[-4:\]', text), rel

@@ -1,4 +1,4 @@
-"""tieredkv's non-blocking lookups for vLLM's scheduler thread (no vLLM needed), on a real pipeline.
+"""tieredkv's non-blocking lookups for vLLM's scheduler thread (no vLLM needed), on a real store.
 
 vLLM asks one key at a time, defers a request whose lookup met a RETRY and asks all its keys again
 on a later step. The answers must stay until they are asked for again (else a long prefix's
@@ -14,30 +14,24 @@ from typing import Any
 import pytest
 import torch
 
-from tieredkv.backends.cpu import CPUTier
-from tieredkv.config import CPUTierConfig, PipelineConfig, PolicyRule
 from tieredkv.integrations.vllm.lookups import AsyncLookups
-from tieredkv.keys import Namespace
-from tieredkv.pipeline import ChunkRef, Pipeline, StoreJob
-from tieredkv.policy import TierPolicy
-
-NS = Namespace(model="lookups-test")
+from tieredkv.store import TieredStore, open_store
 
 
 @pytest.fixture
-def stored() -> Iterator[tuple[Pipeline, list[bytes]]]:
-    """A real pipeline over a CPU tier holding keys 0-3 of 8 (4-7 never stored)."""
-    tier = CPUTier(CPUTierConfig(capacity_bytes=8 << 20, segment_bytes=1 << 20))
-    p = Pipeline([tier], TierPolicy([PolicyRule()], [tier.name]), PipelineConfig()).start()
+def stored() -> Iterator[tuple[TieredStore, list[bytes]]]:
+    """A real store over a CPU tier holding keys 0-3 of 8 (4-7 never stored)."""
+    cpu = {"kind": "cpu", "capacity_bytes": "8MiB", "segment_bytes": "1MiB"}
+    store = open_store({"namespace": {"model": "lookups-test"}, "tiers": [cpu]})
     try:
         kv = torch.arange(16 * 256, dtype=torch.int32).view(16, 256).to(torch.uint8).contiguous()
-        p.register_group(0, [kv], blocks_per_chunk=1)
-        keys = [NS.key(i.to_bytes(32, "big"), 0) for i in range(8)]
-        assert p.submit_store(StoreJob(1, 0, tuple(ChunkRef(k, (i,)) for i, k in enumerate(keys[:4]))))
-        assert p.drain(10)
-        yield p, keys
+        store.register_group(0, [kv], blocks_per_chunk=1)
+        keys = [store.key(i.to_bytes(32, "big"), 0) for i in range(8)]
+        job = store.store(0, [(k, (i,)) for i, k in enumerate(keys[:4])])
+        assert job is not None and store.wait([job])[job].ok
+        yield store, keys
     finally:
-        p.close()
+        store.close()
 
 
 def _settle(lk: AsyncLookups) -> None:
@@ -52,9 +46,9 @@ def _step(lk: AsyncLookups, keys: list[bytes]) -> list[Any]:
     return got
 
 
-def test_answers_stay_until_asked_and_expire_when_not(stored: tuple[Pipeline, list[bytes]]) -> None:
+def test_answers_stay_until_asked_and_expire_when_not(stored: tuple[TieredStore, list[bytes]]) -> None:
     p, keys = stored
-    lk = AsyncLookups(p, ttl_steps=3)
+    lk = AsyncLookups(p.lookup_async, ttl_steps=3)
     asked = keys[:6]  # 4 stored, 2 never stored
     assert _step(lk, asked) == [None] * 6
     assert not lk.has_unsent() and lk.queries == 1
@@ -75,9 +69,9 @@ def test_answers_stay_until_asked_and_expire_when_not(stored: tuple[Pipeline, li
     assert lk.queries == 2
 
 
-def test_answers_are_bounded(stored: tuple[Pipeline, list[bytes]]) -> None:
+def test_answers_are_bounded(stored: tuple[TieredStore, list[bytes]]) -> None:
     p, keys = stored
-    lk = AsyncLookups(p, max_answers=3)
+    lk = AsyncLookups(p.lookup_async, max_answers=3)
     _step(lk, keys)
     _settle(lk)
     _step(lk, [])
@@ -86,10 +80,10 @@ def test_answers_are_bounded(stored: tuple[Pipeline, list[bytes]]) -> None:
     assert _step(lk, keys[-3:]) == ["miss"] * 3 and lk.queries == 1
 
 
-def test_deferred_request_gets_all_answers_at_once(stored: tuple[Pipeline, list[bytes]]) -> None:
+def test_deferred_request_gets_all_answers_at_once(stored: tuple[TieredStore, list[bytes]]) -> None:
     """The shape that made vLLM wait thousands of steps: keys 0-2 known, key 3 first asked later."""
     p, keys = stored
-    lk = AsyncLookups(p)
+    lk = AsyncLookups(p.lookup_async)
     _step(lk, keys[:3])
     _settle(lk)
     first = _step(lk, keys[:4])  # 0-2 answered, 3 queued
@@ -98,9 +92,9 @@ def test_deferred_request_gets_all_answers_at_once(stored: tuple[Pipeline, list[
     assert _step(lk, keys[:4]) == ["hit"] * 4
 
 
-def test_pending_work_is_only_unsent_keys(stored: tuple[Pipeline, list[bytes]]) -> None:
+def test_pending_work_is_only_unsent_keys(stored: tuple[TieredStore, list[bytes]]) -> None:
     p, keys = stored
-    lk = AsyncLookups(p)
+    lk = AsyncLookups(p.lookup_async)
     assert not lk.has_unsent()
     lk.answer(keys[0])
     assert lk.has_unsent()  # needs one more on_schedule_end to go out

@@ -7,15 +7,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.backends.lmdb import LMDBTier
-from tieredkv.config import CPUTierConfig, LMDBTierConfig, MetricsConfig
+from tieredkv.config import CPUTierConfig, LMDBTierConfig, MetricsConfig, load_config
 from tieredkv.keys import Namespace
 from tieredkv.metrics import TieredKVMetrics, start_metrics_server
+from tieredkv.pipeline import GroupStats, KeyState, PipelineStats
+from tieredkv.pipeline.stats import group_metric_fields
 from tieredkv.policy import BreakerState
+from tieredkv.store import TieredStore
 from tieredkv.testing.faulty import FaultyTier
 
 NS = Namespace(model="test/metrics")
@@ -32,24 +36,6 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str
 
 def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
     return samples(reg)[(name, tuple(sorted(labels.items())))]
-
-
-class FakePipeline:
-    """The duck-typed surface of tieredkv.pipeline.Pipeline that the collector reads."""
-
-    def __init__(self) -> None:
-        self.breakers: dict[str, Any] = {"cpu": "closed", "nvme": BreakerState.OPEN}
-        self.group_counters = {0: {"hits": 5, "misses": 2, "store_bytes": 4096, "pending": 3, "odd": 1}, 1: {"hits": 1}}
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "counters": {"store_ok": 9, "load_failed": 1},
-            "dropped": {"cpu": 0, "nvme": 4},
-            "breakers": self.breakers,
-            "breaker_opens": {"cpu": 0, "nvme": 2},
-            "staging": {"capacity": 1 << 20, "in_use": 4096, "high_water": 8192, "refusals": 1},
-            "pending": 2,
-        }
 
 
 @pytest.fixture
@@ -115,37 +101,95 @@ async def test_failed_operations_are_labelled_with_their_outcome(cpu: CPUTier) -
     assert value(m.registry, "tieredkv_tier_errors_total", tier="faulty-cpu") == 1
 
 
-async def test_pipeline_breakers_dropped_stores_and_group_counters(cpu: CPUTier) -> None:
-    pipe = FakePipeline()
-    m = TieredKVMetrics([cpu], pipeline=pipe)
-    reg = m.registry
-    assert value(reg, "tieredkv_breaker_state", tier="nvme", state="open") == 1
-    assert value(reg, "tieredkv_breaker_state", tier="nvme", state="closed") == 0
-    assert value(reg, "tieredkv_breaker_open", tier="nvme") == 1
-    assert value(reg, "tieredkv_breaker_open", tier="cpu") == 0
-    assert value(reg, "tieredkv_breaker_opens_total", tier="nvme") == 2
-    assert value(reg, "tieredkv_dropped_stores_total", tier="nvme") == 4
-    assert value(reg, "tieredkv_pipeline_events_total", event="store_ok") == 9
-    assert value(reg, "tieredkv_pending") == 2
-    assert value(reg, "tieredkv_staging_bytes", kind="in_use") == 4096
-    assert value(reg, "tieredkv_group_hits_total", group="0") == 5
-    assert value(reg, "tieredkv_group_misses_total", group="0") == 2
-    assert value(reg, "tieredkv_group_stored_bytes_total", group="0") == 4096
-    assert value(reg, "tieredkv_group_pending", group="0") == 3
-    assert value(reg, "tieredkv_group_events_total", group="0", event="odd") == 1
-    pipe.breakers["nvme"] = "half_open"  # read live at the next scrape
-    assert value(reg, "tieredkv_breaker_state", tier="nvme", state="half_open") == 1
-    assert value(reg, "tieredkv_breaker_state", tier="nvme", state="open") == 0
+def _store(tmp_path: Path, **pipeline: Any) -> tuple[TieredStore, FaultyTier]:
+    """A real store: a CPU slab over an LMDB tier (wrapped to inject faults later), write-through."""
+    cfg = load_config(
+        {
+            "namespace": {"model": "test/metrics-store"},
+            "tiers": [{"kind": "cpu", "capacity_bytes": "8MiB", "segment_bytes": "1MiB"}],
+            "pipeline": {"breaker_failures": 1, "breaker_reset_s": 3600, **pipeline},
+        },
+        env={},
+    )
+    cpu = CPUTier(CPUTierConfig(capacity_bytes="8MiB", segment_bytes="1MiB", prefault=False))
+    nvme = FaultyTier(
+        LMDBTier(LMDBTierConfig(path=str(tmp_path / "kv"), map_size_bytes="32MiB", size_cap_bytes="16MiB"), name="nvme")
+    )
+    return TieredStore(cfg, tiers=[cpu, nvme]).start(), nvme
+
+
+def test_group_and_pipeline_metrics_come_from_a_real_store(tmp_path: Path) -> None:
+    store, nvme = _store(tmp_path)
+    with store:
+        k = torch.randint(0, 256, (16, 8, 64), dtype=torch.uint8)  # 512-byte blocks
+        store.register_group(0, [k], blocks_per_chunk=2)
+        store.register_group(5, [torch.randint(0, 256, (8, 256), dtype=torch.uint8)])
+        cb = 2 * 512
+        keys = [store.key(bytes([i]) * 32, 0) for i in range(4)]
+        job = store.store(0, [(keys[i], (2 * i + 1, 2 * i + 2)) for i in range(3)])
+        assert job is not None and store.wait([job])[job].ok
+        assert [s for s, _ in store.lookup(keys)] == [KeyState.HIT] * 3 + [KeyState.MISS]
+        job = store.load(0, [(keys[0], (9, 10)), (keys[1], (11, 12))])
+        assert job is not None and store.wait([job])[job].ok
+        job = store.load(0, [(keys[2], (9, 10)), (keys[3], (11, 12))])  # keys[3] was never stored
+        assert job is not None and not store.wait([job])[job].ok
+        reg = store.metrics.registry
+        assert value(reg, "tieredkv_group_hits_total", group="0") == 3
+        assert value(reg, "tieredkv_group_misses_total", group="0") == 1
+        assert value(reg, "tieredkv_group_stores_total", group="0") == 3
+        assert value(reg, "tieredkv_group_stored_bytes_total", group="0") == 3 * cb
+        assert value(reg, "tieredkv_group_loads_total", group="0") == 2
+        assert value(reg, "tieredkv_group_loaded_bytes_total", group="0") == 2 * cb
+        assert value(reg, "tieredkv_group_load_missing_total", group="0") == 1
+        assert value(reg, "tieredkv_group_dropped_stores_total", group="0") == 0
+        assert value(reg, "tieredkv_group_pending", group="0") == 0
+        assert value(reg, "tieredkv_group_hits_total", group="5") == 0  # registered: present as zero
+        assert value(reg, "tieredkv_pipeline_events_total", event="store_ok") == 1
+        assert value(reg, "tieredkv_pipeline_events_total", event="load_failed") == 1
+        assert value(reg, "tieredkv_staging_bytes", kind="capacity") == store.staging_capacity
+        assert value(reg, "tieredkv_staging_bytes", kind="in_use") == 0
+        assert value(reg, "tieredkv_pending") == 0
+        assert value(reg, "tieredkv_tier_stored_bytes_total", tier="faulty-nvme") == 3 * cb  # write-through
+        for tier in ("cpu", "faulty-nvme"):
+            assert value(reg, "tieredkv_breaker_state", tier=tier, state="closed") == 1
+            assert value(reg, "tieredkv_breaker_open", tier=tier) == 0
+            assert value(reg, "tieredkv_dropped_stores_total", tier=tier) == 0
+
+        nvme.fail_with = OSError("disk gone")  # the LMDB tier dies: its stores are dropped, the breaker opens
+        more = [store.key(bytes([50 + i]) * 32, 0) for i in range(2)]
+        job = store.store(0, [(more[i], (2 * i + 1, 2 * i + 2)) for i in range(2)])
+        assert job is not None and store.wait([job])[job].ok  # the CPU slab still holds them
+        assert value(reg, "tieredkv_breaker_state", tier="faulty-nvme", state="open") == 1
+        assert value(reg, "tieredkv_breaker_state", tier="faulty-nvme", state="closed") == 0
+        assert value(reg, "tieredkv_breaker_open", tier="faulty-nvme") == 1
+        assert value(reg, "tieredkv_breaker_opens_total", tier="faulty-nvme") == 1
+        assert value(reg, "tieredkv_dropped_stores_total", tier="faulty-nvme") == 2
+        assert value(reg, "tieredkv_group_stores_total", group="0") == 5
+        st = store.stats()  # the same numbers, typed
+        assert st.groups[0].stores == 5 and st.lanes["faulty-nvme"].breaker == "open" and st.dropped["faulty-nvme"] == 2
+
+
+def test_a_refused_store_counts_as_dropped_for_its_group(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path, staging_bytes="8KiB")
+    with store:
+        store.register_group(2, [torch.zeros(8, 16384, dtype=torch.uint8)])  # 16 KiB chunks > 8 KiB staging
+        assert store.store(2, [(store.key(b"x" * 32, 2), (1,))]) is None
+        assert value(store.metrics.registry, "tieredkv_group_dropped_stores_total", group="2") == 1
+        assert value(store.metrics.registry, "tieredkv_pipeline_events_total", event="store_backpressure") == 1
 
 
 def test_a_partial_or_failing_pipeline_never_breaks_a_scrape() -> None:
     class Broken:
-        def stats(self) -> dict[str, Any]:
+        def stats(self) -> PipelineStats:
             raise RuntimeError("loop is gone")
 
-        @property
-        def group_counters(self) -> dict[int, dict[str, int]]:
-            raise RuntimeError("also gone")
+    class Legacy:  # a stand-in reporting the older dict layout
+        def stats(self) -> dict[str, Any]:
+            return {"breakers": {"nvme": BreakerState.OPEN, "cpu": "closed"}, "dropped": {"nvme": 7}}
+
+    class Unknown:
+        def stats(self) -> dict[str, Any]:
+            return {"breakers": {}, "dropped_typo": {}}
 
     class Tier:
         name, counters = "t", {"hits": 2, "custom_thing": 5}
@@ -153,13 +197,29 @@ def test_a_partial_or_failing_pipeline_never_breaks_a_scrape() -> None:
         def add_observer(self, fn: Any) -> None:
             pass
 
-    for pipe in (object(), Broken(), type("OnlyGroups", (), {"group_counters": {3: {"hits": 1}}})()):
+    for pipe in (object(), Broken(), Unknown()):
         m = TieredKVMetrics([Tier()], pipeline=pipe)
         s = samples(m.registry)
         assert s[("tieredkv_tier_hits_total", (("tier", "t"),))] == 2
         assert s[("tieredkv_tier_events_total", (("event", "custom_thing"), ("tier", "t")))] == 5
         assert not any(name.startswith("tieredkv_breaker") for name, _ in s)
-    assert s[("tieredkv_group_hits_total", (("group", "3"),))] == 1
+    m = TieredKVMetrics([Tier()], pipeline=Legacy())
+    assert value(m.registry, "tieredkv_breaker_open", tier="nvme") == 1
+    assert value(m.registry, "tieredkv_breaker_state", tier="cpu", state="closed") == 1
+    assert value(m.registry, "tieredkv_dropped_stores_total", tier="nvme") == 7
+    with pytest.raises(ValueError, match="dropped_typo"):
+        PipelineStats.from_mapping(Unknown().stats())
+
+
+def test_every_group_stats_field_is_one_exported_metric() -> None:
+    """The producer's fields and the collector's metric names are one list: a field added or
+    renamed in GroupStats is exported under its metadata name, never silently dropped."""
+    gs = GroupStats(**{f.name: i + 1 for i, f in enumerate(group_metric_fields())})
+    m = TieredKVMetrics(pipeline=type("P", (), {"stats": lambda self: PipelineStats(groups={7: gs})})())
+    s = samples(m.registry)
+    for i, f in enumerate(group_metric_fields()):
+        suffix = "_total" if f.metadata["type"] == "counter" else ""
+        assert s[(f"tieredkv_{f.metadata['metric']}{suffix}", (("group", "7"),))] == i + 1, f.name
 
 
 def test_each_metrics_object_has_its_own_registry_and_a_shared_one_works_too() -> None:
@@ -173,18 +233,21 @@ def test_each_metrics_object_has_its_own_registry_and_a_shared_one_works_too() -
     assert value(shared, "tieredkv_tier_hits_total", tier="x") == 4
 
 
-async def test_metrics_endpoint_serves_the_registry(cpu: CPUTier) -> None:
+def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
     assert start_metrics_server(MetricsConfig(), CollectorRegistry()) is None  # no port: no endpoint
-    m = TieredKVMetrics([cpu], pipeline=FakePipeline())
-    await cpu.put_many([(NS.key(b"87654321", 0), b"q" * 10)])
-    srv = start_metrics_server(MetricsConfig(port=0), m.registry)
-    assert srv is not None and srv.port > 0
-    try:
-        with urllib.request.urlopen(srv.url, timeout=5) as resp:  # noqa: ASYNC210
+    cfg = load_config({"namespace": {"model": "test/endpoint"}, "metrics": {"port": 0}}, env={})
+    store = TieredStore(cfg, tiers=[CPUTier(CPUTierConfig(capacity_bytes="4MiB", segment_bytes="1MiB"))]).start()
+    with store:
+        store.register_group(0, [torch.randint(0, 256, (4, 1000), dtype=torch.uint8)])
+        job = store.store(0, [(store.key(b"8" * 32, 0), (1,))])
+        assert job is not None and store.wait([job])[job].ok
+        srv = store.metrics_server
+        assert srv is not None and srv.port > 0
+        with urllib.request.urlopen(srv.url, timeout=5) as resp:
             body = resp.read().decode()
-        assert 'tieredkv_tier_stored_bytes_total{tier="cpu"} 10.0' in body
-        assert 'tieredkv_breaker_open{tier="nvme"} 1.0' in body
-    finally:
-        srv.close()
+        assert 'tieredkv_tier_puts_total{tier="cpu"}' not in body  # tier counters use their metric names
+        assert 'tieredkv_tier_stored_records_total{tier="cpu"} 1.0' in body
+        assert 'tieredkv_group_stored_bytes_total{group="0"} 1000.0' in body
+        assert 'tieredkv_breaker_open{tier="cpu"} 0.0' in body
     with pytest.raises(OSError):
-        urllib.request.urlopen(srv.url, timeout=2)  # noqa: ASYNC210
+        urllib.request.urlopen(srv.url, timeout=2)

@@ -156,6 +156,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from tieredkv.keys import key_group
+
 TINY_MODEL = Path(__file__).parent / "models" / "tiny-llama"
 EOS = 2
 VOCAB = 1000
@@ -603,7 +605,7 @@ class Engine:
             ),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        spec_kw = dict(block_size=ATTN_BLOCK, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.float32)
+        spec_kw = {"block_size": ATTN_BLOCK, "num_kv_heads": 1, "head_size": HEAD_SIZE, "dtype": torch.float32}
         specs = {
             "full": FullAttentionSpec(**spec_kw),
             "swa": SlidingWindowSpec(sliding_window=WINDOW, **spec_kw),
@@ -764,7 +766,7 @@ class Engine:
         for key in self.refused_keys - self.accepted_keys:
             if cs.manager.lookup(key, ctx) in (LookupResult.HIT, LookupResult.HIT_PENDING):
                 continue
-            name = self.groups[int.from_bytes(bytes(key)[-4:], "big")]
+            name = self.groups[key_group(bytes(key))]
             res.lost_keys[name] = res.lost_keys.get(name, 0) + 1
 
     # ---- requests ------------------------------------------------------------------------------

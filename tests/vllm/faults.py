@@ -22,11 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tieredkv.keys import key_group
+
 MODES = ("last_pass", "swa_once", "mamba_once", "partial", "every_other", "always")
-
-
-def key_group(key: Any) -> int:
-    return int.from_bytes(bytes(key)[-4:], "big")
 
 
 def _last_prompt_key(req: Any, bpc: int) -> Any:

@@ -90,7 +90,12 @@ class Runner:
             ),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        spec_kw = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float32)
+        spec_kw = {
+            "block_size": block_size,
+            "num_kv_heads": num_kv_heads,
+            "head_size": head_size,
+            "dtype": torch.float32,
+        }
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],

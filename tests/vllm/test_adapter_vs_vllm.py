@@ -18,6 +18,7 @@ import pytest
 from tests.vllm.harness import BLOCK_SIZE, Runner
 from tests.vllm.test_vllm_roundtrip import extra_config, write_tiers
 from tieredkv.groups import GroupLayout, GroupSpec
+from tieredkv.keys import key_group
 from tieredkv.scheduler import OffloadScheduler, StoreOutcome
 
 pytestmark = pytest.mark.vllm
@@ -83,7 +84,7 @@ class Shadow:
 
 
 def _g(key: bytes) -> int:
-    return int.from_bytes(key[-4:], "big")
+    return key_group(key)
 
 
 def test_adapter_vs_vllm_connector(tmp_path: Path) -> None:

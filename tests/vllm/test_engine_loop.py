@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.engine import GROUP_SETS, RunResult, reference_extra_config, run_engine
+from tieredkv.keys import key_group
 
 pytestmark = pytest.mark.vllm
 
@@ -229,7 +230,7 @@ def _watch_refusals(declined_windowed: list[int]) -> Iterator[None]:
 
     def prepare_store(self: Any, keys: Any, ctx: Any) -> Any:
         out = orig(self, keys, ctx)
-        windowed = [k for k in keys if int.from_bytes(bytes(k)[-4:], "big") in self._windowed]
+        windowed = [k for k in keys if key_group(bytes(k)) in self._windowed]
         if out is None and windowed:
             declined_windowed.append(len(windowed))
         return out

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.harness import Runner
+from tieredkv.keys import key_group
 
 pytestmark = pytest.mark.vllm
 
@@ -132,8 +133,8 @@ def roundtrip(make_runner: Any) -> tuple[Runner, dict[str, Any]]:
     loads = [k for _, keys in runner.recorded.prepare_load for k in keys]
     assert loads, "no hit was loaded"
     # Loaded chunks: full group from 0, sliding-window group within the window before the boundary.
-    full_keys = [k for k in loads if k[-4:] == b"\x00\x00\x00\x00"]
-    swa_keys = [k for k in loads if k[-4:] == b"\x00\x00\x00\x01"]
+    full_keys = [k for k in loads if key_group(k) == 0]
+    swa_keys = [k for k in loads if key_group(k) == 1]
     tokens_per_chunk = BLOCK * runner.connector_scheduler.config.blocks_per_chunk
     boundary = len(full_keys) * tokens_per_chunk
     assert boundary >= 128 and swa_keys, (boundary, len(swa_keys))
@@ -151,8 +152,8 @@ def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
 
         assert isinstance(runner.manager_obj, TieredKVManager)
         store = runner.manager_obj.store
-        groups = store.stats()["groups"]
-        assert groups[0]["load_chunks"] == len(res["full_keys"]) and groups[1]["load_chunks"] == len(res["swa_keys"])
+        groups = store.stats().groups
+        assert groups[0].loads == len(res["full_keys"]) and groups[1].loads == len(res["swa_keys"])
         _assert_routes(store, backend)
         # Never a blocking call: LMDB answers at once from its memory-mapped B-tree (Tier.probe);
         # a Redis route answers RETRY until the batched lookup is back.
@@ -254,7 +255,7 @@ def test_spec_manager_contract(tmp_path: Path) -> None:
         fp = m.spec.namespace.fingerprint
         spec = m.prepare_load([k[0]], ctx)
         assert spec.keys == [k[0]]
-        m.store.pipeline.drain(5)
+        m.store.drain(5)
         tier = m.store.tiers[0]
         import time as _t
 
@@ -337,7 +338,7 @@ def test_cache_reset_starts_new_generation(
         loads = [k for _, keys in runner.recorded.prepare_load[before:] for k in keys]
         if keep_on_reset:
             assert loads, "keep_on_reset: the records written before the reset must still hit"
-            full = sum(1 for k in loads if k[-4:] == b"\x00\x00\x00\x00")
+            full = sum(1 for k in loads if key_group(k) == 0)
             assert runner.check_kv(b, 0, full * BLOCK, groups=(0,)) == full * BLOCK
         else:
             assert not loads, f"{len(loads)} chunks stored before the cache reset were loaded after it"

@@ -2,7 +2,7 @@
 
 vLLM asks one key at a time and must never wait on I/O. :class:`AsyncLookups` answers from
 what it already knows; an unknown key is queued (the caller answers RETRY), the queue goes out
-as one ``Pipeline.lookup_future`` at the end of the scheduler step, and the answer is there for
+as one ``TieredStore.lookup_async`` at the end of the scheduler step, and the answer is there for
 a later step.
 
 An answer is kept until it is asked for again: vLLM defers a request whose lookup met a RETRY
@@ -16,6 +16,7 @@ step and the request wait for thousands of steps.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -25,9 +26,13 @@ __all__ = ["AsyncLookups"]
 log = logging.getLogger(__name__)
 
 
+#: Sends a batch of keys; a future of ``[(KeyState, tier), ...]`` (``TieredStore.lookup_async``).
+LookupAsync = Callable[[list[bytes]], "Future[Any]"]
+
+
 class AsyncLookups:
-    def __init__(self, pipeline: Any, *, ttl_steps: int = 32, max_answers: int = 1 << 16) -> None:
-        self._pipeline = pipeline
+    def __init__(self, lookup_async: LookupAsync, *, ttl_steps: int = 32, max_answers: int = 1 << 16) -> None:
+        self._lookup_async = lookup_async
         self.ttl_steps = ttl_steps
         self.max_answers = max_answers
         self._step = 0
@@ -43,7 +48,7 @@ class AsyncLookups:
     def answer(self, key: bytes, probe: Any = None) -> str | None:
         """``"hit"`` / ``"pending"`` / ``"miss"`` when known, else None (queued; ask again next step).
 
-        ``probe(key)`` (e.g. ``Pipeline.probe``) may answer an unknown key at once, where every
+        ``probe(key)`` (e.g. ``TieredStore.probe``) may answer an unknown key at once, where every
         tier of its route can tell without waiting; its answer is used, not kept."""
         self._poll()
         state = self._answers.get(key)
@@ -71,7 +76,7 @@ class AsyncLookups:
         keys = list(self._queued)
         self._queued.clear()
         try:
-            fut = self._pipeline.lookup_future(keys)
+            fut = self._lookup_async(keys)
         except Exception as e:  # noqa: BLE001 - a closed pipeline answers miss, never raises into vLLM
             log.warning("tieredkv lookup of %d keys not sent: %s", len(keys), e)
             for k in keys:

@@ -11,13 +11,14 @@ from typing import Any
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.errors import ConfigError
+from tieredkv.groups import GroupKind, GroupSpec
 from tieredkv.keys import GroupGeometry, Namespace, ParallelLayout
 
-__all__ = ["group_kind", "group_kinds", "namespace_from_offloading_config", "new_generation"]
+__all__ = ["group_kind", "group_kinds", "group_specs", "namespace_from_offloading_config", "new_generation"]
 
 
 def _is_attention_layer(name: str) -> bool:
-    return name.endswith(".attn") or ".self_attn" in name or ".cross_attn" in name or name.endswith("attention")
+    return name.endswith((".attn", "attention")) or ".self_attn" in name or ".cross_attn" in name
 
 
 def group_kind(group: Any, override: str | None = None) -> str:
@@ -72,22 +73,10 @@ def namespace_from_offloading_config(
     ``config.worker_kv_bytes_per_block``; ``rank`` to ``config.parallel.rank`` (pass 0 for bytes
     that hold every rank's pages, such as vLLM's primary rows).
     """
-    bpc = int(config.cache.blocks_per_chunk)
     per_block = int(config.worker_kv_bytes_per_block if bytes_per_block is None else bytes_per_block)
-    kinds = kinds if kinds is not None else group_kinds(config)
-    groups = []
-    for g, kind in zip(config.groups, kinds):
-        tpb = int(g.tokens_per_block)
-        window_chunks = getattr(g, "sliding_window_size_in_chunks", None)
-        groups.append(
-            GroupGeometry(
-                kind=kind,
-                tokens_per_block=tpb,
-                blocks_per_chunk=bpc,
-                bytes_per_block=per_block,
-                window_tokens=int(window_chunks) * tpb * bpc if window_chunks and kind == "sliding_window" else 0,
-            )
-        )
+    groups = tuple(
+        _geometry(spec) for spec in group_specs(config, kinds if kinds is not None else group_kinds(config), per_block)
+    )
     par = config.parallel
     agnostic = bool(getattr(par, "is_parallelism_agnostic", False))
     parallel = ParallelLayout(
@@ -102,10 +91,37 @@ def namespace_from_offloading_config(
         model=str(config.model.name),
         revision=ns.revision if ns is not None else "",
         dtype=str(config.model.dtype),
-        groups=tuple(groups),
+        groups=groups,
         parallel=parallel,
         tenant_salt=ns.tenant_salt if ns is not None else "",
     )
+
+
+def group_specs(config: Any, kinds: list[str], bytes_per_block: int) -> list[GroupSpec]:
+    """One :class:`~tieredkv.groups.GroupSpec` per group of a vLLM ``OffloadingConfig`` (the group
+    model tieredkv keys, routes and plans by). A sliding-window group whose window vLLM does not
+    give (a ``group_kinds`` override) gets a placeholder window of one chunk."""
+    bpc = int(config.cache.blocks_per_chunk)
+    out = []
+    for i, (g, kind) in enumerate(zip(config.groups, kinds)):
+        tpb = int(g.tokens_per_block)
+        window_chunks = getattr(g, "sliding_window_size_in_chunks", None)
+        window = None
+        if kind == "sliding_window":
+            window = int(window_chunks) * tpb * bpc if window_chunks else _NO_WINDOW
+        out.append(GroupSpec(i, kind, tpb, bpc, bytes_per_block, window))
+    return out
+
+
+#: Marks a sliding-window spec whose window size vLLM did not give (recorded as 0 in the namespace).
+_NO_WINDOW = 1
+
+
+def _geometry(spec: GroupSpec) -> GroupGeometry:
+    geo = GroupGeometry.from_spec(spec)
+    if spec.kind is GroupKind.SLIDING_WINDOW and spec.window_tokens == _NO_WINDOW:
+        geo = dataclasses.replace(geo, window_tokens=0)
+    return geo
 
 
 def new_generation(ns: Namespace) -> Namespace:

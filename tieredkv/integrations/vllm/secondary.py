@@ -4,11 +4,11 @@ vLLM keeps the GPU↔CPU path and its shared primary region; every chunk confirm
 is cascaded here (``submit_store``), and a primary miss that this tier answers HIT is promoted
 back (``submit_load``). Row ``i`` of vLLM's primary memoryview is primary slot ``i``: one chunk
 of one KV group (every worker's pages, padded to the largest group). Each row is handed, as a
-host buffer, to tieredkv's pipeline (``submit_put`` / ``submit_get``), which routes it by the
+host buffer, to tieredkv's store (``put_records`` / ``get_records``), which routes it by the
 key's group along that group's :class:`~tieredkv.policy.GroupRoute` (LMDB, Redis, ...).
 
 Every method runs on vLLM's scheduler thread and returns at once: I/O happens on the pipeline's
-loop thread; lookups go through ``Pipeline.lookup_future`` and answer RETRY until it resolves.
+loop thread; lookups go through ``TieredStore.lookup_async`` and answer RETRY until it resolves.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tieredkv.config import load_config
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
-from tieredkv.keys import FINGERPRINT_BYTES
+from tieredkv.keys import chunk_key_of, stored_key
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVSecondaryTier"]
@@ -77,7 +77,9 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         ocfg = offloading_spec.config
         row_bytes = int(self.block_size_bytes)
         if not isinstance(keep_on_reset, bool):
-            raise ValueError(f"TieredKVSecondaryTier: keep_on_reset must be true or false, got {keep_on_reset!r}")
+            raise ValueError(  # noqa: TRY004 - a bad tier option, like the others: ValueError
+                f"TieredKVSecondaryTier: keep_on_reset must be true or false, got {keep_on_reset!r}"
+            )
         self.keep_on_reset = keep_on_reset
         self.kinds = group_kinds_of(ocfg, group_kinds)
         # A primary row holds every worker's pages of one chunk: one namespace for all ranks.
@@ -91,7 +93,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         for i, r in self.routes.items():
             log.info("tieredkv secondary tier: group %d -> %s (%s)", i, list(r.tiers), r.write)
         self._rows = np.asarray(primary_kv_view) if primary_kv_view.nbytes else np.zeros((0, row_bytes), np.uint8)
-        self._lookups = AsyncLookups(self.store.pipeline)
+        self._lookups = AsyncLookups(self.store.lookup_async)
         self._writing: collections.Counter[bytes] = collections.Counter()  # stored keys in flight
         self._present: dict[bytes, None] = {}  # stored keys this tier wrote or read (insertion order)
         self._present_cap = 1 << 20
@@ -102,10 +104,10 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     # ---- keys -----------------------------------------------------------------------------
 
     def _skey(self, key: bytes) -> bytes:
-        return self._fp + bytes(key)
+        return stored_key(self._fp, key)
 
     def _vkey(self, skey: bytes) -> OffloadKey:
-        return OffloadKey(skey[FINGERPRINT_BYTES:])
+        return OffloadKey(chunk_key_of(skey))
 
     def _row(self, chunk_id: int) -> memoryview:
         return memoryview(self._rows[int(chunk_id)])
@@ -127,7 +129,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         if skey in self._present:
             return LookupResult.HIT  # written or read here; a stale answer fails the promotion, not the engine
         self._collect()
-        state = self._lookups.answer(skey, self.store.pipeline.probe)
+        state = self._lookups.answer(skey, self.store.probe)
         if state is None:
             return LookupResult.RETRY
         if state == "hit":
@@ -152,7 +154,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         for skey, _ in items:
             self._writing[skey] += 1
         self._jobs[job_id] = ("put", tuple(k for k, _ in items))
-        if not self.store.pipeline.submit_put(job_id, items):
+        if self.store.put_records(items, job_id=job_id) is None:
             self._end_put(job_id)
             self.counters["store_refused"] += 1
             self._finished.append(JobResult(job_id=job_id, success=False))
@@ -161,7 +163,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         items = [(self._skey(k), self._row(c)) for k, c in zip(job_metadata.keys, job_metadata.chunk_ids)]
         job_id = int(job_metadata.job_id)
         self._jobs[job_id] = ("get", tuple(k for k, _ in items))
-        if not self.store.pipeline.submit_get(job_id, items):
+        if self.store.get_records(items, job_id=job_id) is None:
             self._jobs.pop(job_id, None)
             self._finished.append(JobResult(job_id=job_id, success=False, successful_keys=()))
 
@@ -186,7 +188,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until every transfer and lookup in flight has finished (tests, orderly stop;
         never called by vLLM)."""
-        return self.store.pipeline.drain(timeout) and self._lookups.wait(timeout)
+        return self.store.drain(timeout) and self._lookups.wait(timeout)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the tiers keep their own LRU on access
@@ -195,7 +197,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         """vLLM's ``TieringOffloadingManager.reset_cache`` (sleep, weight update) calls this, and
         only this, on a secondary tier: finish every transfer, then start a new cache generation
         (unless ``keep_on_reset``), so KV computed before the reset is never served after it."""
-        self.store.pipeline.drain()
+        self.store.drain()
         self._collect()
         if not self.keep_on_reset:
             self.reset_cache_state()
@@ -213,7 +215,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         self.store.close()
 
     def get_tier_stats(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "pipeline": self.store.stats()}
+        return {"counters": dict(self.counters), "pipeline": self.store.stats().as_dict()}
 
     # ---- plumbing --------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ spec owns both sides:
 
 * :class:`TieredKVManager` (scheduler side) — tracks what is being written and asks tieredkv's
   tiers what is stored, never blocking: a key being written answers HIT_PENDING, an unknown key
-  RETRY until a batched ``lookup_future`` (sent at the end of the step) resolves it.
+  RETRY until a batched ``TieredStore.lookup_async`` (sent at the end of the step) resolves it.
   ``prepare_store`` is all-or-nothing: ``None`` (retry the same range later) when the chunks in
   flight would overrun the staging budget, never a key dropped for lack of space.
   ``prepare_load`` pins the chunks in every tier until ``complete_load``.
@@ -52,16 +52,12 @@ from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds, namespace_from_offloading_config, new_generation
-from tieredkv.keys import Namespace, partial_chunk_key, partial_valid_from
+from tieredkv.keys import Namespace, key_group, partial_chunk_key, partial_valid_from, stored_key, with_group
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVLoadStoreSpec", "TieredKVManager", "TieredKVOffloadingSpec", "TieredKVWorker"]
 
 log = logging.getLogger(__name__)
-
-
-def _group_of(key: bytes) -> int:
-    return int.from_bytes(key[-4:], "big")
 
 
 class TieredKVLoadStoreSpec(LoadStoreSpec):
@@ -77,7 +73,9 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
     ) -> None:
         self.keys: list[OffloadKey] = list(keys)
         self.fingerprint = fingerprint
-        self.stored: list[bytes] = list(stored) if stored is not None else [fingerprint + bytes(k) for k in self.keys]
+        self.stored: list[bytes] = (
+            list(stored) if stored is not None else [stored_key(fingerprint, k) for k in self.keys]
+        )
 
     def __repr__(self) -> str:
         return f"TieredKVLoadStoreSpec({len(self.keys)} keys)"
@@ -210,7 +208,7 @@ class TieredKVManager(OffloadingManager):
         self._stored: dict[bytes, None] = {}  # written by this engine, not since seen missing
         self._chosen: dict[bytes, bytes] = {}  # whole-chunk key -> the record a HIT found (partial or whole)
         self._loading: dict[bytes, collections.deque[bytes]] = collections.defaultdict(collections.deque)
-        self._lookups = AsyncLookups(self.store.pipeline)
+        self._lookups = AsyncLookups(self.store.lookup_async)
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
 
@@ -219,21 +217,21 @@ class TieredKVManager(OffloadingManager):
         return self._sh.fingerprint
 
     def _skey(self, key: bytes) -> bytes:
-        return self._fp + bytes(key)
+        return stored_key(self._fp, key)
 
     def _candidates(self, key: bytes, skey: bytes) -> list[bytes]:
-        if self._bpc == 1 or _group_of(key) not in self._windowed:
+        if self._bpc == 1 or key_group(key) not in self._windowed:
             return [skey]
-        return [skey] + [self._fp + partial_chunk_key(bytes(key), v) for v in range(1, self._bpc)]
+        return [skey] + [stored_key(self._fp, partial_chunk_key(bytes(key), v)) for v in range(1, self._bpc)]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         skey = self._skey(key)
         if skey in self._writing:
             return LookupResult.HIT_PENDING
-        pipeline = self.store.pipeline
+        store = self.store
         states = []
         for cand in self._candidates(key, skey):
-            state = "pending" if pipeline.is_pending(cand) else self._lookups.answer(cand, pipeline.probe)
+            state = "pending" if store.is_pending(cand) else self._lookups.answer(cand, store.probe)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:
@@ -256,18 +254,18 @@ class TieredKVManager(OffloadingManager):
         share the hash bytes where chunk boundaries coincide), so their answers are there by the
         time it asks instead of costing the request another deferred step."""
         key = bytes(key)
-        body, own = key[:-4], _group_of(key)
+        own = key_group(key)
         for g in range(self._num_groups):
             if g != own:
-                other = body + g.to_bytes(4, "big")
-                for cand in self._candidates(other, self._fp + other):
+                other = with_group(key, g)
+                for cand in self._candidates(other, stored_key(self._fp, other)):
                     self._lookups.prefetch(cand)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         fp = self._fp
         stored = []
         for k in keys:
-            skey = fp + bytes(k)
+            skey = stored_key(fp, k)
             rec = self._chosen.pop(skey, skey)
             stored.append(rec)
             self._loading[skey].append(rec)
@@ -290,9 +288,9 @@ class TieredKVManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         fp = self._fp
-        todo = [k for k in keys if (s := fp + bytes(k)) not in self._stored and s not in self._writing]
+        todo = [k for k in keys if (s := stored_key(fp, k)) not in self._stored and s not in self._writing]
         if todo and self._inflight and self._inflight + len(todo) > self._cap:
-            if not any(_group_of(k) in self._windowed for k in todo):
+            if not any(key_group(k) in self._windowed for k in todo):
                 # Full-attention keys only: vLLM offers the same range again on a later step.
                 self.counters["prepare_store_deferred"] += 1
                 self.counters["store_keys_deferred"] += len(todo)
@@ -301,7 +299,7 @@ class TieredKVManager(OffloadingManager):
             # worker queues what the staging pool cannot hold yet.
             self.counters["store_over_cap_batches"] += 1
         for k in todo:
-            self._writing[fp + bytes(k)] += 1
+            self._writing[stored_key(fp, k)] += 1
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo, fp), evicted_keys=[])
@@ -344,7 +342,7 @@ class TieredKVManager(OffloadingManager):
 
         Not part of vLLM's interface and never called by vLLM: for tests that model a forward
         pass longer than the tier I/O it overlaps, and for an orderly stop."""
-        return self.store.pipeline.drain(timeout) and self._lookups.wait(timeout)
+        return self.store.drain(timeout) and self._lookups.wait(timeout)
 
     def reset_cache(self) -> None:
         self._stored.clear()
@@ -421,7 +419,7 @@ class TieredKVWorker(OffloadingWorker):
         self.bpc = int(spec.blocks_per_chunk)
         self.kinds = list(spec.group_kinds)
         self.chunk_bytes: dict[int, int] = {}
-        staging = int(self.store.pipeline.staging.capacity)
+        staging = self.store.staging_capacity
         self._max_job_chunks: dict[int, int] = {}
         for g, refs in enumerate(kv_caches.group_data_refs):
             idxs = list(dict.fromkeys(r.tensor_idx for r in refs))
@@ -452,7 +450,7 @@ class TieredKVWorker(OffloadingWorker):
         """``(group, keys, stored keys, block ids, first block index)`` of each group that has keys."""
         by_group: dict[int, list[tuple[bytes, bytes]]] = collections.defaultdict(list)
         for k, s in zip(keys, stored):
-            by_group[_group_of(k)].append((bytes(k), s))
+            by_group[key_group(k)].append((bytes(k), s))
         ids = [int(b) for b in gpu.block_ids]
         out, off = [], 0
         for g, size in enumerate(gpu.group_sizes):
@@ -495,7 +493,7 @@ class TieredKVWorker(OffloadingWorker):
                     unstored.add(whole)
                     continue
                 if valid_from:
-                    skey = fp + partial_chunk_key(k, valid_from)
+                    skey = stored_key(fp, partial_chunk_key(k, valid_from))
                     unstored.add(whole)  # a whole chunk may still be stored later
                     self.counters["partial_chunks_stored"] += 1
                 else:

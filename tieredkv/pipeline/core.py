@@ -1,0 +1,498 @@
+"""The :class:`Pipeline`: admission, the two job families, lookups and stats, over the loop
+bridge, the tier lanes, the transfer strategies and write-back (see :mod:`tieredkv.pipeline`)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, Self
+
+from tieredkv.backends.base import Tier
+from tieredkv.config import PipelineConfig
+from tieredkv.errors import TieredKVError, TierUnavailableError
+from tieredkv.groups import GroupSpec
+from tieredkv.keys import key_group
+from tieredkv.pipeline.jobs import InFlight, JobResult, JobRun, KeyState, LoadJob, StoreJob, by_group
+from tieredkv.pipeline.lanes import Lanes, TierLane
+from tieredkv.pipeline.loop import LoopThread
+from tieredkv.pipeline.stats import GroupStats, PipelineStats, StagingStats
+from tieredkv.pipeline.transfer import GroupBinding, Transfers, tiers_read
+from tieredkv.pipeline.writeback import WriteBack
+from tieredkv.policy import BreakerState, GroupRoute, TierPolicy
+from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, StagingPool
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """Moves chunks between KV tensors and tiers on a private event loop thread."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: TierPolicy,
+        cfg: PipelineConfig | None = None,
+        *,
+        staging: StagingPool | None = None,
+    ) -> None:
+        self.cfg = cfg or PipelineConfig()
+        self.tiers = {t.name: t for t in tiers}
+        self.policy = policy
+        self.staging = staging or StagingPool(int(self.cfg.staging_bytes))
+        self.copier = Copier()
+        self.loop = LoopThread(use_uvloop=self.cfg.uvloop)
+        self.inflight = InFlight()
+        self.counters: collections.Counter[str] = collections.Counter()
+        #: Per KV group: lookups' hits and misses, chunks and bytes stored and loaded, drops.
+        self.group_stats: dict[int, GroupStats] = collections.defaultdict(GroupStats)
+        self.latencies: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=100_000)
+        )
+        self._lanes = Lanes()
+        self.writeback = WriteBack(self._lanes, self.tiers, policy, self.inflight, self.counters)
+        self.transfers = Transfers(self.copier, self._lanes, self.writeback)
+        self._groups: dict[int, GroupBinding] = {}
+        self._finished: collections.deque[JobResult] = collections.deque()
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Start the loop thread and open every tier (raises what opening raises)."""
+        if self.loop.running:
+            return self
+        self.loop.start()
+        try:
+            self.loop.run(self._open(), timeout=60)
+        except BaseException:
+            try:  # cancel the writers already started and close the tiers already open
+                self.loop.run(self._shutdown(), timeout=10)
+            except Exception:
+                log.debug("cleanup after a failed start failed", exc_info=True)
+            self.loop.stop()
+            raise
+        return self
+
+    async def _open(self) -> None:
+        for tier in self.tiers.values():
+            lane = TierLane(tier, self.cfg)
+            try:
+                await tier.open()
+            except TierUnavailableError as e:  # a dead tier at start is a tier with an open breaker
+                log.warning("tier %s unavailable at start (misses and dropped stores until it heals): %s", tier.name, e)
+                lane.breaker.trip()
+            lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
+            self._lanes[tier.name] = lane
+            hook = getattr(tier, "set_evict_listener", None)
+            if hook is not None:
+                hook(self.writeback.on_evict)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has finished; False if ``timeout`` passed first."""
+        return self.inflight.wait_idle(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Drain (up to ``timeout``), flush write-backs (up to ``timeout`` more), cancel what is
+        left, close the tiers, join the thread. Never hangs on a dead tier: chunks a write-back
+        route acknowledged that could not be written down are counted (``counters
+        ["write_back_lost"]``, ``write_back_flushed`` for the rest) and logged as an error.
+
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.loop.running:
+            return
+        self.drain(timeout)
+        try:
+            self.loop.run(self._shutdown(flush_s=timeout), timeout=2 * timeout + 5)
+        finally:
+            self.loop.stop()
+            self.staging.free()  # do not wait for the garbage collector to return the pool
+
+    async def _shutdown(self, flush_s: float = 0.0) -> None:
+        if flush_s > 0:
+            try:
+                await self.writeback.flush(flush_s)
+            except Exception:
+                log.exception("write-back flush at close failed")
+        tasks = [*self.loop.tasks(), *(lane.task for lane in self._lanes.values() if lane.task)]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for tier in self.tiers.values():
+            await tier.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
+        """Run ``coro`` (e.g. a tier call) on the pipeline loop and wait for its result."""
+        return self.loop.run(coro, timeout)
+
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
+        """Old name of :meth:`run` (kept for callers outside this package)."""
+        return self.loop.run(coro, timeout)
+
+    def run_background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` on the pipeline loop until it ends or the pipeline closes (then cancelled)."""
+        self.loop.spawn(coro)
+
+    # ---- groups --------------------------------------------------------------------------
+
+    def register_group(
+        self,
+        group: int | GroupSpec,
+        tensors: Sequence[Any],
+        *,
+        blocks_per_chunk: int = 1,
+        kind: str = "full",
+    ) -> GroupRoute:
+        """Declare a KV group: its spec (or index, chunk size in blocks and kind) and its tensors
+        (block id first)."""
+        kv = KVGroupTensors(tensors)
+        spec = (
+            group
+            if isinstance(group, GroupSpec)
+            else GroupSpec.by_index(group, kind, blocks_per_chunk, kv.bytes_per_block)
+        )
+        route = self.policy.route(spec, kv.chunk_bytes(spec.blocks_per_chunk))
+        unknown = [n for n in route.tiers if n not in self.tiers]
+        if unknown:
+            raise TieredKVError(f"group {spec.index} routes to unknown tiers {unknown}")
+        self._groups[spec.index] = GroupBinding(spec, kv, route)
+        return route
+
+    # ---- engine-block jobs: submit (engine thread) ---------------------------------------------
+
+    def submit_store(self, job: StoreJob) -> bool:
+        """Queue a store; returns at once whether it was admitted. Back-pressure (staging full),
+        a closed pipeline or an empty job refuses it: False (counted), and no result will come.
+        A job larger than the whole staging pool is staged in parts (see :meth:`_admit`)."""
+        admitted = self._admit(job, "store")
+        if admitted is None:
+            self.group_stats[job.group].dropped_stores += len(job.chunks)
+            return False
+        grp, buf = admitted
+        ready = self.copier.record_ready(grp.tensors)
+        self.inflight.begin([c.key for c in job.chunks])
+        self.loop.spawn(self._store(job, grp, buf, ready, time.perf_counter()))
+        return True
+
+    def submit_load(self, job: LoadJob) -> bool:
+        """Queue a load; returns at once whether it was admitted (False: back-pressure, closed or
+        empty; no result will come). The result says which keys were loaded. A job larger than the
+        whole staging pool is staged in parts (see :meth:`_admit`); if a chunk is missing, the
+        parts before it may already be copied (the job fails all the same)."""
+        admitted = self._admit(job, "load")
+        if admitted is None:
+            return False
+        grp, buf = admitted
+        self.inflight.begin()
+        self.loop.spawn(self._load(job, grp, buf, time.perf_counter()))
+        return True
+
+    def _admit(self, job: StoreJob | LoadJob, kind: str) -> tuple[GroupBinding, StagingBuffer] | None:
+        """Staging for a job's chunks (it also bounds the bytes in flight), or None when refused.
+
+        A job that fits the pool gets room for all its chunks or waits (back-pressure: refused
+        now). One larger than the whole pool could never get that: it gets as many whole chunks
+        as the largest free range holds now (at least one, counted in ``{kind}_in_parts``) and
+        moves through that buffer part by part. Only a single chunk larger than the pool is
+        refused for good."""
+        grp = self._group(job.group)
+        if not job.chunks or self._refused(kind):
+            return None
+        cb = grp.chunk_bytes
+        need = len(job.chunks) * cb
+        if need <= self.staging.capacity:
+            buf = self.staging.try_acquire(need)
+        else:
+            buf = self.staging.try_acquire_part(cb, need)
+            if buf is not None:
+                self.counters[f"{kind}_in_parts"] += 1
+            elif cb > self.staging.capacity:
+                log.warning(
+                    "group %d: a chunk of %d bytes is larger than the staging pool (%d bytes)",
+                    job.group,
+                    cb,
+                    self.staging.capacity,
+                )
+        if buf is None:
+            self.counters[f"{kind}_backpressure"] += 1
+        return None if buf is None else (grp, buf)
+
+    # ---- engine-block jobs: run (loop thread) --------------------------------------------------
+
+    async def _store(self, job: StoreJob, grp: GroupBinding, buf: StagingBuffer, ready: Any, t0: float) -> None:
+        keys = [c.key for c in job.chunks]
+        run = JobRun("store", job.job_id, self.cfg.job_timeout_s)
+        done: list[bytes] = []
+        written: dict[str, int] = {}
+        try:
+            async with run.guard():
+                done, written = await self.transfers.store(job, grp, buf, ready)
+                if len(done) < len(keys):
+                    run.error = "some chunks were refused or dropped by every tier"
+        finally:
+            self.staging.release(buf)
+            self.inflight.unpend(keys)
+            nbytes = len(done) * grp.chunk_bytes
+            gs = self.group_stats[job.group]
+            gs.stores += len(done)
+            gs.stored_bytes += nbytes
+            gs.dropped_stores += len(keys) - len(done)
+            done_set = set(done)
+            failed = tuple(k for k in keys if k not in done_set)
+            self._finish(run, t0, nbytes, tuple(done), failed, written)
+
+    async def _load(self, job: LoadJob, grp: GroupBinding, buf: StagingBuffer, t0: float) -> None:
+        keys = [c.key for c in job.chunks]
+        run = JobRun("load", job.job_id, self.cfg.job_timeout_s)
+        found_in: dict[int, str] = {}
+        try:
+            async with run.guard():
+                await self.transfers.load(job, grp, buf, found_in)
+                if len(found_in) < len(keys):
+                    run.error = f"{len(keys) - len(found_in)} of {len(keys)} chunks not found in any tier"
+        finally:
+            self.staging.release(buf)
+            ok_keys = tuple(keys) if not run.error else ()
+            gs = self.group_stats[job.group]
+            gs.loads += len(ok_keys)
+            gs.loaded_bytes += len(ok_keys) * grp.chunk_bytes
+            gs.load_missing += len(keys) - len(found_in)
+            missing = tuple(k for i, k in enumerate(keys) if i not in found_in)
+            self._finish(run, t0, len(ok_keys) * grp.chunk_bytes, ok_keys, missing, tiers_read(found_in))
+
+    # ---- host-buffer jobs (a caller that already holds the bytes in host memory) ---------------
+
+    def submit_put(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
+        """Store ``(key, host buffer)`` items, each routed by its key's group. Returns at once;
+        the caller keeps the buffers unchanged until the job's result is polled (kind "put")."""
+        if self._refused("put"):
+            return False
+        items = list(items)
+        self.inflight.begin([k for k, _ in items])
+        self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter()))
+        return True
+
+    def submit_get(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
+        """Read ``(key, writable host buffer)`` items, each buffer filled completely by its record
+        (result kind "get": ``done`` found and copied, ``failed`` missing)."""
+        if self._refused("get"):
+            return False
+        self.inflight.begin()
+        self.loop.spawn(self._get_buffers(job_id, list(items), time.perf_counter()))
+        return True
+
+    async def _put_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
+        run = JobRun("put", job_id, self.cfg.job_timeout_s)
+        done: list[bytes] = []
+        written: collections.Counter[str] = collections.Counter()
+        try:
+            async with run.guard():
+                for group, idx in by_group(items).items():
+                    keys = [items[i][0] for i in idx]
+                    got, w = await self.writeback.write(self.policy.get(group), keys, [items[i][1] for i in idx])
+                    done += got
+                    written.update(w)
+                    got_set = set(got)
+                    gs = self.group_stats[group]
+                    gs.stores += len(got)
+                    gs.stored_bytes += sum(_nbytes(items[i][1]) for i in idx if items[i][0] in got_set)
+                    gs.dropped_stores += len(idx) - len(got)
+                if len(done) < len(items):
+                    run.error = "some items were refused or dropped by every tier"
+        finally:
+            self.inflight.unpend([k for k, _ in items])
+            done_set = set(done)
+            nbytes = sum(_nbytes(b) for k, b in items if k in done_set)
+            failed = tuple(k for k, _ in items if k not in done_set)
+            self._finish(run, t0, nbytes, tuple(done), failed, dict(written))
+
+    async def _get_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
+        run = JobRun("get", job_id, self.cfg.job_timeout_s)
+        found: dict[int, str] = {}
+        try:
+            async with run.guard():
+                for group, idx in by_group(items).items():
+                    route = self.policy.get(group)
+                    keys = [items[i][0] for i in idx]
+                    views = [items[i][1] for i in idx]
+                    sizes = {_nbytes(v) for v in views}
+                    got = await self._lanes.read_items(
+                        route.tiers, keys, views, sizes.pop() if len(sizes) == 1 else None
+                    )
+                    found.update({idx[j]: t for j, t in got.items()})
+                    await self.writeback.promote(route, keys, views, got)
+                    gs = self.group_stats[group]
+                    gs.loads += len(got)
+                    gs.loaded_bytes += sum(_nbytes(views[j]) for j in got)
+                    gs.load_missing += len(idx) - len(got)
+                if len(found) < len(items):
+                    run.error = f"{len(items) - len(found)} of {len(items)} items not found in any tier"
+        finally:
+            nbytes = sum(_nbytes(items[i][1]) for i in found)
+            done = tuple(items[i][0] for i in sorted(found))
+            missing = tuple(k for i, (k, _) in enumerate(items) if i not in found)
+            self._finish(run, t0, nbytes, done, missing, tiers_read(found))
+
+    # ---- results (engine thread) -----------------------------------------------------------------
+
+    def poll_finished(self) -> list[JobResult]:
+        """Every job finished since the last call (never blocks)."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def is_pending(self, key: bytes) -> bool:
+        return self.inflight.is_pending(key)
+
+    # ---- lookups (any thread) ----------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = 5.0) -> list[tuple[KeyState, str | None]]:
+        """Per key: (HIT, tier) / (PENDING, None) / (MISS, None), searching each key's route in order."""
+        return self.loop.run(self._lookup(list(keys)), timeout=timeout)
+
+    def lookup_future(self, keys: Sequence[bytes]) -> Any:
+        """Like :meth:`lookup` but returns a ``concurrent.futures.Future`` at once (never blocks)."""
+        return self.loop.submit(self._lookup(list(keys)))
+
+    async def _lookup(self, keys: list[bytes]) -> list[tuple[KeyState, str | None]]:
+        out: list[tuple[KeyState, str | None]] = [(KeyState.MISS, None)] * len(keys)
+        todo: list[int] = []
+        for i, k in enumerate(keys):
+            if self.inflight.is_pending(k):
+                out[i] = (KeyState.PENDING, None)
+            else:
+                todo.append(i)
+        for name in self.tiers:
+            ask = [i for i in todo if name in self.policy.get(key_group(keys[i])).tiers]
+            if not ask:
+                continue
+            got = await self._lanes[name].contains([keys[i] for i in ask])
+            if got is None:
+                continue
+            hit = {i for i, present in zip(ask, got) if present}
+            for i in hit:
+                out[i] = (KeyState.HIT, name)
+            todo = [i for i in todo if i not in hit]
+        for k, (state, _) in zip(keys, out):
+            self._count_lookup(k, state)
+        return out
+
+    def probe(self, key: bytes) -> KeyState | None:
+        """Answer a lookup of ``key`` at once, from the calling thread, when every tier of its route
+        can tell without waiting (:meth:`Tier.probe`: the CPU slab, a local LMDB); None when some
+        tier cannot (a Redis server) and no earlier tier holds it: ask :meth:`lookup_future`."""
+        state = self._probe(key)
+        if state is not None:
+            self._count_lookup(key, state)
+        return state
+
+    def _probe(self, key: bytes) -> KeyState | None:
+        if self.inflight.is_pending(key):
+            return KeyState.PENDING
+        if self._closed or not self.loop.running:
+            return None
+        for name in self.policy.get(key_group(key)).tiers:
+            lane = self._lanes.get(name)
+            if lane is None:
+                return None
+            if lane.breaker.state is not BreakerState.CLOSED:
+                return None  # let the asynchronous path (and its breaker probes) decide
+            got = lane.tier.probe([key])
+            if got is None:
+                return None
+            if got[0]:
+                return KeyState.HIT
+        return KeyState.MISS
+
+    def _count_lookup(self, key: bytes, state: KeyState) -> None:
+        if state is KeyState.PENDING:
+            return
+        with self.inflight.lock:  # lookups come from the loop and from engine threads
+            gs = self.group_stats[key_group(key)]
+            if state is KeyState.HIT:
+                gs.hits += 1
+            else:
+                gs.misses += 1
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Protect ``keys`` from eviction in every tier until :meth:`unpin` (e.g. an accepted hit).
+        Applied at once, from the calling thread: an eviction the loop runs next cannot take them."""
+        for t in self.tiers.values():
+            t.pin_many(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        for t in self.tiers.values():
+            t.unpin_many(keys)
+
+    # ---- stats ---------------------------------------------------------------------------------
+
+    def breaker_states(self) -> dict[str, str]:
+        return {n: lane.breaker.state.value for n, lane in self._lanes.items()}
+
+    def stats(self) -> PipelineStats:
+        """A typed snapshot: counters, per-tier lanes, per-group stats, staging, jobs in flight."""
+        pending = self.inflight.pending_per_group()
+        groups = {g: dataclasses.replace(gs, pending=pending.get(g, 0)) for g, gs in list(self.group_stats.items())}
+        for g in self._groups:  # registered groups are reported (as zeros) before their first job
+            groups.setdefault(g, GroupStats(pending=pending.get(g, 0)))
+        return PipelineStats(
+            counters=dict(self.counters),
+            lanes={n: lane.stats() for n, lane in self._lanes.items()},
+            groups=groups,
+            staging=StagingStats(
+                self.staging.capacity, self.staging.in_use, self.staging.high_water, self.staging.refusals
+            ),
+            jobs_in_flight=self.inflight.jobs,
+        )
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _group(self, group: int) -> GroupBinding:
+        grp = self._groups.get(group)
+        if grp is None:
+            raise KeyError(f"group {group} is not registered; call register_group first")
+        return grp
+
+    def _refused(self, kind: str) -> bool:
+        if not self._closed and self.loop.running:
+            return False
+        self.counters[f"{kind}_refused_closed"] += 1
+        return True
+
+    def _finish(
+        self,
+        run: JobRun,
+        t0: float,
+        nbytes: int,
+        done: tuple[bytes, ...],
+        failed: tuple[bytes, ...],
+        tiers: dict[str, int],
+    ) -> None:
+        """Publish a job's result and count it out of the jobs in flight (every family, every outcome)."""
+        seconds = time.perf_counter() - t0
+        res = JobResult(run.job_id, run.kind, not run.error, nbytes, seconds, run.error, done, failed, tiers)
+        object.__setattr__(res, "finished_at", time.perf_counter())
+        self._finished.append(res)
+        self.counters[f"{res.kind}_{'ok' if res.ok else 'failed'}"] += 1
+        if res.ok:
+            self.latencies[res.kind].append(res.seconds)
+        self.inflight.end()
+
+
+def _nbytes(buf: Any) -> int:
+    return len(memoryview(buf).cast("B"))

@@ -1,0 +1,205 @@
+"""What the engine submits and what it polls, and the one skeleton every job runs in.
+
+* :class:`ChunkRef`, :class:`StoreJob`, :class:`LoadJob` — per KV group, chunk keys with the
+  GPU block ids of each chunk (engine-block jobs).
+* :class:`JobResult` — what :meth:`Pipeline.poll_finished <tieredkv.pipeline.Pipeline.poll_finished>`
+  returns, for both job families (store/load of engine blocks, put/get of host buffers).
+* :class:`JobRun` — the skeleton shared by all four job kinds: the job timeout, "cancelled at
+  close", and any other exception turned into the result's error string (never into the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from tieredkv.keys import key_group
+
+__all__ = [
+    "NULL_BLOCK",
+    "ChunkRef",
+    "InFlight",
+    "JobResult",
+    "JobRun",
+    "KeyState",
+    "LoadJob",
+    "StoreJob",
+    "by_group",
+    "parts",
+]
+
+log = logging.getLogger(__name__)
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk: its stored key and the GPU block ids it occupies, in order."""
+
+    key: bytes
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    job_id: int
+    group: int
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Load whole chunks into GPU blocks.
+
+    A chunk's ``block_ids`` either list one destination per block of the chunk, with the
+    null id 0 for a block not to copy, or (first chunk only) just the blocks after
+    ``skip_blocks`` blocks that are not copied (the local prefix ends mid-chunk).
+    """
+
+    job_id: int
+    group: int
+    chunks: tuple[ChunkRef, ...]
+    skip_blocks: int = 0
+
+    def placements(self, i: int, blocks_per_chunk: int) -> list[tuple[int, int]]:
+        """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i``."""
+        ids = self.chunks[i].block_ids
+        if len(ids) == blocks_per_chunk:
+            return [(p, b) for p, b in enumerate(ids) if b != NULL_BLOCK]
+        skip = self.skip_blocks if i == 0 else 0
+        if skip + len(ids) != blocks_per_chunk:
+            raise ValueError(
+                f"load job {self.job_id}: chunk {i} has {len(ids)} block ids (+{skip} skipped),"
+                f" a chunk has {blocks_per_chunk} blocks"
+            )
+        return [(skip + p, b) for p, b in enumerate(ids)]
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    job_id: int
+    kind: str  # "store" | "load" (KV tensors) or "put" | "get" (host buffers)
+    ok: bool
+    nbytes: int
+    seconds: float
+    error: str | None = None
+    done: tuple[bytes, ...] = ()
+    """Store: keys now held by at least one tier. Load: keys copied into their blocks."""
+    failed: tuple[bytes, ...] = ()
+    """Store: keys refused or dropped (offer them again later). Load: keys not found."""
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Store: chunks written per tier. Load: chunks read per tier."""
+    finished_at: float = 0.0
+    """``time.perf_counter()`` when the job finished."""
+
+
+class KeyState(str, Enum):
+    HIT = "hit"
+    PENDING = "pending"
+    MISS = "miss"
+
+
+class JobRun:
+    """One job on the loop: its kind, id and error. ``async with run.guard():`` runs the body
+    under ``job_timeout_s`` and turns what it raises into :attr:`error` (a cancel at close is
+    recorded and re-raised), so every job family finishes the same way whatever happened."""
+
+    __slots__ = ("error", "job_id", "kind", "timeout_s")
+
+    def __init__(self, kind: str, job_id: int, timeout_s: float | None) -> None:
+        self.kind = kind
+        self.job_id = job_id
+        self.timeout_s = timeout_s
+        self.error: str | None = None
+
+    @contextlib.asynccontextmanager
+    async def guard(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                yield
+        except asyncio.CancelledError:
+            self.error = "cancelled at close"
+            raise
+        except Exception as e:  # noqa: BLE001 - never into the engine
+            self.error = self._describe(e)
+
+    def _describe(self, e: BaseException) -> str:
+        if isinstance(e, TimeoutError):
+            return f"{self.kind} job ran past job_timeout_s={self.timeout_s}"
+        log.error("%s job %s failed", self.kind, self.job_id, exc_info=e)
+        return f"{type(e).__name__}: {e}"
+
+
+def parts(n: int, per: int) -> list[range]:
+    """Indices ``0 .. n-1`` in consecutive parts of ``per`` (a staging buffer's worth of chunks)."""
+    per = max(1, per)
+    return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+
+def by_group(items: Sequence[tuple[bytes, Any]]) -> dict[int, list[int]]:
+    """Indices of ``(key, ...)`` items per KV group of their key."""
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    for i, (k, _) in enumerate(items):
+        out[key_group(k)].append(i)
+    return out
+
+
+class InFlight:
+    """Jobs in flight (for ``drain``) and keys pending a write (for lookups), shared by the engine
+    threads that submit and the loop thread that finishes. A key is pending from submit until its
+    writes finish, so a lookup never reports a hit for bytes that are not written yet."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)
+        self._pending: collections.Counter[bytes] = collections.Counter()
+        self.jobs = 0
+
+    def begin(self, keys: Sequence[bytes] = ()) -> None:
+        with self.lock:
+            self.jobs += 1
+            for k in keys:
+                self._pending[k] += 1
+
+    def unpend(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for k in keys:
+                n = self._pending[k] - 1
+                if n > 0:
+                    self._pending[k] = n
+                else:
+                    self._pending.pop(k, None)
+
+    def end(self) -> None:
+        with self._idle:
+            self.jobs -= 1
+            if not self.jobs:
+                self._idle.notify_all()
+
+    def is_pending(self, key: bytes) -> bool:
+        return key in self._pending
+
+    def pending_per_group(self) -> dict[int, int]:
+        with self.lock:
+            keys = list(self._pending)
+        return dict(collections.Counter(key_group(k) for k in keys))
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no job is in flight; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self.jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True

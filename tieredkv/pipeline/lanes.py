@@ -1,0 +1,158 @@
+"""Tier lanes: per tier, one writer task that batches queued chunks, and one circuit breaker.
+
+A lane is the only place the pipeline calls a tier's data operations. Writes are queued and
+sent in batches (one LMDB transaction or one Redis pipeline per batch); reads and existence
+checks go straight through. Every call is guarded by the tier's
+:class:`~tieredkv.policy.CircuitBreaker`: a dead tier means dropped (counted) stores and
+misses, never an exception into the engine, and it heals through half-open probes.
+:class:`Lanes` routes items over several lanes (write to every write tier, read tier by tier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from tieredkv.backends.base import Tier
+from tieredkv.config import PipelineConfig
+from tieredkv.errors import TieredKVError, TierFullError
+from tieredkv.pipeline.stats import LaneStats
+from tieredkv.policy import CircuitBreaker
+
+__all__ = ["Lanes", "Outcome", "TierLane"]
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(Enum):
+    OK = 1
+    FULL = 2
+    DROPPED = 3
+
+
+@dataclass(slots=True)
+class _WriteItem:
+    key: bytes
+    payload: Any
+    fut: asyncio.Future[Outcome]
+
+
+class TierLane:
+    """One tier on the loop: its writer queue, writer task and breaker."""
+
+    def __init__(self, tier: Tier, cfg: PipelineConfig) -> None:
+        self.tier = tier
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
+        self.queue: asyncio.Queue[_WriteItem] = asyncio.Queue()
+        self.max_bytes = int(cfg.max_batch_bytes)
+        self.max_items = cfg.max_batch_items
+        self.dropped = 0
+        self.batches = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def stats(self) -> LaneStats:
+        return LaneStats(self.breaker.state.value, self.breaker.opens, self.dropped, self.batches)
+
+    def write(self, key: bytes, payload: Any) -> asyncio.Future[Outcome]:
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait(_WriteItem(key, payload, fut))
+        return fut
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self.queue.get()]
+            nbytes = len(batch[0].payload)
+            while not self.queue.empty() and len(batch) < self.max_items and nbytes < self.max_bytes:
+                item = self.queue.get_nowait()
+                batch.append(item)
+                nbytes += len(item.payload)
+            await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[_WriteItem]) -> None:
+        outcome = Outcome.OK
+        if not self.breaker.allow():
+            outcome = Outcome.DROPPED
+        else:
+            try:
+                await self.tier.put_many([(it.key, it.payload) for it in batch])
+                self.breaker.success()
+                self.batches += 1
+            except TierFullError:
+                self.breaker.success()  # the tier answered: it is alive, just full
+                outcome = Outcome.FULL
+            except TieredKVError as e:
+                self.breaker.failure()
+                log.warning("tier %s: store of %d chunks dropped: %s", self.tier.name, len(batch), e)
+                outcome = Outcome.DROPPED
+        if outcome is Outcome.DROPPED:
+            self.dropped += len(batch)
+        for it in batch:
+            if not it.fut.done():
+                it.fut.set_result(outcome)
+
+    async def read(self, keys: list[bytes], into: list[Any]) -> list[Any] | None:
+        """``get_many`` guarded by the breaker; ``None`` when the tier is skipped or failed."""
+        if not self.breaker.allow():
+            return None
+        try:
+            got = await self.tier.get_many(keys, into=into)
+        except TieredKVError as e:
+            self.breaker.failure()
+            log.warning("tier %s: load of %d chunks failed (misses): %s", self.tier.name, len(keys), e)
+            return None
+        self.breaker.success()
+        return got
+
+    async def contains(self, keys: list[bytes]) -> list[bool] | None:
+        if not self.breaker.allow():
+            return None
+        try:
+            got = await self.tier.contains_many(keys)
+        except TieredKVError:
+            self.breaker.failure()
+            return None
+        self.breaker.success()
+        return got
+
+
+class Lanes(dict[str, TierLane]):
+    """Every tier's lane by name, with the multi-tier write and read the jobs share."""
+
+    async def write_items(
+        self, tiers: Sequence[str], keys: list[bytes], views: list[Any]
+    ) -> tuple[list[bytes], dict[str, int]]:
+        """Write every item to each of ``tiers``; keys held by at least one tier, and per-tier counts."""
+        lanes = [self[n] for n in tiers]
+        futs = [[lane.write(k, v) for k, v in zip(keys, views)] for lane in lanes]
+        results = [await asyncio.gather(*f) for f in futs]
+        written = {lane.tier.name: sum(r is Outcome.OK for r in res) for lane, res in zip(lanes, results)}
+        done = [k for i, k in enumerate(keys) if any(res[i] is Outcome.OK for res in results)]
+        return done, written
+
+    async def read_items(
+        self,
+        tiers: Sequence[str],
+        keys: list[bytes],
+        views: list[Any],
+        nbytes: int | None,
+        todo: list[int] | None = None,
+    ) -> dict[int, str]:
+        """Read items (all, or indices ``todo``) tier by tier; ``{index: tier}`` of those found
+        (of exactly ``nbytes`` when given)."""
+        found_in: dict[int, str] = {}
+        todo = list(range(len(keys))) if todo is None else todo
+        for name in tiers:
+            if not todo:
+                break
+            got = await self[name].read([keys[i] for i in todo], [views[i] for i in todo])
+            if got is None:
+                continue
+            for i, n in zip(todo, got):
+                if n is not None and (nbytes is None or n == nbytes):
+                    found_in[i] = name
+            todo = [i for i in todo if i not in found_in]
+        return found_in

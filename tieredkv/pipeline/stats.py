@@ -1,0 +1,147 @@
+"""Typed pipeline statistics: what the pipeline counts and what :mod:`tieredkv.metrics` exports.
+
+The producer (the pipeline) fills these dataclasses and the collector reads them by attribute,
+so a renamed or removed field breaks at type-check and test time instead of leaving a metric
+without samples. Each :class:`GroupStats` field carries its Prometheus name and help in its
+``metadata`` (``metric``, ``help``, ``type``): adding a per-group metric is adding a field here
+and counting it in the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GroupStats", "LaneStats", "PipelineStats", "StagingStats", "group_metric_fields"]
+
+
+def _m(metric: str, help: str, kind: str = "counter") -> Any:
+    return field(default=0, metadata={"metric": metric, "help": help, "type": kind})
+
+
+@dataclass(slots=True)
+class GroupStats:
+    """Per KV group, in chunks (one key) and payload bytes."""
+
+    hits: int = _m("group_hits", "Chunks of this KV group found by lookups.")
+    misses: int = _m("group_misses", "Chunks of this KV group not found by lookups.")
+    stores: int = _m("group_stores", "Chunks of this KV group stored (held by at least one tier).")
+    stored_bytes: int = _m("group_stored_bytes", "Bytes of this KV group stored.")
+    loads: int = _m("group_loads", "Chunks of this KV group loaded.")
+    loaded_bytes: int = _m("group_loaded_bytes", "Bytes of this KV group loaded.")
+    dropped_stores: int = _m(
+        "group_dropped_stores", "Chunks of this KV group whose store was refused (back-pressure) or dropped."
+    )
+    load_missing: int = _m("group_load_missing", "Chunks of this KV group a load did not find in any tier.")
+    pending: int = _m("group_pending", "Chunks of this KV group being written (lookups answer pending).", "gauge")
+
+
+def group_metric_fields() -> list[dataclasses.Field[Any]]:
+    """The :class:`GroupStats` fields with their metric metadata (one metric each)."""
+    return list(dataclasses.fields(GroupStats))
+
+
+@dataclass(slots=True)
+class LaneStats:
+    """One tier as the pipeline sees it: its writer lane and circuit breaker."""
+
+    breaker: str = "closed"  # closed | open | half_open
+    breaker_opens: int = 0
+    dropped: int = 0  # chunks dropped for this tier (dead tier or open breaker)
+    batches: int = 0  # write batches the tier accepted
+
+
+@dataclass(slots=True)
+class StagingStats:
+    capacity: int = 0
+    in_use: int = 0
+    high_water: int = 0
+    refusals: int = 0
+
+
+@dataclass(slots=True)
+class PipelineStats:
+    """A snapshot of the pipeline (taken on any thread; counters are plain ints)."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    """Pipeline events: ``store_ok``, ``load_failed``, ``promotions``, ``write_backs``, ..."""
+    lanes: dict[str, LaneStats] = field(default_factory=dict)
+    groups: dict[int, GroupStats] = field(default_factory=dict)
+    staging: StagingStats | None = None
+    jobs_in_flight: int | None = None
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        return {n: lane.dropped for n, lane in self.lanes.items()}
+
+    @property
+    def breakers(self) -> dict[str, str]:
+        return {n: lane.breaker for n, lane in self.lanes.items()}
+
+    def __getitem__(self, key: str) -> Any:
+        """The older dict layout (``stats()["breakers"]["cpu"]``), for readers not yet moved to
+        attributes: ``counters``, ``dropped``, ``breakers``, ``breaker_opens``, ``groups``,
+        ``staging``, ``pending``. New code reads attributes (type-checked)."""
+        legacy = {
+            "counters": lambda: self.counters,
+            "dropped": lambda: self.dropped,
+            "breakers": lambda: self.breakers,
+            "breaker_opens": lambda: {n: lane.breaker_opens for n, lane in self.lanes.items()},
+            "groups": lambda: {g: dataclasses.asdict(gs) for g, gs in self.groups.items()},
+            "staging": lambda: None if self.staging is None else dataclasses.asdict(self.staging),
+            "pending": lambda: self.jobs_in_flight,
+        }
+        if key not in legacy:
+            raise KeyError(f"pipeline stats have no {key!r}; read the attributes of PipelineStats")
+        return legacy[key]()
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON, logs, vLLM's tier stats)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> PipelineStats:
+        """A snapshot from the older dict layout (``counters``, ``dropped``, ``breakers``,
+        ``breaker_opens``, ``staging``, ``pending``), for a stand-in pipeline that still reports
+        one. Unknown keys raise ``ValueError`` naming them, so nothing is silently left out."""
+        known = {"counters", "dropped", "breakers", "breaker_opens", "staging", "pending", "groups"}
+        extra = sorted(set(m) - known)
+        if extra:
+            raise ValueError(f"pipeline stats: unknown keys {extra}; expected some of {sorted(known)}")
+        lanes: dict[str, LaneStats] = {}
+        for key, attr in (("breakers", "breaker"), ("breaker_opens", "breaker_opens"), ("dropped", "dropped")):
+            for name, v in (m.get(key) or {}).items():
+                value = str(getattr(v, "value", v)) if attr == "breaker" else int(v)
+                setattr(lanes.setdefault(str(name), LaneStats()), attr, value)
+        staging = m.get("staging")
+        return cls(
+            counters={str(k): int(v) for k, v in (m.get("counters") or {}).items()},
+            lanes=lanes,
+            groups={int(g): _legacy_group(c) for g, c in (m.get("groups") or {}).items()},
+            staging=StagingStats(**dict(staging)) if staging else None,
+            jobs_in_flight=m.get("pending"),
+        )
+
+
+#: Older per-group counter names (the pipeline's ``group_counters``) -> :class:`GroupStats` fields.
+_LEGACY_GROUP_NAMES = {
+    "store_chunks": "stores",
+    "store_bytes": "stored_bytes",
+    "store_refused": "dropped_stores",
+    "dropped": "dropped_stores",
+    "load_chunks": "loads",
+    "load_bytes": "loaded_bytes",
+}
+
+
+def _legacy_group(counters: Mapping[str, Any]) -> GroupStats:
+    fields = set(GroupStats.__dataclass_fields__)
+    out = GroupStats()
+    for name, value in counters.items():
+        attr = _LEGACY_GROUP_NAMES.get(name, name)
+        if attr not in fields:
+            raise ValueError(f"pipeline stats: unknown group counter {name!r}; expected some of {sorted(fields)}")
+        setattr(out, attr, int(value))
+    return out

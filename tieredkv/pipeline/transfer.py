@@ -1,0 +1,215 @@
+"""Transfer strategies: how a job's chunks move between engine blocks and the tiers.
+
+Three strategies, chosen per job (never by a tier's class: by ``tier.capabilities.slots`` and
+by where the tensors live):
+
+* **slots** — the route's first tier offers slots of its own memory
+  (:attr:`TierCapabilities.slots <tieredkv.backends.base.TierCapabilities.slots>`, the CPU
+  slab): a store gathers device blocks straight into reserved slots and publishes them (one
+  copy); a load scatters hits straight from borrowed slots.
+* **direct** — the device bytes already are the payload (one CPU tensor, consecutive blocks):
+  tiers read and write them with no staging copy (:meth:`GroupBinding.direct_view`).
+* **staged** — everything else: blocks are gathered into a staging buffer, written, and read
+  back into it before the scatter. A job larger than the whole pool moves through its buffer
+  in parts.
+
+To add a strategy: give :class:`Transfers` a branch in :meth:`Transfers.store` /
+:meth:`Transfers.load` keyed on a capability, and keep the tier side behind that capability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from tieredkv.errors import TierFullError
+from tieredkv.groups import GroupSpec
+from tieredkv.pipeline.jobs import LoadJob, StoreJob, parts
+from tieredkv.pipeline.lanes import Lanes
+from tieredkv.pipeline.writeback import WriteBack
+from tieredkv.policy import GroupRoute
+from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer
+
+__all__ = ["GroupBinding", "SlotTier", "Transfers", "wait_event"]
+
+
+class SlotTier(Protocol):
+    """The slot API of a tier with ``capabilities.slots`` (loop thread only)."""
+
+    name: str
+
+    def reserve(self, items: list[tuple[bytes, int]]) -> list[Any]: ...
+    def slot_view(self, slot: Any) -> Any: ...
+    def commit(self, items: list[tuple[bytes, Any]], *, count: bool = True) -> None: ...
+    def abort(self, slots: list[Any]) -> None: ...
+    def borrow(self, keys: list[bytes]) -> list[Any | None]: ...
+    def give_back(self, keys: list[bytes], slots: list[Any] | None = None) -> None: ...
+
+
+@dataclass(slots=True)
+class GroupBinding:
+    """A registered KV group on the pipeline: its :class:`~tieredkv.groups.GroupSpec`, the
+    engine tensors it lives in, and its route. A view: the spec is the group model."""
+
+    spec: GroupSpec
+    tensors: KVGroupTensors
+    route: GroupRoute
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.spec.blocks_per_chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.tensors.chunk_bytes(self.spec.blocks_per_chunk)
+
+    def direct_view(self, placements: Sequence[tuple[int, int]]) -> Any:
+        """The device bytes of a whole chunk when they already are its payload — one CPU tensor and
+        consecutive blocks — so tiers can read and write them with no staging copy; else None."""
+        t = self.tensors
+        if len(t.tensors) != 1 or t.device.type != "cpu" or len(placements) != self.blocks_per_chunk:
+            return None
+        first = placements[0][1]
+        if any(pos != j or b != first + j for j, (pos, b) in enumerate(placements)):
+            return None
+        return t.tensors[0][first : first + self.blocks_per_chunk].view(-1)
+
+
+class Transfers:
+    """Moves engine-block jobs' bytes (loop thread)."""
+
+    def __init__(self, copier: Copier, lanes: Lanes, writeback: WriteBack) -> None:
+        self.copier = copier
+        self.lanes = lanes
+        self.writeback = writeback
+
+    def slot_tier(self, tiers: Sequence[str]) -> SlotTier | None:
+        """The route's first tier when it offers slots and its breaker lets work through."""
+        lane = self.lanes[tiers[0]]
+        if lane.tier.capabilities.slots and lane.breaker.allow():
+            return cast(SlotTier, lane.tier)
+        return None
+
+    # ---- store ---------------------------------------------------------------------------------
+
+    async def store(
+        self, job: StoreJob, grp: GroupBinding, buf: StagingBuffer, ready: Any
+    ) -> tuple[list[bytes], dict[str, int]]:
+        """Store a job's chunks; keys held by at least one tier, and chunks written per tier."""
+        write_tiers = grp.route.write_tiers
+        slots = self.slot_tier(write_tiers) if len(write_tiers) == 1 else None
+        if slots is not None:
+            return await self._store_into_slots(slots, job, grp, ready)
+        return await self._store_staged(job, grp, buf, ready)
+
+    async def _store_into_slots(
+        self, tier: SlotTier, job: StoreJob, grp: GroupBinding, ready: Any
+    ) -> tuple[list[bytes], dict[str, int]]:
+        """Device blocks straight into the tier's slots (one copy), then publish them."""
+        keys = [c.key for c in job.chunks]
+        try:
+            slots = tier.reserve([(k, grp.chunk_bytes) for k in keys])
+        except TierFullError:
+            return [], {tier.name: 0}
+        try:
+            ev = None
+            for i, c in enumerate(job.chunks):
+                ev = self.copier.gather(
+                    grp.tensors, c.block_ids, tier.slot_view(slots[i]), after=ready if i == 0 else None
+                )
+            await wait_event(ev)
+        except BaseException:
+            tier.abort(slots)
+            raise
+        tier.commit(list(zip(keys, slots)))
+        self.writeback.mark_dirty(grp.route, keys)
+        return keys, {tier.name: len(keys)}
+
+    async def _store_staged(
+        self, job: StoreJob, grp: GroupBinding, buf: StagingBuffer, ready: Any
+    ) -> tuple[list[bytes], dict[str, int]]:
+        cb = grp.chunk_bytes
+        keys = [c.key for c in job.chunks]
+        done: list[bytes] = []
+        written: dict[str, int] = {}
+        for part in parts(len(job.chunks), buf.nbytes // cb):  # one part unless the job is larger than the pool
+            ev = None
+            views = []
+            for j, i in enumerate(part):
+                c = job.chunks[i]
+                direct = grp.direct_view(list(enumerate(c.block_ids)))
+                if direct is None:
+                    direct = buf.view(j * cb, cb)
+                    ev = self.copier.gather(grp.tensors, c.block_ids, direct, after=ready)
+                views.append(memoryview(direct.numpy()))
+            await wait_event(ev)
+            got, w = await self.writeback.write(grp.route, [keys[i] for i in part], views)
+            done += got  # the writes are over: the buffer is free for the next part
+            for name, n in w.items():
+                written[name] = written.get(name, 0) + n
+        return done, written
+
+    # ---- load ----------------------------------------------------------------------------------
+
+    async def load(self, job: LoadJob, grp: GroupBinding, buf: StagingBuffer, found_in: dict[int, str]) -> None:
+        """Load a job's chunks into their blocks, filling ``found_in`` (``{chunk index: tier}``)
+        as they are found; a chunk missing everywhere stops the copies (the job fails) but the
+        reads go on, to report every missing chunk."""
+        cb = grp.chunk_bytes
+        keys = [c.key for c in job.chunks]
+        route = grp.route
+        slots = self.slot_tier(route.tiers)
+        borrowed: dict[int, Any] = {}
+        try:
+            places = [job.placements(i, grp.blocks_per_chunk) for i in range(len(keys))]
+            direct = [grp.direct_view(pl) for pl in places]
+            if slots is not None:  # hits in the slot tier are copied straight from their slots
+                for i, slot in enumerate(slots.borrow(keys)):
+                    if slot is not None:
+                        borrowed[i] = slot
+                        found_in[i] = slots.name
+            lower = route.tiers[1:] if slots is not None else route.tiers
+            complete = True  # every chunk so far was found: keep copying
+            for part in parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger than the pool
+                part_keys = [keys[i] for i in part]
+                views = [buf.view(j * cb, cb) if direct[i] is None else direct[i] for j, i in enumerate(part)]
+                rest = [j for j, i in enumerate(part) if i not in found_in]
+                if rest:
+                    got = await self.lanes.read_items(lower, part_keys, views, cb, rest)
+                    found_in.update({part[j]: name for j, name in got.items()})
+                complete = complete and all(i in found_in for i in part)
+                if not complete:
+                    continue
+                ev = None
+                for j, i in enumerate(part):
+                    if i in borrowed:
+                        src = cast(SlotTier, slots).slot_view(borrowed[i])
+                        ev = self.copier.scatter(grp.tensors, places[i], src, grp.blocks_per_chunk)
+                    elif direct[i] is None:
+                        ev = self.copier.scatter(grp.tensors, places[i], views[j], grp.blocks_per_chunk)
+                await wait_event(ev)
+                await self.writeback.promote(
+                    route,
+                    part_keys,
+                    [memoryview(v.numpy()) for v in views],
+                    {j: found_in[i] for j, i in enumerate(part)},
+                )
+        finally:
+            if borrowed:
+                cast(SlotTier, slots).give_back([keys[i] for i in borrowed], list(borrowed.values()))
+
+
+def tiers_read(found_in: dict[int, str]) -> dict[str, int]:
+    """Chunks read per tier."""
+    return dict(collections.Counter(found_in.values()))
+
+
+async def wait_event(ev: Any) -> None:
+    """Wait for a CUDA event without blocking the loop (None: nothing to wait for)."""
+    if ev is None:
+        return
+    while not ev.query():
+        await asyncio.sleep(0.0002)

@@ -11,13 +11,13 @@ from typing import Any
 
 import typer
 
+from tieredkv import ENGINE_HINT
 from tieredkv.cli import render
 from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, CLIError
 from tieredkv.cli.tiers import local_path, with_data_dir
 
 __all__ = ["ENGINE_HINT", "register", "require_engine"]
 
-ENGINE_HINT = "pip install 'tieredkv[engine]'"
 _DataDirOpt = typer.Option(None, "--data-dir", help="Where the LMDB tier lives (default: a fresh temporary directory).")
 _OutDirOpt = typer.Option(Path("tieredkv-bench"), "--out", help="Where the JSON and PNG go.")
 

@@ -32,6 +32,14 @@ which are all-or-nothing). redis-py's own cluster retry is off (``retries=0``): 
 one node's connection error by closing every node's connections, under the other pipelines in
 flight ('NoneType' object has no attribute 'writelines').
 
+Ages and admin scans: Redis keeps each key's idle time (``OBJECT IDLETIME``, read by
+:meth:`RedisTier.fill_stamps`; it does not touch the key). ``STRLEN`` / ``GET`` / ``GETRANGE``
+count as accesses and reset it, so the admin CLI sets :attr:`RedisTier.passive_scans`: ``scan``
+then asks for strings only (``SCAN ... TYPE string``) and sizes them with ``MEMORY USAGE`` (no
+touch; an upper bound of the payload, as it counts the allocation), so ``ls`` never changes what
+``evict --older-than`` / ``--to-size`` see. ``stats().records`` is ``None``: ``DBSIZE`` counts other
+applications' keys too (it is ``extra["db_keys"]``); ``tieredkv status`` counts ours by scan.
+
 Capacity is the server's (``maxmemory``): the tier does not evict (``evicts_locally`` is
 false). A put that Redis refuses (``OOM``) raises :class:`~tieredkv.errors.TierFullError`
 after deleting the records of that call that were already written (best effort).

@@ -80,3 +80,38 @@ def test_version_flag_and_config_init_refuses_to_overwrite(tmp_path: Path) -> No
     forced = narrow("config", "init", str(target), "--force")
     assert forced.returncode == 0 and target.read_text() == sample_config_text()
     assert narrow("config", "check", str(target)).returncode == 0
+
+
+def _stderr_on_a_terminal(*args: str) -> tuple[int, str, bytes]:
+    """Run the CLI with stderr on a pseudo-terminal (stdout a pipe): (rc, stdout, terminal bytes)."""
+    import pty
+    import select
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")}
+    master, slave = pty.openpty()
+    p = subprocess.Popen([*TKV, *args], stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    seen = b""
+    while select.select([master], [], [], 120)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    out, _ = p.communicate(timeout=120)
+    return p.returncode, out.decode(), seen
+
+
+def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
+    seed(cfg, "nvme", 20)
+    rc, out, tty = _stderr_on_a_terminal("verify", "-c", str(cfg))
+    assert rc == 0 and b"scan nvme" in tty and b"verify nvme" in tty
+    assert out.splitlines()[1].split("\t") == ["nvme", "20", "20", "0", "0"]  # stdout stays plain
+    rc, out, tty = _stderr_on_a_terminal("verify", "-c", str(cfg), "--json")
+    assert rc == 0 and b"scan nvme" not in tty and '"ok": 20' in out
+    piped = narrow("verify", "-c", str(cfg))
+    assert piped.returncode == 0 and piped.stderr == ""

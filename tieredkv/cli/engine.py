@@ -117,19 +117,19 @@ def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
                      str(row["loaded_chunks"])))  # fmt: skip
     render.table("tokens per KV group", cols, rows, right=[c for c in cols if c != "kind"])
     cols = ("tier", "kind", "records", "MiB held", "MiB written", "hits", "dropped", "breaker")
-    rows = [
+    tier_rows = [
         (name, row["kind"], "-" if row["records"] is None else str(row["records"]), f"{row['used_bytes'] / 2**20:.1f}",
          f"{row['put_bytes'] / 2**20:.1f}", str(row["hits"]), str(row["dropped_stores"]), row["breaker"])
         for name, row in s["tiers"].items()
     ]  # fmt: skip
-    render.table("tiers", cols, rows, right=("records", "MiB held", "MiB written", "hits", "dropped"))
-    cols = ("", "jobs", "failed", "MiB", "GB/s", "p50 ms", "p99 ms")
-    rows = [
+    render.table("tiers", cols, tier_rows, right=("records", "MiB held", "MiB written", "hits", "dropped"))
+    job_cols = ("", "jobs", "failed", "MiB", "GB/s", "p50 ms", "p99 ms")
+    job_rows = [
         (kind, str(r["jobs"]), str(r["failed"]), f"{r['bytes'] / 2**20:.1f}", f"{r['gbps']:.2f}",
          f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}")
         for kind in ("store", "load") for r in (s[kind],)
     ]  # fmt: skip
-    render.table("pipeline jobs", cols, rows, right=cols[1:])
+    render.table("pipeline jobs", job_cols, job_rows, right=job_cols[1:])
     drops = sum(s["drops"].values())
     render.say(
         f"drops: {drops} (staging back-pressure {s['drops']['staging_backpressure']});"

@@ -79,10 +79,10 @@ def warn(label: str, message: str) -> None:
 def table(title: str | None, cols: Sequence[str], rows: Iterable[Sequence[Cell]], right: Iterable[str] = ()) -> None:
     """A table: rich (cells fold, never truncated) on a terminal; in a pipe a ``# title`` line,
     a header line and one tab-separated line per row."""
-    rows = [[c if isinstance(c, tuple) else (c, "") for c in row] for row in rows]
+    cells: list[list[tuple[str, str]]] = [[c if isinstance(c, tuple) else (c, "") for c in row] for row in rows]
     if not out.is_terminal:
         lines = ([f"# {title}"] if title else []) + ["\t".join(cols)]
-        lines += ["\t".join(text for text, _ in row) for row in rows]
+        lines += ["\t".join(text for text, _ in row) for row in cells]
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
         return
@@ -90,7 +90,7 @@ def table(title: str | None, cols: Sequence[str], rows: Iterable[Sequence[Cell]]
     r = set(right)
     for c in cols:
         t.add_column(c, justify="right" if c in r else "left", overflow="fold")
-    for row in rows:
+    for row in cells:
         t.add_row(*(Text(text, style=style) for text, style in row))
     out.print(t)
 

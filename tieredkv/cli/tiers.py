@@ -8,7 +8,7 @@ never on a tier's ``kind``: a new tier kind needs no change here.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,17 @@ BATCH_RECORDS = 256
 DELETE_BATCH = 1024
 
 
+def tier_class(kind: str) -> type[Tier]:
+    """The registered tier class of ``kind`` (``BackendNotFoundError`` with the install hint)."""
+    cls: type[Tier] = get_tier_class(kind)
+    return cls
+
+
 def capabilities(tcfg: Any) -> TierCapabilities | None:
     """What the tier class of ``tcfg`` can do; ``None`` when it cannot be loaded here (a missing
     extra: the caller reports the registry's install hint)."""
     try:
-        return get_tier_class(tcfg.kind).capabilities
+        return tier_class(tcfg.kind).capabilities
     except BackendNotFoundError:
         return None
 
@@ -73,7 +79,7 @@ def select_tiers(cfg: TieredKVConfig, names: Sequence[str] | None, *, allow_in_p
             raise CLIError(EXIT_BAD_INPUT, f"--tier: {e}") from None
         if not allow_in_process:
             try:
-                in_process = get_tier_class(t.kind).capabilities.in_process
+                in_process = tier_class(t.kind).capabilities.in_process
             except BackendNotFoundError as e:
                 raise CLIError(EXIT_BAD_INPUT, f"--tier {name}: {e}") from None
             if in_process:
@@ -115,7 +121,7 @@ async def open_tier(tcfg: Any, *, create: bool = False) -> AsyncIterator[Tier]:
         await tier.close()
 
 
-async def scan_records(tier: Tier, namespace: bytes | None, group: int | None) -> AsyncIterator[RecordInfo]:
+async def scan_records(tier: Tier, namespace: bytes | None, group: int | None) -> AsyncGenerator[RecordInfo, None]:
     """The records of ``tier`` in ``namespace`` / ``group``, lazily (stop early for a bounded job)."""
     async for info in tier.scan(namespace):
         if group is None or info.group == group:

@@ -270,7 +270,9 @@ def test_ls_pages_filters_and_summarizes(tmp_path: Path) -> None:
         page = run_json(
             "ls", "-c", str(cfg), "--namespace", NS.fingerprint.hex(), "--limit", "10", "--offset", str(offset)
         )
-        assert page["total"] == 25 and len(page["records"]) <= 10
+        assert len(page["records"]) <= 10
+        # ls stops one record past the page: the total is known only on the last page
+        assert page["total"] == (25 if page["next_offset"] is None else None)
         seen += [r["key"] for r in page["records"]]
         offset = page["next_offset"]
     assert seen == sorted(k.hex() for k in keys)  # every record once, in key order

@@ -32,6 +32,14 @@ which are all-or-nothing). redis-py's own cluster retry is off (``retries=0``): 
 one node's connection error by closing every node's connections, under the other pipelines in
 flight ('NoneType' object has no attribute 'writelines').
 
+Ages and admin scans: Redis keeps each key's idle time (``OBJECT IDLETIME``, read by
+:meth:`RedisTier.fill_stamps`; it does not touch the key). ``STRLEN`` / ``GET`` / ``GETRANGE``
+count as accesses and reset it, so the admin CLI sets :attr:`RedisTier.passive_scans`: ``scan``
+then asks for strings only (``SCAN ... TYPE string``) and sizes them with ``MEMORY USAGE`` (no
+touch; an upper bound of the payload, as it counts the allocation), so ``ls`` never changes what
+``evict --older-than`` / ``--to-size`` see. ``stats().records`` is ``None``: ``DBSIZE`` counts other
+applications' keys too (it is ``extra["db_keys"]``); ``tieredkv status`` counts ours by scan.
+
 Capacity is the server's (``maxmemory``): the tier does not evict (``evicts_locally`` is
 false). A put that Redis refuses (``OOM``) raises :class:`~tieredkv.errors.TierFullError`
 after deleting the records of that call that were already written (best effort).
@@ -42,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
@@ -186,6 +195,10 @@ class RedisTier(Tier):
     evicts_locally: ClassVar[bool] = False  # kept in step with capabilities.local_eviction
 
     config: RedisTierConfig
+    #: Admin scans set this: ``scan`` then never touches a key (it sizes values with ``MEMORY
+    #: USAGE``, an upper bound, instead of ``STRLEN``), so listing records does not reset the
+    #: idle time that ``evict --older-than`` / ``--to-size`` read. Off, sizes are exact.
+    passive_scans: bool = False
 
     def __init__(self, config: RedisTierConfig, *, name: str | None = None) -> None:
         super().__init__(config, name=name)
@@ -560,18 +573,60 @@ class RedisTier(Tier):
             if not keyed:
                 continue
             rks = [rk for rk, _ in keyed]
-            lengths = await self._per_key(rks, lambda pipe, i, rks=rks: pipe.strlen(rks[i]))
-            for (_, sk), n in zip(keyed, lengths, strict=True):
-                # 0: deleted since SCAN saw it; an error: a foreign non-string value (WRONGTYPE)
-                if isinstance(n, int) and n >= HEADER_SIZE:
-                    yield RecordInfo(key=sk, size=int(n) - HEADER_SIZE, stamp=None)
+            for info in await self._describe(rks, [sk for _, sk in keyed]):
+                if info is not None:
+                    yield info
+
+    async def _describe(self, rks: list[bytes], keys: list[bytes]) -> list[RecordInfo | None]:
+        """Each key's size (``stamp`` is left to :meth:`fill_stamps`); ``None`` for a key gone since
+        SCAN saw it or a foreign value. A passive scan sizes values with ``MEMORY USAGE``, which
+        does not touch the key (an upper bound: it counts the allocation); an active one with
+        ``STRLEN``: exact, but it counts as an access and resets the key's idle time."""
+        passive = self.passive_scans
+
+        def add(pipe: Any, i: int) -> None:
+            if passive:
+                pipe.memory_usage(rks[i], samples=0)
+            else:
+                pipe.strlen(rks[i])
+
+        out: list[RecordInfo | None] = []
+        for n, rk, key in zip(await self._per_key(rks, add), rks, keys, strict=True):
+            # n: 0 / None when deleted since SCAN saw it; an error for a foreign non-string value
+            if not isinstance(n, int) or n < HEADER_SIZE:
+                out.append(None)
+                continue
+            out.append(RecordInfo(key=key, size=_payload_upper_bound(n, len(rk)) if passive else n - HEADER_SIZE))
+        return out
+
+    async def fill_stamps(self, infos: list[RecordInfo]) -> list[RecordInfo]:
+        """Last access from ``OBJECT IDLETIME`` (which does not touch the key) where ``stamp`` is
+        missing; stays ``None`` when the server cannot tell (an LFU ``maxmemory-policy``)."""
+        todo = [i for i, info in enumerate(infos) if info.stamp is None]
+        if not todo:
+            return infos
+        await self._ensure_open()
+        return await self._guard("fill_stamps", len(todo), self._fill_stamps(infos, todo))
+
+    async def _fill_stamps(self, infos: list[RecordInfo], todo: list[int]) -> list[RecordInfo]:
+        out = list(infos)
+        now = time.time()
+        for run in _chunks(todo, lambda _: 1, _SMALL_BATCH):
+            rks = [self.redis_key(infos[i].key) for i in run]
+            idles = await self._per_key(rks, lambda pipe, j, rks=rks: pipe.object("idletime", rks[j]))
+            for i, idle in zip(run, idles, strict=True):
+                out[i] = RecordInfo(infos[i].key, infos[i].size, _stamp(idle, now))
+        return out
 
     async def _scan_batches(self, match: bytes) -> AsyncIterator[list[bytes]]:
-        """SCAN every primary (one on a single node), yielding each reply's keys."""
+        """SCAN every primary (one on a single node), yielding each reply's keys. A passive scan
+        asks for strings only (``TYPE string``): ``MEMORY USAGE`` would size any type."""
+        kind = "string" if self.passive_scans else None
+        type_args = ("TYPE", "string") if kind else ()
         if not self.config.cluster:
             cursor = 0
             while True:
-                cursor, keys = await self._client.scan(cursor, match=match, count=_SCAN_COUNT)
+                cursor, keys = await self._client.scan(cursor, match=match, count=_SCAN_COUNT, _type=kind)
                 if keys:
                     yield list(keys)
                 if cursor == 0:
@@ -580,7 +635,7 @@ class RedisTier(Tier):
             cursor = 0
             while True:
                 reply = await self._client.execute_command(
-                    "SCAN", cursor, "MATCH", match, "COUNT", _SCAN_COUNT, target_nodes=node
+                    "SCAN", cursor, "MATCH", match, "COUNT", _SCAN_COUNT, *type_args, target_nodes=node
                 )
                 cursor, keys = _scan_reply(reply)
                 if keys:
@@ -591,6 +646,8 @@ class RedisTier(Tier):
     # ---- stats ------------------------------------------------------------------------
 
     async def _stats(self) -> TierStats:
+        """Server memory and key counts. ``records`` is ``None``: ``DBSIZE`` counts every
+        application's keys, and counting only ours takes a scan (``tieredkv status`` does one)."""
         infos: list[dict[str, Any]] = []
         sizes: list[int] = []
         if self.config.cluster:
@@ -607,11 +664,12 @@ class RedisTier(Tier):
             kind=self.kind,
             capacity_bytes=sum(maxmem) if maxmem and all(maxmem) else None,
             used_bytes=sum(int(i.get("used_memory", 0)) for i in infos),
-            records=sum(sizes),
+            records=None,
             extra={
                 "nodes": len(infos),
                 "maxmemory_policy": policies[0] if len(policies) == 1 else policies,
-                "records_scope": "DBSIZE: every key in the database(s), not only this tier's prefix",
+                "db_keys": sum(sizes),
+                "db_keys_scope": "DBSIZE: every key in the database(s), other applications' too",
                 "key_prefix": self.config.key_prefix,
                 "url": self._where,
             },
@@ -636,7 +694,7 @@ class RedisTier(Tier):
         if isinstance(exc, NoPermissionError):
             return TierUnavailableError(
                 f"{where}: {op}: the ACL user lacks a permission ({detail}); it needs"
-                " +get +getrange +set +del +exists +strlen +scan +eval +info +dbsize on the key prefix"
+                " +get +getrange +set +del +exists +strlen +scan +eval +info +dbsize +object +memory on the key prefix"
             )
         if isinstance(exc, RedisTimeoutError):
             return TierTimeoutError(
@@ -666,6 +724,21 @@ def _claimed_record_size(head: bytes, key: bytes) -> int | None:
     if hdr.fingerprint != key[:FINGERPRINT_BYTES] or hdr.group != int.from_bytes(key[-GROUP_BYTES:], "big"):
         return None
     return HEADER_SIZE + n
+
+
+def _stamp(idle: Any, now: float) -> float | None:
+    """Unix time of the last access from an ``OBJECT IDLETIME`` reply (``None``: an error, e.g. LFU)."""
+    return now - float(idle) if isinstance(idle, int) and not isinstance(idle, bool) else None
+
+
+#: What ``MEMORY USAGE`` counts besides the value and the key at least (object header, dict entry).
+_MEMORY_OVERHEAD = 16 + 24
+
+
+def _payload_upper_bound(memory_usage: int, key_len: int) -> int:
+    """A payload size no smaller than the real one, from ``MEMORY USAGE`` less what it surely
+    counts besides the value (allocation rounding still makes it larger)."""
+    return max(memory_usage - _MEMORY_OVERHEAD - (key_len + 4) - HEADER_SIZE, 0)
 
 
 def _wrongtype(e: BaseException) -> bool:

@@ -1,0 +1,208 @@
+"""Engine-side commands: ``demo`` (replays a serving trace through the adapter, pipeline and
+tiers) and ``bench`` (tiers against their media's raw limits). Both need torch: they import the
+engine inside the command, and without torch say what to install instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from tieredkv import ENGINE_HINT
+from tieredkv.cli import render
+from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, CLIError
+from tieredkv.cli.tiers import local_path, with_data_dir
+
+__all__ = ["ENGINE_HINT", "register", "require_engine"]
+
+_DataDirOpt = typer.Option(None, "--data-dir", help="Where the LMDB tier lives (default: a fresh temporary directory).")
+_OutDirOpt = typer.Option(Path("tieredkv-bench"), "--out", help="Where the JSON and PNG go.")
+
+
+def require_engine(command: str) -> None:
+    """Exit 2 with the install hint when torch (the engine side) is not installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise CLIError(
+            EXIT_BAD_INPUT,
+            f"`tieredkv {command}` runs the engine side, which needs torch; install it with: {ENGINE_HINT}",
+        ) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``demo`` and ``bench`` to ``app``."""
+    from tieredkv.cli.app import ConfigOpt
+
+    @app.command()
+    def demo(
+        config: Path | None = ConfigOpt,
+        data_dir: Path | None = _DataDirOpt,
+        conversations: int = typer.Option(24, min=1, help="Multi-turn conversations in the trace."),
+        turns: int = typer.Option(4, min=1, help="Turns per conversation."),
+        mamba: bool = typer.Option(False, "--mamba", help="Add a mamba (SSM state) group to the model."),
+        seed: int = typer.Option(0, help="Trace seed (same seed, same trace: a second run hits the first's chunks)."),
+        as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    ) -> None:
+        """Replay a hybrid-model serving trace through the adapter, the pipeline and the tiers
+        (default: CPU + LMDB), checking every loaded block against what was stored."""
+        from tieredkv.cli.app import run
+
+        summary, kept = run(lambda: _demo(config, data_dir, conversations, turns, mamba, seed, as_json))
+        if as_json:
+            render.emit_json(summary)
+        else:
+            _print_demo(summary, kept)
+        if summary["mismatches"]:
+            raise typer.Exit(EXIT_PROBLEM)
+
+    @app.command()
+    def bench(
+        config: Path | None = ConfigOpt,
+        sizes: str = typer.Option("64,256,1024,4096", help="Chunk sizes in KiB, comma-separated."),
+        total_mib: int = typer.Option(256, min=1, help="MiB moved per size and figure."),
+        reps: int = typer.Option(3, min=1, help="Repetitions; each figure is their median."),
+        out_dir: Path = _OutDirOpt,
+        as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    ) -> None:
+        """Measure the configured tiers through the pipeline against their media's raw limits
+        (memcpy, file and py-lmdb writes/reads, redis-py and redis-benchmark). LMDB runs in temporary
+        directories beside the configured path; Redis runs under a fresh namespace and deletes only
+        its own keys. Writes results JSON and a PNG plot."""
+        from tieredkv.cli.app import run
+
+        run(lambda: _bench(config, sizes, total_mib, reps, out_dir, as_json))
+
+
+def _demo(
+    config: Path | None, data_dir: Path | None, conversations: int, turns: int, mamba: bool, seed: int, as_json: bool
+) -> tuple[dict[str, Any], Path | None]:
+    from tieredkv.cli.ops import load
+
+    require_engine("demo")
+    from tieredkv.demo import DemoOptions, run_demo
+
+    cfg = load(config)
+    tmp = None
+    if data_dir is None and config is None:
+        tmp = tempfile.TemporaryDirectory(prefix="tieredkv-demo-")
+        data_dir = Path(tmp.name)
+    if data_dir is not None:
+        cfg = with_data_dir(cfg, data_dir)
+    opts = DemoOptions(conversations=conversations, turns=turns, mamba=mamba, seed=seed)
+    try:
+        with render.progress(enabled=not as_json) as bar:
+            task = bar.add_task("replaying trace", total=conversations * turns)
+            summary = run_demo(cfg, opts, progress=lambda done, total: bar.update(task, completed=done))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return summary, (data_dir if tmp is None else None)
+
+
+def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
+    render.say(
+        ("tieredkv demo", "bold"), f" — {s['requests']} requests, {s['prompt_tokens']:,} prompt tokens, {s['wall_s']} s"
+    )
+    cols = ("group", "kind", "tokens/chunk", "from cache", "recomputed", "hit rate", "chunks stored", "loaded")
+    rows = []
+    for row in s["groups"]:
+        total = row["tokens_from_cache"] + row["tokens_recomputed"]
+        rate = row["tokens_from_cache"] / total if total else 0.0
+        rows.append((str(row["group"]), row["kind"], str(row["tokens_per_chunk"]), f"{row['tokens_from_cache']:,}",
+                     f"{row['tokens_recomputed']:,}", f"{rate:.0%}", str(row["stored_chunks"]),
+                     str(row["loaded_chunks"])))  # fmt: skip
+    render.table("tokens per KV group", cols, rows, right=[c for c in cols if c != "kind"])
+    cols = ("tier", "kind", "records", "MiB held", "MiB written", "hits", "dropped", "breaker")
+    tier_rows = [
+        (name, row["kind"], "-" if row["records"] is None else str(row["records"]), f"{row['used_bytes'] / 2**20:.1f}",
+         f"{row['put_bytes'] / 2**20:.1f}", str(row["hits"]), str(row["dropped_stores"]), row["breaker"])
+        for name, row in s["tiers"].items()
+    ]  # fmt: skip
+    render.table("tiers", cols, tier_rows, right=("records", "MiB held", "MiB written", "hits", "dropped"))
+    job_cols = ("", "jobs", "failed", "MiB", "GB/s", "p50 ms", "p99 ms")
+    job_rows = [
+        (kind, str(r["jobs"]), str(r["failed"]), f"{r['bytes'] / 2**20:.1f}", f"{r['gbps']:.2f}",
+         f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}")
+        for kind in ("store", "load") for r in (s[kind],)
+    ]  # fmt: skip
+    render.table("pipeline jobs", job_cols, job_rows, right=job_cols[1:])
+    drops = sum(s["drops"].values())
+    render.say(
+        f"drops: {drops} (staging back-pressure {s['drops']['staging_backpressure']});"
+        f" requests deferred for pending stores: {s['deferred_for_pending']}"
+    )
+    if s["mismatches"]:
+        render.say(("FAILED", "red"), f": {s['mismatches']} loaded blocks differ from what was stored.")
+    else:
+        render.say(("OK", "green"), f": all {s['verified_blocks']:,} loaded blocks equal what was stored.")
+    if data_dir is not None:
+        render.say(f"LMDB data kept in {data_dir}; run again with --data-dir {data_dir} to start from it.")
+
+
+def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: Path, as_json: bool) -> None:
+    import datetime as dt
+    import shutil
+    from urllib.parse import urlsplit
+
+    from tieredkv.cli.ops import load
+
+    require_engine("bench")
+    from tieredkv import bench as b
+
+    cfg = load(config)
+    try:
+        size_list = [int(x) * 1024 for x in sizes.split(",")]
+    except ValueError:
+        raise CLIError(EXIT_BAD_INPUT, f"--sizes: got {sizes!r}; expected KiB numbers like 64,256,1024") from None
+    kinds = tuple(dict.fromkeys(t.kind for t in cfg.tiers))
+    redis_cfg = next((t for t in cfg.tiers if t.kind == "redis"), None)  # bench measures raw media per kind
+    redis_url = getattr(redis_cfg, "url", None)
+    if redis_cfg is not None and getattr(redis_cfg, "cluster", False):
+        render.say("note: the raw Redis figures use one node of the cluster", console=render.err)
+    port = urlsplit(redis_url).port if redis_url else None
+    local = next((p for t in cfg.tiers if (p := local_path(t))), None)
+    workdir = None
+    if local is not None:
+        parent = Path(local).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        workdir = tempfile.mkdtemp(prefix="tieredkv-bench-", dir=parent)
+    try:
+        results = b.run_tier_bench(
+            size_list,
+            total_mib << 20,
+            reps,
+            kinds,
+            redis_url=redis_url,
+            redis_port=port,
+            workdir=workdir,
+            log=lambda m: render.say(m, console=render.err),
+        )
+    finally:
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    rows = [{"size": r.size, "gbps": r.gbps, "ratios": b.ratios(r)} for r in results]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = out_dir / f"tiers-{stamp}.json"
+    path.write_text(json.dumps({"machine": b.machine_info(), "results": rows}, indent=1))
+    png: Path | None = out_dir / f"tiers-{stamp}.png"
+    try:
+        b.plot(results, str(png))
+    except ImportError:
+        png = None
+    if as_json:
+        render.emit_json({"results": rows, "json": str(path), "png": str(png) if png else None})
+        return
+    cells = []
+    for r in results:
+        row = [f"{r.size // 1024} KiB"]
+        for k, base in b.BASELINES.items():
+            ok = k in r.gbps and base in r.gbps
+            row.append(f"{r.gbps[k]:.2f}/{r.gbps[base]:.2f} ({r.gbps[k] / r.gbps[base]:.2f}x)" if ok else "")
+        cells.append(row)
+    render.table("tier GB/s vs raw GB/s (ratio)", ("size", *b.BASELINES), cells, right=("size", *b.BASELINES))
+    render.say(f"wrote {path}" + (f" and {png}" if png else " (pip install 'tieredkv[bench]' for the PNG plot)"))

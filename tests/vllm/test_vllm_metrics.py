@@ -1,9 +1,10 @@
 """tieredkv's counters on vLLM's own metrics: through vLLM's connector stats, aggregation and
 Prometheus logger, with values equal to the store's.
 
-One engine-loop run (``tests/vllm/engine.py``: vLLM 0.33's real ``Scheduler``, the connector's both
-roles built by vLLM's factory, every KV byte checked) with ``TieredKVConnector`` in front of
-tieredkv's spec over LMDB, full-attention + sliding-window groups. Every ``SchedulerStats`` the
+One engine-loop run per mode (``tests/vllm/engine.py``: vLLM 0.33's real ``Scheduler``, the
+connector's both roles built by vLLM's factory, every KV byte checked) with ``TieredKVConnector``
+in front of tieredkv's spec (``spec``) or of vLLM's ``TieringOffloadingSpec`` with a tieredkv
+secondary tier (``secondary``), over LMDB, full-attention + sliding-window groups. Every ``SchedulerStats`` the
 scheduler makes is kept, then fed to vLLM's own consumers: ``KVConnectorLogging`` (the interval
 aggregation behind the "KV Transfer metrics" log line) and ``PrometheusStatLogger`` (what serves
 ``/metrics``). Both must carry tieredkv's hits, bytes, corrupt records, dropped stores and breaker
@@ -15,13 +16,14 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm.engine import Engine, RunResult, _drive, build_workload
-from tests.vllm.test_engine_loop import _tiers_file, spec_extra
+from tests.vllm.engine import Engine, RunResult, _drive, build_workload, cpu_workers
+from tests.vllm.test_engine_loop import _tiers_file, secondary_extra, spec_extra
 
 pytestmark = pytest.mark.vllm
 
@@ -43,13 +45,22 @@ class Run:
         self.vllm_config: Any = None
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+@pytest.fixture(scope="module", params=["spec", "secondary"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    tiers = _tiers_file(tmp_path_factory.mktemp("metrics"), "lmdb")
+    if request.param == "spec":
+        extra = spec_extra(2, tiers)
+    else:  # a primary tier of 32 chunks: later phases' hits come back from tieredkv (promotions)
+        extra = dict(secondary_extra(2, tiers), cpu_bytes_to_use=1 << 17)
+    with cpu_workers(extra, tiering_cpu_worker=request.param == "secondary"):
+        yield engine_run(extra)
+
+
+def engine_run(extra: dict[str, Any]) -> Run:
     from tieredkv.integrations.vllm.stats import stores_of
 
-    tiers = _tiers_file(tmp_path_factory.mktemp("metrics"), "lmdb")
     res = RunResult(GROUPS, 2, False)
-    eng = Engine(spec_extra(2, tiers), groups=GROUPS, blocks_per_chunk=2, result=res, **TKC)
+    eng = Engine(extra, groups=GROUPS, blocks_per_chunk=2, result=res, **TKC)
     kept: list[Any] = []
     update = eng.scheduler.update_from_output
 

@@ -13,6 +13,7 @@ state per tier, and chunks and bytes per KV group, equal to what the store count
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -43,6 +44,7 @@ class Run:
         self.tier_counters = tiers  # tier name -> Tier.counters
         self.store_stats = store  # store.stats()
         self.vllm_config: Any = None
+        self.mode = ""
 
 
 @pytest.fixture(scope="module", params=["spec", "secondary"])
@@ -53,10 +55,41 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     else:  # a primary tier of 32 chunks: later phases' hits come back from tieredkv (promotions)
         extra = dict(secondary_extra(2, tiers), cpu_bytes_to_use=1 << 17)
     with cpu_workers(extra, tiering_cpu_worker=request.param == "secondary"):
-        yield engine_run(extra)
+        yield engine_run(extra, tiers if request.param == "spec" else None)
 
 
-def engine_run(extra: dict[str, Any]) -> Run:
+def corrupt_one_record(store: Any, tiers_file: Path, num_blocks: int) -> None:
+    """Flip a payload byte of one stored full-attention chunk in LMDB (through a second handle on
+    the same environment, as another process would), then load it through the store: the read
+    fails verification and the store's tier counts one corrupt record."""
+    from tieredkv.backends import build_tier
+    from tieredkv.config import load_config
+    from tieredkv.format import HEADER_SIZE
+    from tieredkv.keys import stored_key_group
+
+    async def flip() -> bytes:
+        tier = build_tier(load_config(tiers_file, env={}).tier("nvme"))
+        await tier.open()
+        try:
+            full = [i.key async for i in tier.scan() if stored_key_group(i.key) == 0]
+            key = full[len(full) // 2]
+            (rec,) = await tier.raw_get_many([key])
+            assert rec is not None
+            bad = bytearray(rec)
+            bad[HEADER_SIZE + 1] ^= 0xFF
+            await tier.raw_put_many([(key, bad)])
+            return key
+        finally:
+            await tier.close()
+
+    key = asyncio.run(flip())
+    job = store.load(0, [(key, (num_blocks - 2, num_blocks - 1))])
+    assert job is not None
+    (result,) = store.wait([job]).values()
+    assert key in result.failed and key not in result.done, result  # never served
+
+
+def engine_run(extra: dict[str, Any], corrupt_from: Path | None) -> Run:
     from tieredkv.integrations.vllm.stats import stores_of
 
     res = RunResult(GROUPS, 2, False)
@@ -75,6 +108,8 @@ def engine_run(extra: dict[str, Any]) -> Run:
         eng.drain_batch_queue()
         assert res.ok, res.summary()
         (store,) = stores_of(eng.connector_scheduler.manager)
+        if corrupt_from is not None:
+            corrupt_one_record(store, corrupt_from, eng.num_blocks)
         # The engine is idle: one more scheduler step reports what is left, then nothing moves.
         assert eng.scheduler.connector.store_stats is not None
         last = eng.scheduler.connector.get_kv_connector_stats()
@@ -85,6 +120,7 @@ def engine_run(extra: dict[str, Any]) -> Run:
         counters = {t.name: dict(t.counters) for t in store.tiers}
         out = Run(res, kept, counters, store.stats())
         out.vllm_config = eng.vllm_config
+        out.mode = "spec" if corrupt_from is not None else "secondary"
         return out
     finally:
         eng.shutdown()
@@ -134,6 +170,8 @@ def test_the_run_moved_every_kind_of_counter(run: Run) -> None:
     assert all(groups[g]["load_chunks"] > 0 and groups[g]["store_bytes"] > 0 for g in groups), groups
     assert run.result.wrong_bytes == 0 and not run.result.wrong_outputs, run.result.summary()
     assert len(payloads(run)) > 1  # reported step by step, not once
+    if run.mode == "spec":
+        assert nvme["corrupt"] == 1  # the record corrupt_one_record flipped
 
 
 def test_vllm_aggregation_carries_the_stores_counts(run: Run) -> None:

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -34,7 +34,7 @@ def normalized() -> dict[str, Any]:
         )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "VLLM_", "DOCKER_"))}
     r = subprocess.run(
-        [exe, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+        [exe, "-f", str(COMPOSE), "config"], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
     )
     assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
     return dict(yaml.safe_load(r.stdout))
@@ -100,7 +100,10 @@ def test_cluster_nodes_agree_with_the_init_service_and_the_tieredkv_config() -> 
         cmd = [str(c) for c in svc["command"]]
         assert cmd[cmd.index("--cluster-announce-hostname") + 1] == svc["hostname"] == name
         conf = binds(svc)[cmd[1]].read_text()
-        assert re.search(r"^cluster-enabled yes", conf, re.MULTILINE) and "cluster-preferred-endpoint-type hostname" in conf
+        assert (
+            re.search(r"^cluster-enabled yes", conf, re.MULTILINE)
+            and "cluster-preferred-endpoint-type hostname" in conf
+        )
     init = " ".join(str(c) for c in services()["redis-cluster-init"]["command"])
     created = re.findall(r"getent hosts ([\w-]+) .*?\):(\d+)", init)
     assert {(n, int(p)) for n, p in created} == set(nodes.items()), init
@@ -117,7 +120,9 @@ def test_cluster_nodes_agree_with_the_init_service_and_the_tieredkv_config() -> 
 def test_vllm_service_runs_tieredkv_with_a_gpu_and_the_cluster_config() -> None:
     vllm = services()["vllm"]
     ktc = kv_transfer_config()
-    assert ktc["kv_connector"] == "OffloadingConnector" and ktc["kv_role"] == "kv_both"
+    # TieredKVConnector: vLLM's OffloadingConnector with tieredkv's planning and its counters on vLLM's /metrics
+    assert ktc["kv_connector"] == "TieredKVConnector" and ktc["kv_role"] == "kv_both"
+    assert ktc["kv_connector_module_path"] == "tieredkv.integrations.vllm"
     extra = ktc["kv_connector_extra_config"]
     assert extra["spec_name"] == "TieredKVOffloadingSpec" and extra["spec_module_path"] == "tieredkv.integrations.vllm"
     assert tieredkv_config_path() == ROOT / "config" / "tieredkv-redis-cluster.yaml"
@@ -163,7 +168,9 @@ def test_grafana_provisions_prometheus_and_a_dashboard_of_real_metric_names() ->
     assert len(used) >= 10
 
     class Pipe:  # every optional source present, so every family is exported
-        group_counters = {0: {"hits": 1, "misses": 1, "store_bytes": 1, "load_bytes": 1}}
+        group_counters: ClassVar[dict[int, dict[str, int]]] = {
+            0: {"hits": 1, "misses": 1, "store_bytes": 1, "load_bytes": 1}
+        }
 
         def stats(self) -> dict[str, Any]:
             return {"dropped": {"t": 0}, "breakers": {"t": "closed"}, "breaker_opens": {"t": 0}}
@@ -182,6 +189,65 @@ def test_grafana_provisions_prometheus_and_a_dashboard_of_real_metric_names() ->
                 if line and not line.startswith("#")}  # fmt: skip
     missing = used - exported
     assert not missing, f"dashboard queries metrics tieredkv does not export: {sorted(missing)}"
+
+
+# An exact release: `name:1.2.3` / `name:v1.2.3` (optionally `-suffix`), or pinned by digest.
+_PINNED = re.compile(r"^[\w./-]+(:v?\d+\.\d+\.\d+(-[\w.]+)?|@sha256:[0-9a-f]{64})$")
+
+
+def test_every_image_is_pinned_to_an_exact_release() -> None:
+    """No floating tags (``redis:7.2``, ``latest``): a pull gives the same bits everywhere."""
+    for name, svc in services().items():
+        if "build" in svc:  # built here: the base image's tag comes from a build arg
+            tag = str(svc["build"].get("args", {}).get("VLLM_TAG", ""))
+            assert re.fullmatch(r"v\d+\.\d+\.\d+", tag), f"service {name}: build arg VLLM_TAG={tag!r} is not exact"
+            dockerfile = (ROOT / svc["build"]["dockerfile"]).read_text()
+            assert re.search(r"^FROM [\w./-]+:\$\{VLLM_TAG\}$", dockerfile, re.MULTILINE), dockerfile
+            assert re.search(r"^ARG VLLM_TAG=v\d+\.\d+\.\d+$", dockerfile, re.MULTILINE), dockerfile
+            continue
+        assert _PINNED.match(str(svc["image"])), f"service {name}: image {svc['image']!r} is not an exact release tag"
+
+
+def test_every_service_has_a_health_check() -> None:
+    for name, svc in services().items():
+        check = svc.get("healthcheck")
+        assert check and not check.get("disable"), f"service {name} has no healthcheck"
+        test = [str(t) for t in check["test"]]
+        assert test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, f"service {name}: healthcheck test {test}"
+
+
+def test_every_dependency_waits_on_a_condition() -> None:
+    """``service_healthy`` for a service that must answer, ``service_completed_successfully`` for
+    the one-shot cluster init; never the bare ``service_started`` of a list-form ``depends_on``."""
+    svcs = services()
+    edges = [(n, d, c["condition"]) for n, s in svcs.items() for d, c in (s.get("depends_on") or {}).items()]
+    assert len(edges) >= 6, edges
+    for name, dep, cond in edges:
+        if dep == "redis-cluster-init":
+            assert cond == "service_completed_successfully", (name, dep, cond)
+        else:
+            assert cond == "service_healthy", f"{name} depends on {dep} with {cond}; expected service_healthy"
+            assert svcs[dep].get("healthcheck"), f"{name} waits for {dep} to be healthy but {dep} has no healthcheck"
+    assert svcs["redis-cluster-init"].get("restart") == "no"
+
+
+def test_grafana_provisions_the_vllm_dashboard_too() -> None:
+    """``vllm-tieredkv.json`` (tieredkv's counters as vLLM exports them; its metric names are checked
+    against vLLM's real exporter in tests/vllm/test_vllm_metrics.py) sits in the provisioned folder."""
+    mounts = binds(services()["grafana"])
+    provider = yaml.safe_load((mounts["/etc/grafana/provisioning"] / "dashboards" / "tieredkv.yml").read_text())
+    dash_dir = mounts[provider["providers"][0]["options"]["path"]]
+    dashes = {p.name: json.loads(p.read_text()) for p in dash_dir.glob("*.json")}
+    assert {"tieredkv.json", "vllm-tieredkv.json"} <= set(dashes)
+    assert len({d["uid"] for d in dashes.values()}) == len(dashes), "dashboard uids must differ"
+    vd = dashes["vllm-tieredkv.json"]
+    exprs = [t["expr"] for p in vd["panels"] for t in p["targets"]]
+    assert all("vllm:kv_offload_tieredkv_" in e or "vllm:kv_offload_" in e for e in exprs)
+    assert all(p["datasource"]["uid"] == "prometheus" for p in vd["panels"])
+    assert (
+        "job_name" in (ROOT / "config" / "prometheus.yml").read_text()
+        and "vllm:8000" in (ROOT / "config" / "prometheus.yml").read_text()
+    )  # vLLM's /metrics, where these series live, is scraped
 
 
 def test_readme_names_the_compose_file_and_the_loopback_cluster() -> None:

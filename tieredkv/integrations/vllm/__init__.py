@@ -10,7 +10,8 @@ Three ways in, all configured through ``--kv-transfer-config`` (see the README, 
 * :class:`TieredKVConnector` — a connector (``kv_connector_module_path``): vLLM's
   ``OffloadingConnector`` whose scheduler side plans stores and aligns hits with tieredkv's rules
   (no refused or partially accepted chunk skipped, Mamba hits on the Mamba grid); works with any
-  of vLLM's offloading specs, tieredkv's included.
+  of vLLM's offloading specs, tieredkv's included. It also puts tieredkv's counters on vLLM's own
+  ``/metrics`` (``vllm:kv_offload_tieredkv_*``, see :mod:`tieredkv.integrations.vllm.stats`).
 
 vLLM is imported only when one of these classes is first touched (vLLM's factories do
 ``getattr(module, name)``), so ``import tieredkv.integrations.vllm`` stays cheap and
@@ -33,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from tieredkv.integrations.vllm import connector
 
         return getattr(connector, name)
+    if name in ("StoreStatsReporter", "TieredKVPromMetrics"):
+        from tieredkv.integrations.vllm import stats
+
+        return getattr(stats, name)
     if name == "TieredKVSecondaryTier":
         from tieredkv.integrations.vllm.secondary import TieredKVSecondaryTier
 

@@ -1,0 +1,251 @@
+"""tieredkv's counters on vLLM's own metrics: through vLLM's connector stats, aggregation and
+Prometheus logger, with values equal to the store's.
+
+One engine-loop run per mode (``tests/vllm/engine.py``: vLLM 0.33's real ``Scheduler``, the
+connector's both roles built by vLLM's factory, every KV byte checked) with ``TieredKVConnector``
+in front of tieredkv's spec (``spec``) or of vLLM's ``TieringOffloadingSpec`` with a tieredkv
+secondary tier (``secondary``), over LMDB, full-attention + sliding-window groups. Every ``SchedulerStats`` the
+scheduler makes is kept, then fed to vLLM's own consumers: ``KVConnectorLogging`` (the interval
+aggregation behind the "KV Transfer metrics" log line) and ``PrometheusStatLogger`` (what serves
+``/metrics``). Both must carry tieredkv's hits, bytes, corrupt records, dropped stores and breaker
+state per tier, and chunks and bytes per KV group, equal to what the store counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.engine import Engine, RunResult, _drive, build_workload, cpu_workers
+from tests.vllm.test_engine_loop import _tiers_file, secondary_extra, spec_extra
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "config" / "grafana" / "dashboards" / "vllm-tieredkv.json"
+TKC = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "tieredkv.integrations.vllm"}
+GROUPS = ("full", "swa")
+
+
+class Run:
+    """What one engine run left: every scheduler stats object, the store's own counts after the
+    last report, and the engine's config (for vLLM's loggers)."""
+
+    def __init__(self, result: RunResult, sched_stats: list[Any], tiers: dict[str, dict[str, int]], store: Any) -> None:
+        self.result = result
+        self.sched_stats = sched_stats
+        self.tier_counters = tiers  # tier name -> Tier.counters
+        self.store_stats = store  # store.stats()
+        self.vllm_config: Any = None
+        self.mode = ""
+
+
+@pytest.fixture(scope="module", params=["spec", "secondary"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    tiers = _tiers_file(tmp_path_factory.mktemp("metrics"), "lmdb")
+    if request.param == "spec":
+        extra = spec_extra(2, tiers)
+    else:  # a primary tier of 32 chunks: later phases' hits come back from tieredkv (promotions)
+        extra = dict(secondary_extra(2, tiers), cpu_bytes_to_use=1 << 17)
+    with cpu_workers(extra, tiering_cpu_worker=request.param == "secondary"):
+        yield engine_run(extra, tiers if request.param == "spec" else None)
+
+
+def corrupt_one_record(store: Any, tiers_file: Path, num_blocks: int) -> None:
+    """Flip a payload byte of one stored full-attention chunk in LMDB (through a second handle on
+    the same environment, as another process would), then load it through the store: the read
+    fails verification and the store's tier counts one corrupt record."""
+    from tieredkv.backends import build_tier
+    from tieredkv.config import load_config
+    from tieredkv.format import HEADER_SIZE
+    from tieredkv.keys import stored_key_group
+
+    async def flip() -> bytes:
+        tier = build_tier(load_config(tiers_file, env={}).tier("nvme"))
+        await tier.open()
+        try:
+            full = [i.key async for i in tier.scan() if stored_key_group(i.key) == 0]
+            key = full[len(full) // 2]
+            (rec,) = await tier.raw_get_many([key])
+            assert rec is not None
+            bad = bytearray(rec)
+            bad[HEADER_SIZE + 1] ^= 0xFF
+            await tier.raw_put_many([(key, bad)])
+            return key
+        finally:
+            await tier.close()
+
+    key = asyncio.run(flip())
+    job = store.load(0, [(key, (num_blocks - 2, num_blocks - 1))])
+    assert job is not None
+    (result,) = store.wait([job]).values()
+    assert key in result.failed and key not in result.done, result  # never served
+
+
+def engine_run(extra: dict[str, Any], corrupt_from: Path | None) -> Run:
+    from tieredkv.integrations.vllm.stats import stores_of
+
+    res = RunResult(GROUPS, 2, False)
+    eng = Engine(extra, groups=GROUPS, blocks_per_chunk=2, result=res, **TKC)
+    kept: list[Any] = []
+    update = eng.scheduler.update_from_output
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        outs = update(*args, **kwargs)
+        kept.extend(o.scheduler_stats for o in outs.values() if o.scheduler_stats is not None)
+        return outs
+
+    eng.scheduler.update_from_output = keep  # type: ignore[method-assign]
+    try:
+        _drive(eng, build_workload(0), step_budget=3000, idle_grace_steps=200, idle_sleep=0.001)
+        eng.drain_batch_queue()
+        assert res.ok, res.summary()
+        (store,) = stores_of(eng.connector_scheduler.manager)
+        if corrupt_from is not None:
+            corrupt_one_record(store, corrupt_from, eng.num_blocks)
+        # The engine is idle: one more scheduler step reports what is left, then nothing moves.
+        assert eng.scheduler.connector.store_stats is not None
+        last = eng.scheduler.connector.get_kv_connector_stats()
+        from vllm.v1.metrics.stats import SchedulerStats
+
+        if last is not None:
+            kept.append(SchedulerStats(kv_connector_stats=last.to_dict()))
+        counters = {t.name: dict(t.counters) for t in store.tiers}
+        out = Run(res, kept, counters, store.stats())
+        out.vllm_config = eng.vllm_config
+        out.mode = "spec" if corrupt_from is not None else "secondary"
+        return out
+    finally:
+        eng.shutdown()
+
+
+def payloads(run: Run) -> list[dict[str, Any]]:
+    """Copies: vLLM's aggregation takes the first payload as its accumulator and adds the rest
+    into it, in place (harmless in vLLM, where each step's payload is observed before the next)."""
+    return [copy.deepcopy(s.kv_connector_stats) for s in run.sched_stats if s.kv_connector_stats]
+
+
+def expected(run: Run) -> dict[tuple[str, tuple[str, ...]], float]:
+    """The store's own counts, named as vLLM shows them (``vllm:kv_offload_tieredkv_*``)."""
+    p = "vllm:kv_offload_tieredkv_"
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for tier, c in run.tier_counters.items():
+        for key, name in (
+            ("hits", "tier_hits"),
+            ("misses", "tier_misses"),
+            ("put_bytes", "tier_stored_bytes"),
+            ("get_bytes", "tier_loaded_bytes"),
+            ("corrupt", "tier_corrupt_records"),
+        ):
+            out[(p + name, (tier,))] = c.get(key, 0)
+    for tier, n in run.store_stats["dropped"].items():
+        out[(p + "dropped_stores", (tier,))] = n
+    for tier, state in run.store_stats["breakers"].items():
+        out[(p + "breaker_open", (tier,))] = float(state != "closed")
+    for g, c in run.store_stats["groups"].items():
+        for key, name in (
+            ("store_chunks", "group_stored_chunks"),
+            ("store_bytes", "group_stored_bytes"),
+            ("load_chunks", "group_loaded_chunks"),
+            ("load_bytes", "group_loaded_bytes"),
+        ):
+            out[(p + name, (str(g),))] = c.get(key, 0)
+    return out
+
+
+def test_the_run_moved_every_kind_of_counter(run: Run) -> None:
+    """Stores and loads happened on both groups through the LMDB tier, so the comparisons below
+    compare real, non-zero numbers."""
+    nvme = run.tier_counters["nvme"]
+    assert nvme["hits"] > 0 and nvme["put_bytes"] > 0 and nvme["get_bytes"] > 0
+    groups = run.store_stats["groups"]
+    assert set(groups) == {0, 1}
+    assert all(groups[g]["load_chunks"] > 0 and groups[g]["store_bytes"] > 0 for g in groups), groups
+    assert run.result.wrong_bytes == 0 and not run.result.wrong_outputs, run.result.summary()
+    assert len(payloads(run)) > 1  # reported step by step, not once
+    if run.mode == "spec":
+        assert nvme["corrupt"] == 1  # the record corrupt_one_record flipped
+
+
+def test_vllm_aggregation_carries_the_stores_counts(run: Run) -> None:
+    """vLLM's ``KVConnectorLogging`` (interval aggregation, via the connector class's
+    ``build_kv_connector_stats``) sums tieredkv's per-step increments to the store's totals."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    logging_ = KVConnectorLogging(run.vllm_config.kv_transfer_config)
+    for data in payloads(run):
+        logging_.observe(data)
+    acc = logging_.transfer_stats_accumulator
+    assert acc is not None
+    reduced = acc.reduce()
+    want = expected(run)
+    for (name, labels), value in want.items():
+        got = reduced.get(f"{name}:{labels}", 0)
+        assert got == value, f"{name}{labels}: vLLM aggregated {got}, the store counted {value}"
+    # vLLM's own offload metrics travel in the same payload, untouched.
+    assert any(k.startswith("vllm:kv_offload_store_bytes") for k in reduced), sorted(reduced)[:20]
+
+
+def prom_samples(run: Run) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Everything vLLM's ``PrometheusStatLogger`` exports after recording every scheduler stats."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    logger = PrometheusStatLogger(run.vllm_config, engine_indexes=[0])
+    try:
+        for s in run.sched_stats:
+            logger.record(scheduler_stats=copy.deepcopy(s), iteration_stats=None, engine_idx=0)
+        return {
+            (sample.name, frozenset(sample.labels.items())): sample.value
+            for family in REGISTRY.collect()
+            for sample in family.samples
+            if sample.name.startswith("vllm:")
+        }
+    finally:
+        unregister_vllm_metrics()
+
+
+@pytest.fixture(scope="module")
+def samples(run: Run) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return prom_samples(run)
+
+
+def test_vllm_prometheus_metrics_carry_the_stores_counts(run: Run, samples: dict[Any, float]) -> None:
+    """On vLLM's ``/metrics``: ``vllm:kv_offload_tieredkv_*`` with vLLM's connector labels
+    (``model_name``, ``engine``) plus ``tier`` / ``group``, equal to the store's counts."""
+    model = str(run.vllm_config.model_config.served_model_name)
+    want = expected(run)
+    assert len(want) >= 12
+    for (name, labels), value in want.items():
+        label = "tier" if "_tier_" in name or name.endswith(("dropped_stores", "breaker_open")) else "group"
+        sample = name if name.endswith("breaker_open") else name + "_total"
+        key = (sample, frozenset({"model_name": model, "engine": "0", label: labels[0]}.items()))
+        assert key in samples, f"{sample}{{{label}={labels[0]!r}}} is not on vLLM's /metrics"
+        assert samples[key] == value, f"{sample}{{{label}={labels[0]!r}}}: vLLM shows {samples[key]}, store {value}"
+
+
+def test_dashboard_queries_only_metrics_vllm_exports(samples: dict[Any, float]) -> None:
+    """``config/grafana/dashboards/vllm-tieredkv.json`` plots tieredkv's counters from vLLM's
+    ``/metrics``; every metric it names exists there, and every tieredkv metric has a panel."""
+    from tieredkv.integrations.vllm.stats import metric_definitions
+
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    used = {n for e in exprs for n in re.findall(r"vllm:kv_offload_tieredkv_\w+", e)}
+    exported = {name for name, _ in samples}
+    assert used and used <= exported, f"not exported by vLLM: {sorted(used - exported)}"
+    defined = set(metric_definitions())
+    plotted = {re.sub(r"_total$", "", n) for n in used}
+    assert defined - {"vllm:kv_offload_tieredkv_tier_evictions", "vllm:kv_offload_tieredkv_tier_errors"} <= plotted, (
+        sorted(defined - plotted)
+    )
+    assert all(p["datasource"]["uid"] == "prometheus" for p in dash["panels"])
+    assert dash["uid"] != "tieredkv"  # the other dashboard's uid; both are provisioned from one folder

@@ -1,0 +1,207 @@
+"""tieredkv's counters on vLLM's own ``/metrics``, through vLLM 0.33's KV connector stats hooks.
+
+Inside vLLM, tieredkv's Prometheus endpoint (``metrics.port``) is a second port to scrape. This
+module reports the same counters through the path vLLM's offloading connector already uses, so
+they appear on vLLM's ``/metrics`` next to ``vllm:kv_offload_*``, labelled the way vLLM labels
+connector metrics (``model_name``, ``engine``) plus ``tier`` or ``group``:
+
+* the scheduler-side connector (:class:`~tieredkv.integrations.vllm.connector.TieredKVConnector`)
+  adds :meth:`StoreStatsReporter.take` to its ``get_kv_connector_stats()`` payload, an
+  ``OffloadingConnectorStats`` (self-describing: metric name -> type, label values -> value), so
+  vLLM's aggregation (``KVConnectorLogging``) and IPC carry it unchanged;
+* ``TieredKVConnector.build_prom_metrics`` returns :class:`TieredKVPromMetrics`, vLLM's
+  ``OffloadPromMetrics`` with :func:`metric_definitions` added, which turns the payload into
+  ``vllm:kv_offload_tieredkv_*`` counters and gauges in vLLM's registry.
+
+Counters are reported as increments since the previous step (vLLM sums them per interval), read
+from the store's public API only: ``store.stats()`` (pipeline counters, dropped stores, breakers,
+per-group counters) and each ``store.tiers[i].counters`` (hits, bytes, corrupt records). A store
+that is replaced (a reset, a restart) starts again from its own counts; nothing goes negative.
+
+Where to add a metric: one entry in ``_TIER_COUNTERS`` / ``_GROUP_COUNTERS`` / ``_PER_TIER`` (the
+definition and the report follow), and a panel in ``config/grafana/dashboards/vllm-tieredkv.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+    OffloadPromMetrics,
+)
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
+
+from tieredkv.store import TieredStore
+
+__all__ = [
+    "PREFIX",
+    "StoreStatsReporter",
+    "TieredKVPromMetrics",
+    "metric_definitions",
+    "stores_of",
+]
+
+log = logging.getLogger(__name__)
+
+#: vLLM's offload metrics are ``vllm:kv_offload_*``; tieredkv's sit under the same prefix.
+PREFIX = "vllm:kv_offload_tieredkv_"
+
+# tier counter (Tier.counters) -> (metric suffix, help); label "tier"
+_TIER_COUNTERS: dict[str, tuple[str, str]] = {
+    "hits": ("tier_hits", "Chunks a tieredkv tier found and verified."),
+    "misses": ("tier_misses", "Chunks a tieredkv tier did not find (or found corrupt)."),
+    "put_bytes": ("tier_stored_bytes", "Payload bytes written to a tieredkv tier."),
+    "get_bytes": ("tier_loaded_bytes", "Payload bytes read from a tieredkv tier."),
+    "corrupt": ("tier_corrupt_records", "Records of a tieredkv tier that failed verification (deleted)."),
+    "evictions": ("tier_evictions", "Records a tieredkv tier evicted by its own capacity policy."),
+    "errors": ("tier_errors", "tieredkv tier operations that failed."),
+}
+# store.stats() per-tier mapping -> (metric suffix, help); label "tier"
+_PER_TIER: dict[str, tuple[str, str]] = {
+    "dropped": ("dropped_stores", "Chunks tieredkv dropped for a tier (tier dead, full or too slow)."),
+    "breaker_opens": ("breaker_opens", "Times a tieredkv tier's circuit breaker opened."),
+}
+# store.stats()["groups"] counter -> (metric suffix, help); label "group" (vLLM's KV group index)
+_GROUP_COUNTERS: dict[str, tuple[str, str]] = {
+    "store_chunks": ("group_stored_chunks", "Chunks of a KV group tieredkv stored."),
+    "store_bytes": ("group_stored_bytes", "Bytes of a KV group tieredkv stored."),
+    "store_refused": ("group_store_refused", "Chunks of a KV group no tieredkv tier accepted."),
+    "load_chunks": ("group_loaded_chunks", "Chunks of a KV group tieredkv loaded (hits)."),
+    "load_bytes": ("group_loaded_bytes", "Bytes of a KV group tieredkv loaded."),
+    "load_missing": ("group_load_misses", "Chunks of a KV group a tieredkv load did not find."),
+}
+BREAKER_OPEN = PREFIX + "breaker_open"
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """Every ``vllm:kv_offload_tieredkv_*`` metric, in the form vLLM's offload metrics use."""
+    out: dict[str, OffloadingMetricMetadata] = {}
+    for table, label in ((_TIER_COUNTERS, "tier"), (_PER_TIER, "tier"), (_GROUP_COUNTERS, "group")):
+        for suffix, doc in table.values():
+            out[PREFIX + suffix] = OffloadingCounterMetadata(documentation=doc, labelnames=(label,))
+    out[BREAKER_OPEN] = OffloadingGaugeMetadata(
+        documentation="1 while a tieredkv tier's circuit breaker is not closed (open or half open).",
+        labelnames=("tier",),
+    )
+    return out
+
+
+def stores_of(manager: Any) -> list[TieredStore]:
+    """The tieredkv stores behind an offloading manager: tieredkv's own manager (``.store``) or
+    tieredkv secondary tiers under vLLM's tiering manager (``.secondary_tiers[i].store``); none
+    for other specs (vLLM's ``CPUOffloadingSpec``), which then report nothing extra."""
+    found: list[TieredStore] = []
+    for obj in (manager, *(getattr(manager, "secondary_tiers", None) or ())):
+        store = getattr(obj, "store", None)
+        if isinstance(store, TieredStore) and all(s is not store for s in found):
+            found.append(store)
+    return found
+
+
+Snapshot = dict[tuple[str, tuple[str, ...]], float]
+
+
+def snapshot(stores: Iterable[TieredStore]) -> tuple[Snapshot, Snapshot]:
+    """Cumulative counters and current gauges of the stores, summed per metric and label."""
+    counters: Snapshot = {}
+    gauges: Snapshot = {}
+
+    def add(name: str, labels: tuple[str, ...], value: Any) -> None:
+        counters[(name, labels)] = counters.get((name, labels), 0) + int(value or 0)
+
+    for store in stores:
+        st = store.stats()
+        for tier in store.tiers:
+            tc = dict(tier.counters)
+            for key, (suffix, _) in _TIER_COUNTERS.items():
+                add(PREFIX + suffix, (tier.name,), tc.get(key, 0))
+        for key, (suffix, _) in _PER_TIER.items():
+            for tier_name, value in (st.get(key) or {}).items():
+                add(PREFIX + suffix, (str(tier_name),), value)
+        for group, gc in (st.get("groups") or {}).items():
+            for key, (suffix, _) in _GROUP_COUNTERS.items():
+                add(PREFIX + suffix, (str(group),), gc.get(key, 0))
+        for tier_name, state in (st.get("breakers") or {}).items():
+            gauges[(BREAKER_OPEN, (str(tier_name),))] = float(str(state) != "closed")
+    return counters, gauges
+
+
+class StoreStatsReporter:
+    """Turns the stores' cumulative counters into the per-step increments vLLM's stats expect.
+
+    ``stores`` is called at each :meth:`take` (the manager may open its store late, or replace
+    it at a reset)."""
+
+    def __init__(self, stores: Callable[[], list[TieredStore]]) -> None:
+        self._stores = stores
+        self._last: Snapshot = {}
+        self._gauges: Snapshot = {}
+
+    def take(self) -> OffloadingConnectorStats | None:
+        """The increments since the last call (every series once, even at 0, so it exists on
+        ``/metrics``) and the gauges that changed; ``None`` when nothing did."""
+        try:
+            counters, gauges = self._read()
+        except RuntimeError as e:  # a counter dict resized under us by the loop thread: next step
+            log.debug("tieredkv stats skipped this step: %s", e)
+            return None
+        out = OffloadingConnectorStats()
+        for (name, labels), value in counters.items():
+            before = self._last.get((name, labels), 0)
+            delta = value - before if value >= before else value  # a new store counts from 0
+            if delta or (name, labels) not in self._last:  # a series shows 0 rather than nothing
+                out.increase_counter(name, delta, labels)
+        for key, value in gauges.items():
+            if self._gauges.get(key) != value:
+                out.set_gauge(key[0], value, key[1])
+        self._last, self._gauges = counters, gauges
+        return None if out.is_empty() else out
+
+    def merge_into(self, stats: OffloadingConnectorStats | None) -> OffloadingConnectorStats | None:
+        """vLLM's payload with tieredkv's increments added (either may be ``None``)."""
+        mine = self.take()
+        if mine is None:
+            return stats
+        if stats is None:
+            return mine
+        stats.aggregate(mine)
+        return stats
+
+    def _read(self) -> tuple[Snapshot, Snapshot]:
+        for attempt in range(3):
+            try:
+                return snapshot(self._stores())
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+
+class TieredKVPromMetrics(OffloadPromMetrics):
+    """vLLM's ``OffloadPromMetrics`` that also knows tieredkv's metrics (vLLM asserts every key of a
+    payload has a definition, and defines only its own and the spec's)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        for name, meta in metric_definitions().items():
+            if name not in self._offloading_metric_defs:
+                self._offloading_metric_metadata[name] = meta
+                self._offloading_metric_defs[name] = self._create_metric(name, meta)
+
+
+def values_by_metric(payload: Mapping[str, Any]) -> dict[str, dict[tuple[str, ...], Any]]:
+    """``{metric: {label values: value}}`` of tieredkv's metrics in an ``OffloadingConnectorStats``
+    payload (``stats.data``), for logs and tests."""
+    data = payload.get("data") or {}
+    return {k: dict(v) for k, v in data.items() if k.startswith(PREFIX)}

@@ -214,7 +214,11 @@ class CPUTierConfig(TierConfigBase):
     pin_memory: Literal["auto", "always", "never"] = Field(
         "auto", description="Pin the slab: 'auto' pins when CUDA is available."
     )
-    prefault: bool = Field(True, description="Touch every slab page at open so first stores do not pay page faults.")
+    prefault: bool = Field(
+        False,
+        description="Touch every slab page at open so first stores do not pay page faults (the whole slab is"
+        " resident from the start; serving deployments set it, a laptop try-out need not).",
+    )
     eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
 
     def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:

@@ -181,15 +181,6 @@ class TieredKVCollector(Collector):
 
     def _collect_pipeline(self, p: Any) -> Iterator[Any]:
         stats = _get(p, "stats")
-        if isinstance(stats, Mapping):  # a stand-in that still reports the older dict layout
-            groups = _get(p, "group_counters")  # the older per-group surface, beside the dict
-            if isinstance(groups, Mapping) and "groups" not in stats:
-                stats = {**stats, "groups": groups}
-            try:
-                stats = PipelineStats.from_mapping(stats)
-            except (TypeError, ValueError) as e:
-                log.warning("metrics: pipeline stats skipped: %s", e)
-                return
         if isinstance(stats, PipelineStats):
             yield from _pipeline_families(stats)
             yield from _group_families(stats.groups)

@@ -148,7 +148,7 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
             for i, b in zip(good, bufs):
                 if _key(i) in r.done:
                     check_payload(i, bytes(b))
-            direct = p._call(tier.get_many([_key(i) for i in good]), timeout=10)
+            direct = p.run(tier.get_many([_key(i) for i in good]), timeout=10)
             for i, data in zip(good, direct):
                 assert data is not None and check_payload(i, data) == 1
             served = len(direct)
@@ -183,8 +183,8 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
         "capacity-disk-full",
         medium="tmpfs-8MiB" if mnt is not None else "small-map",
         refused_jobs=refused,
-        dropped=st["dropped"][tier.name],
-        breaker_opens=st["breaker_opens"][tier.name],
+        dropped=st.dropped[tier.name],
+        breaker_opens=st.lanes[tier.name].breaker_opens,
         reads_served=served,
         recovered_s=round(recovered_after, 2),
         records_verified=records,
@@ -273,15 +273,15 @@ def test_cpu_tier_all_pinned_refuses_then_stores_after_unpin() -> None:
             check_payload(i, bytes(b))
         assert p.lookup([_key(i) for i in new]) == [(KeyState.MISS, None)] * len(new)
         st = p.stats()
-        assert st["breakers"]["cpu"] == "closed", "a full tier is alive: the breaker must not open"
-        assert st["dropped"]["cpu"] == 0
+        assert st.breakers["cpu"] == "closed", "a full tier is alive: the breaker must not open"
+        assert st.dropped["cpu"] == 0
         # The refused chunks are offered again after the loads finished and unpinned them.
         p.unpin([_key(i) for i in held])
         assert p.submit_put(4, [(_key(i), payload(i, 1, 4 * KiB)) for i in new])
         r4 = wait_jobs(p, {4})[4]
         assert r4.ok and set(r4.done) == {_key(i) for i in new}
         assert all(s is KeyState.HIT for s, _ in p.lookup([_key(i) for i in new]))
-        evictions = p._call(cpu.stats(), timeout=5).counters.get("evictions", 0)
+        evictions = p.run(cpu.stats(), timeout=5).counters.get("evictions", 0)
         assert evictions == len(new)
     finally:
         p.close()

@@ -171,9 +171,11 @@ def test_status_reads_breaker_state_from_a_running_engines_metrics(tmp_path: Pat
         import sys, time
         from tieredkv.config import MetricsConfig
         from tieredkv.metrics import TieredKVMetrics, start_metrics_server
+        from tieredkv.pipeline.stats import LaneStats, PipelineStats
         class Pipeline:
             def stats(self):
-                return {"breakers": {"cpu": "closed", "nvme": "open"}, "dropped": {"nvme": 7}}
+                return PipelineStats(lanes={"cpu": LaneStats(breaker="closed"),
+                                            "nvme": LaneStats(breaker="open", dropped=7)})
         class Tier:
             name, counters = "cpu", {"hits": 1}
             def add_observer(self, fn): pass

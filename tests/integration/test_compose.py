@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import yaml
@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 
 from tieredkv.config import RedisTierConfig, load_config
 from tieredkv.metrics import TieredKVMetrics
+from tieredkv.pipeline.stats import GroupStats, LaneStats, PipelineStats, StagingStats
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -168,12 +169,12 @@ def test_grafana_provisions_prometheus_and_a_dashboard_of_real_metric_names() ->
     assert len(used) >= 10
 
     class Pipe:  # every optional source present, so every family is exported
-        group_counters: ClassVar[dict[int, dict[str, int]]] = {
-            0: {"hits": 1, "misses": 1, "store_bytes": 1, "load_bytes": 1}
-        }
-
-        def stats(self) -> dict[str, Any]:
-            return {"dropped": {"t": 0}, "breakers": {"t": "closed"}, "breaker_opens": {"t": 0}}
+        def stats(self) -> PipelineStats:
+            return PipelineStats(
+                lanes={"t": LaneStats(breaker="closed")},
+                groups={0: GroupStats(hits=1, misses=1, stored_bytes=1, loaded_bytes=1)},
+                staging=StagingStats(),
+            )
 
     class Tier:
         name, counters = "t", {}

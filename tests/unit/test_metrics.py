@@ -16,7 +16,7 @@ from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import CPUTierConfig, LMDBTierConfig, MetricsConfig, load_config
 from tieredkv.keys import Namespace
 from tieredkv.metrics import TieredKVMetrics, start_metrics_server
-from tieredkv.pipeline import GroupStats, KeyState, PipelineStats
+from tieredkv.pipeline import GroupStats, KeyState, LaneStats, PipelineStats
 from tieredkv.pipeline.stats import group_metric_fields
 from tieredkv.policy import BreakerState
 from tieredkv.store import TieredStore
@@ -183,13 +183,15 @@ def test_a_partial_or_failing_pipeline_never_breaks_a_scrape() -> None:
         def stats(self) -> PipelineStats:
             raise RuntimeError("loop is gone")
 
-    class Legacy:  # a stand-in reporting the older dict layout
-        def stats(self) -> dict[str, Any]:
-            return {"breakers": {"nvme": BreakerState.OPEN, "cpu": "closed"}, "dropped": {"nvme": 7}}
+    class Typed:  # a stand-in reporting the typed stats
+        def stats(self) -> PipelineStats:
+            return PipelineStats(
+                lanes={"nvme": LaneStats(breaker=BreakerState.OPEN.value, dropped=7), "cpu": LaneStats()}
+            )
 
-    class Unknown:
+    class Untyped:  # a plain dict is not the contract: the pipeline families are left out
         def stats(self) -> dict[str, Any]:
-            return {"breakers": {}, "dropped_typo": {}}
+            return {"breakers": {}, "dropped": {}}
 
     class Tier:
         name, counters = "t", {"hits": 2, "custom_thing": 5}
@@ -197,18 +199,16 @@ def test_a_partial_or_failing_pipeline_never_breaks_a_scrape() -> None:
         def add_observer(self, fn: Any) -> None:
             pass
 
-    for pipe in (object(), Broken(), Unknown()):
+    for pipe in (object(), Broken(), Untyped()):
         m = TieredKVMetrics([Tier()], pipeline=pipe)
         s = samples(m.registry)
         assert s[("tieredkv_tier_hits_total", (("tier", "t"),))] == 2
         assert s[("tieredkv_tier_events_total", (("event", "custom_thing"), ("tier", "t")))] == 5
         assert not any(name.startswith("tieredkv_breaker") for name, _ in s)
-    m = TieredKVMetrics([Tier()], pipeline=Legacy())
+    m = TieredKVMetrics([Tier()], pipeline=Typed())
     assert value(m.registry, "tieredkv_breaker_open", tier="nvme") == 1
     assert value(m.registry, "tieredkv_breaker_state", tier="cpu", state="closed") == 1
     assert value(m.registry, "tieredkv_dropped_stores_total", tier="nvme") == 7
-    with pytest.raises(ValueError, match="dropped_typo"):
-        PipelineStats.from_mapping(Unknown().stats())
 
 
 def test_every_group_stats_field_is_one_exported_metric() -> None:

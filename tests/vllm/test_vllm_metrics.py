@@ -145,18 +145,18 @@ def expected(run: Run) -> dict[tuple[str, tuple[str, ...]], float]:
             ("corrupt", "tier_corrupt_records"),
         ):
             out[(p + name, (tier,))] = c.get(key, 0)
-    for tier, n in run.store_stats["dropped"].items():
+    for tier, n in run.store_stats.dropped.items():
         out[(p + "dropped_stores", (tier,))] = n
-    for tier, state in run.store_stats["breakers"].items():
+    for tier, state in run.store_stats.breakers.items():
         out[(p + "breaker_open", (tier,))] = float(state != "closed")
-    for g, c in run.store_stats["groups"].items():
+    for g, gs in run.store_stats.groups.items():
         for key, name in (
-            ("store_chunks", "group_stored_chunks"),
-            ("store_bytes", "group_stored_bytes"),
-            ("load_chunks", "group_loaded_chunks"),
-            ("load_bytes", "group_loaded_bytes"),
+            ("stores", "group_stored_chunks"),
+            ("stored_bytes", "group_stored_bytes"),
+            ("loads", "group_loaded_chunks"),
+            ("loaded_bytes", "group_loaded_bytes"),
         ):
-            out[(p + name, (str(g),))] = c.get(key, 0)
+            out[(p + name, (str(g),))] = getattr(gs, key)
     return out
 
 
@@ -165,9 +165,9 @@ def test_the_run_moved_every_kind_of_counter(run: Run) -> None:
     compare real, non-zero numbers."""
     nvme = run.tier_counters["nvme"]
     assert nvme["hits"] > 0 and nvme["put_bytes"] > 0 and nvme["get_bytes"] > 0
-    groups = run.store_stats["groups"]
+    groups = run.store_stats.groups
     assert set(groups) == {0, 1}
-    assert all(groups[g]["load_chunks"] > 0 and groups[g]["store_bytes"] > 0 for g in groups), groups
+    assert all(groups[g].loads > 0 and groups[g].stored_bytes > 0 for g in groups), groups
     assert run.result.wrong_bytes == 0 and not run.result.wrong_outputs, run.result.summary()
     assert len(payloads(run)) > 1  # reported step by step, not once
     if run.mode == "spec":

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Self, overload
 
 from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, key_fingerprint, stored_key_group
 
 __all__ = ["OpObserver", "RecordInfo", "Tier", "TierCapabilities", "TierStats"]
 
@@ -58,11 +58,11 @@ class RecordInfo:
 
     @property
     def fingerprint(self) -> bytes:
-        return self.key[:FINGERPRINT_BYTES]
+        return key_fingerprint(self.key)
 
     @property
     def group(self) -> int:
-        return int.from_bytes(self.key[-GROUP_BYTES:], "big")
+        return stored_key_group(self.key)
 
 
 @dataclass(slots=True)
@@ -116,6 +116,10 @@ class Tier(ABC):
     #: Same as ``capabilities.local_eviction`` (set from it for each subclass that does not set it):
     #: True when the tier enforces capacity itself, False when a server does (Redis ``maxmemory``).
     evicts_locally: ClassVar[bool] = True
+    #: Set by admin tools: listing records (``scan``) must not count as reading them, so it must
+    #: not change what an eviction policy or ``evict --older-than`` sees. A tier whose scan would
+    #: touch records (Redis) reads them passively then; the others are passive anyway.
+    passive_scans: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

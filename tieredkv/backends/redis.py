@@ -84,7 +84,7 @@ from tieredkv.errors import (
     TierUnavailableError,
 )
 from tieredkv.format import HEADER_SIZE, decode_header, encode_record, verify_record
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, chunk_key_of, key_fingerprint, key_group, key_hash, stored_key
 
 __all__ = ["RedisTier", "parse_redis_key", "redis_key"]
 
@@ -130,9 +130,9 @@ def _bucket(block_hash: bytes, buckets: int) -> int:
 
 def redis_key(prefix: bytes, key: bytes, buckets: int) -> bytes:
     """The Redis key of stored key ``key`` (see the module docstring for the layout)."""
-    fp = key[:FINGERPRINT_BYTES]
-    rest = key[FINGERPRINT_BYTES:]
-    bucket = _bucket(rest[:-GROUP_BYTES], buckets)
+    fp = key_fingerprint(key)
+    rest = chunk_key_of(key)
+    bucket = _bucket(key_hash(rest), buckets)
     return b"%s:{%s.%x}:%s" % (prefix, fp.hex().encode(), bucket, rest.hex().encode())
 
 
@@ -152,7 +152,7 @@ def parse_redis_key(prefix: bytes, rkey: bytes) -> bytes | None:
         return None
     if not dot or len(fp) != FINGERPRINT_BYTES or len(rest) <= GROUP_BYTES:
         return None
-    return fp + rest
+    return stored_key(fp, rest)
 
 
 def _glob_escape(raw: bytes) -> bytes:
@@ -192,13 +192,12 @@ class RedisTier(Tier):
 
     kind: ClassVar[str] = "redis"
     capabilities = TierCapabilities(access_stamps=False, local_eviction=False, shared=True)
-    evicts_locally: ClassVar[bool] = False  # kept in step with capabilities.local_eviction
+    config_model = RedisTierConfig
 
     config: RedisTierConfig
-    #: Admin scans set this: ``scan`` then never touches a key (it sizes values with ``MEMORY
-    #: USAGE``, an upper bound, instead of ``STRLEN``), so listing records does not reset the
-    #: idle time that ``evict --older-than`` / ``--to-size`` read. Off, sizes are exact.
-    passive_scans: bool = False
+    # passive_scans (see Tier): ``scan`` then never touches a key (it sizes values with ``MEMORY
+    # USAGE``, an upper bound, instead of ``STRLEN``), so listing records does not reset the idle
+    # time that ``evict --older-than`` / ``--to-size`` read. Off, sizes are exact.
 
     def __init__(self, config: RedisTierConfig, *, name: str | None = None) -> None:
         super().__init__(config, name=name)
@@ -569,7 +568,7 @@ class RedisTier(Tier):
             seen.update(fresh)
             keyed = [(rk, sk) for rk in fresh if (sk := parse_redis_key(self._prefix, rk)) is not None]
             if fingerprint is not None:
-                keyed = [(rk, sk) for rk, sk in keyed if sk[:FINGERPRINT_BYTES] == fingerprint]
+                keyed = [(rk, sk) for rk, sk in keyed if key_fingerprint(sk) == fingerprint]
             if not keyed:
                 continue
             rks = [rk for rk, _ in keyed]
@@ -721,7 +720,7 @@ def _claimed_record_size(head: bytes, key: bytes) -> int | None:
         hdr = decode_header(head[:HEADER_SIZE], n)
     except CorruptRecordError:
         return None
-    if hdr.fingerprint != key[:FINGERPRINT_BYTES] or hdr.group != int.from_bytes(key[-GROUP_BYTES:], "big"):
+    if hdr.fingerprint != key_fingerprint(key) or hdr.group != key_group(key):
         return None
     return HEADER_SIZE + n
 

@@ -93,15 +93,15 @@ def select_tiers(cfg: TieredKVConfig, names: Sequence[str] | None, *, allow_in_p
 
 
 def local_path(tcfg: Any) -> str | None:
-    """The local directory a tier keeps its data in (a ``path`` field), else ``None``."""
-    path = getattr(tcfg, "path", None) if "path" in type(tcfg).model_fields else None
+    """The local directory a tier keeps its data in (its config's ``local_dir_field``), else ``None``."""
+    field = getattr(tcfg, "local_dir_field", None)
+    path = getattr(tcfg, field, None) if field else None
     return os.path.abspath(os.path.expanduser(path)) if isinstance(path, str) else None
 
 
 def with_data_dir(cfg: TieredKVConfig, data_dir: Path) -> TieredKVConfig:
     """``cfg`` with every tier that keeps a local directory moved to ``data_dir/<tier name>``."""
-    tiers = [t.model_copy(update={"path": str(data_dir / t.label)}) if local_path(t) else t for t in cfg.tiers]
-    return cfg.model_copy(update={"tiers": tiers})
+    return cfg.model_copy(update={"tiers": [t.with_local_dir(data_dir / t.label) for t in cfg.tiers]})
 
 
 @asynccontextmanager
@@ -113,7 +113,7 @@ async def open_tier(tcfg: Any, *, create: bool = False) -> AsyncIterator[Tier]:
     if path is not None and not create and not (os.path.isdir(path) and os.listdir(path)):
         raise TierUnavailableError(f"tier {tcfg.label!r} ({tcfg.kind}): no data at {path}; check the path")
     tier: Tier = build_tier(tcfg)
-    tier.passive_scans = True  # type: ignore[attr-defined]
+    tier.passive_scans = True
     try:
         await tier.open()
         yield tier

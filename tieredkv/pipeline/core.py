@@ -139,10 +139,6 @@ class Pipeline:
         """Run ``coro`` (e.g. a tier call) on the pipeline loop and wait for its result."""
         return self.loop.run(coro, timeout)
 
-    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
-        """Old name of :meth:`run` (kept for callers outside this package)."""
-        return self.loop.run(coro, timeout)
-
     def run_background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` on the pipeline loop until it ends or the pipeline closes (then cancelled)."""
         self.loop.spawn(coro)

@@ -10,7 +10,6 @@ and counting it in the pipeline.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,68 +79,6 @@ class PipelineStats:
     def breakers(self) -> dict[str, str]:
         return {n: lane.breaker for n, lane in self.lanes.items()}
 
-    def __getitem__(self, key: str) -> Any:
-        """The older dict layout (``stats()["breakers"]["cpu"]``), for readers not yet moved to
-        attributes: ``counters``, ``dropped``, ``breakers``, ``breaker_opens``, ``groups``,
-        ``staging``, ``pending``. New code reads attributes (type-checked)."""
-        legacy = {
-            "counters": lambda: self.counters,
-            "dropped": lambda: self.dropped,
-            "breakers": lambda: self.breakers,
-            "breaker_opens": lambda: {n: lane.breaker_opens for n, lane in self.lanes.items()},
-            "groups": lambda: {g: dataclasses.asdict(gs) for g, gs in self.groups.items()},
-            "staging": lambda: None if self.staging is None else dataclasses.asdict(self.staging),
-            "pending": lambda: self.jobs_in_flight,
-        }
-        if key not in legacy:
-            raise KeyError(f"pipeline stats have no {key!r}; read the attributes of PipelineStats")
-        return legacy[key]()
-
     def as_dict(self) -> dict[str, Any]:
         """Plain data (JSON, logs, vLLM's tier stats)."""
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> PipelineStats:
-        """A snapshot from the older dict layout (``counters``, ``dropped``, ``breakers``,
-        ``breaker_opens``, ``staging``, ``pending``), for a stand-in pipeline that still reports
-        one. Unknown keys raise ``ValueError`` naming them, so nothing is silently left out."""
-        known = {"counters", "dropped", "breakers", "breaker_opens", "staging", "pending", "groups"}
-        extra = sorted(set(m) - known)
-        if extra:
-            raise ValueError(f"pipeline stats: unknown keys {extra}; expected some of {sorted(known)}")
-        lanes: dict[str, LaneStats] = {}
-        for key, attr in (("breakers", "breaker"), ("breaker_opens", "breaker_opens"), ("dropped", "dropped")):
-            for name, v in (m.get(key) or {}).items():
-                value = str(getattr(v, "value", v)) if attr == "breaker" else int(v)
-                setattr(lanes.setdefault(str(name), LaneStats()), attr, value)
-        staging = m.get("staging")
-        return cls(
-            counters={str(k): int(v) for k, v in (m.get("counters") or {}).items()},
-            lanes=lanes,
-            groups={int(g): _legacy_group(c) for g, c in (m.get("groups") or {}).items()},
-            staging=StagingStats(**dict(staging)) if staging else None,
-            jobs_in_flight=m.get("pending"),
-        )
-
-
-#: Older per-group counter names (the pipeline's ``group_counters``) -> :class:`GroupStats` fields.
-_LEGACY_GROUP_NAMES = {
-    "store_chunks": "stores",
-    "store_bytes": "stored_bytes",
-    "store_refused": "dropped_stores",
-    "dropped": "dropped_stores",
-    "load_chunks": "loads",
-    "load_bytes": "loaded_bytes",
-}
-
-
-def _legacy_group(counters: Mapping[str, Any]) -> GroupStats:
-    fields = set(GroupStats.__dataclass_fields__)
-    out = GroupStats()
-    for name, value in counters.items():
-        attr = _LEGACY_GROUP_NAMES.get(name, name)
-        if attr not in fields:
-            raise ValueError(f"pipeline stats: unknown group counter {name!r}; expected some of {sorted(fields)}")
-        setattr(out, attr, int(value))
-    return out

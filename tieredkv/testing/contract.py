@@ -1,5 +1,7 @@
 """The tier contract suite, shipped so a third-party tier can run it too.
 
+Needs pytest and pytest-asyncio: ``pip install 'tieredkv[contract]'``.
+
 Usage — subclass :class:`TierContract` in a test module and provide one fixture::
 
     class TestMyTier(TierContract):

@@ -61,18 +61,18 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "evictions": ("tier_evictions", "Records a tieredkv tier evicted by its own capacity policy."),
     "errors": ("tier_errors", "tieredkv tier operations that failed."),
 }
-# store.stats() per-tier mapping -> (metric suffix, help); label "tier"
+# store.stats().lanes[tier] (LaneStats) field -> (metric suffix, help); label "tier"
 _PER_TIER: dict[str, tuple[str, str]] = {
     "dropped": ("dropped_stores", "Chunks tieredkv dropped for a tier (tier dead, full or too slow)."),
     "breaker_opens": ("breaker_opens", "Times a tieredkv tier's circuit breaker opened."),
 }
-# store.stats()["groups"] counter -> (metric suffix, help); label "group" (vLLM's KV group index)
+# store.stats().groups[g] (GroupStats) field -> (metric suffix, help); label "group" (vLLM's KV group index)
 _GROUP_COUNTERS: dict[str, tuple[str, str]] = {
-    "store_chunks": ("group_stored_chunks", "Chunks of a KV group tieredkv stored."),
-    "store_bytes": ("group_stored_bytes", "Bytes of a KV group tieredkv stored."),
-    "store_refused": ("group_store_refused", "Chunks of a KV group no tieredkv tier accepted."),
-    "load_chunks": ("group_loaded_chunks", "Chunks of a KV group tieredkv loaded (hits)."),
-    "load_bytes": ("group_loaded_bytes", "Bytes of a KV group tieredkv loaded."),
+    "stores": ("group_stored_chunks", "Chunks of a KV group tieredkv stored."),
+    "stored_bytes": ("group_stored_bytes", "Bytes of a KV group tieredkv stored."),
+    "dropped_stores": ("group_store_refused", "Chunks of a KV group no tieredkv tier accepted."),
+    "loads": ("group_loaded_chunks", "Chunks of a KV group tieredkv loaded (hits)."),
+    "loaded_bytes": ("group_loaded_bytes", "Bytes of a KV group tieredkv loaded."),
     "load_missing": ("group_load_misses", "Chunks of a KV group a tieredkv load did not find."),
 }
 BREAKER_OPEN = PREFIX + "breaker_open"
@@ -120,14 +120,13 @@ def snapshot(stores: Iterable[TieredStore]) -> tuple[Snapshot, Snapshot]:
             tc = dict(tier.counters)
             for key, (suffix, _) in _TIER_COUNTERS.items():
                 add(PREFIX + suffix, (tier.name,), tc.get(key, 0))
-        for key, (suffix, _) in _PER_TIER.items():
-            for tier_name, value in (st.get(key) or {}).items():
-                add(PREFIX + suffix, (str(tier_name),), value)
-        for group, gc in (st.get("groups") or {}).items():
+        for tier_name, lane in st.lanes.items():
+            for key, (suffix, _) in _PER_TIER.items():
+                add(PREFIX + suffix, (str(tier_name),), getattr(lane, key))
+            gauges[(BREAKER_OPEN, (str(tier_name),))] = float(str(lane.breaker) != "closed")
+        for group, gs in st.groups.items():
             for key, (suffix, _) in _GROUP_COUNTERS.items():
-                add(PREFIX + suffix, (str(group),), gc.get(key, 0))
-        for tier_name, state in (st.get("breakers") or {}).items():
-            gauges[(BREAKER_OPEN, (str(tier_name),))] = float(str(state) != "closed")
+                add(PREFIX + suffix, (str(group),), getattr(gs, key))
     return counters, gauges
 
 

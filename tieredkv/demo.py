@@ -296,7 +296,7 @@ class _Engine:
                 continue
             r.store_jobs.add(job)
             accepted.update(gp.keys)
-        self.sched.complete_store(r.rid, StoreOutcome(accepted=accepted, refused=refused))
+        self.sched.complete_store(r.rid, StoreOutcome(accepted=frozenset(accepted), refused=frozenset(refused)))
 
     def collect(self, running: dict[str, _Req]) -> None:
         for res in self.store.poll():

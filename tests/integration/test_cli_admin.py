@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -34,7 +34,14 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
     e = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")}
     e.update(env or {}, COLUMNS="200")
     return subprocess.run(
-        [*TKV, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT, stdin=subprocess.DEVNULL
+        [*TKV, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        check=False,
     )
 
 
@@ -209,7 +216,7 @@ def test_status_reads_breaker_state_from_a_running_engines_metrics(tmp_path: Pat
 class _Garbage(http.server.BaseHTTPRequestHandler):
     """Serves what a wrong --metrics-url may point at: an HTML page, garbage, non-UTF-8 bytes."""
 
-    BODIES = {
+    BODIES: ClassVar[dict[str, bytes]] = {
         "/metrics": b"<html><body><h1>Welcome to nginx!</h1></body></html>\n",
         "/garbage": b"lorem ipsum dolor\n",
         "/binary": b"\xff\xfe\x00garbage",

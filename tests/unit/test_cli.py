@@ -15,13 +15,13 @@ TKV = [sys.executable, "-m", "tieredkv.cli"]
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")}
     e.update(env or {}, COLUMNS="200")
-    return subprocess.run([*TKV, *args], capture_output=True, text=True, timeout=120, env=e, cwd=ROOT)
+    return subprocess.run([*TKV, *args], capture_output=True, text=True, timeout=120, env=e, cwd=ROOT, check=False)
 
 
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "tieredkv"
     assert script.exists(), "pip install -e . must create the tieredkv console script"
-    r = subprocess.run([str(script), "version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(script), "version"], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "0.1.0"
 
 

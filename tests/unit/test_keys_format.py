@@ -79,7 +79,7 @@ def test_record_layout_and_verify() -> None:
     key = ns.key(H, 7)
     rec = encode_record(key, b"payload")
     assert len(rec) == HEADER_SIZE + 7 == 71
-    magic, version, hsize, fp, group, flags, n, csum = HEADER.unpack_from(rec)
+    magic, version, hsize, fp, group, flags, n, _csum = HEADER.unpack_from(rec)
     assert (magic, version, hsize, fp, group, flags, n) == (MAGIC, 1, 64, ns.fingerprint, 7, 0, 7)
     assert bytes(verify_record(rec, key)) == b"payload"
     assert decode_header(rec).payload_len == 7

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Self, overload
 
 from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, key_fingerprint, stored_key_group
+from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, Namespace, key_fingerprint, stored_key_group
 
 __all__ = ["OpObserver", "RecordInfo", "Tier", "TierCapabilities", "TierStats"]
 
@@ -287,7 +287,9 @@ class Tier(ABC):
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete records; pinned keys are skipped. Returns how many records were removed."""
-        todo = [k for k in dict.fromkeys(keys) if _check_key(k) or not self.is_pinned(k)]
+        for k in keys:
+            _check_key(k)
+        todo = [k for k in dict.fromkeys(keys) if not self.is_pinned(k)]
         if not todo:
             return 0
         await self._ensure_open()
@@ -295,9 +297,9 @@ class Tier(ABC):
         self._count("deletes", n)
         return n
 
-    async def scan(self, namespace: bytes | None = None) -> AsyncIterator[RecordInfo]:
+    async def scan(self, namespace: bytes | Namespace | None = None) -> AsyncIterator[RecordInfo]:
         """Every record, or those of one namespace fingerprint (16 bytes, or a Namespace)."""
-        fp = getattr(namespace, "fingerprint", namespace)
+        fp = namespace.fingerprint if isinstance(namespace, Namespace) else namespace
         if fp is not None and len(fp) != FINGERPRINT_BYTES:
             raise ValueError(f"namespace fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fp)}")
         await self._ensure_open()
@@ -353,7 +355,7 @@ class Tier(ABC):
         dst[:n] = payload
         return n
 
-    def _on_corrupt(self, key: bytes, err: Exception) -> None:
+    def _on_corrupt(self, key: bytes, err: BaseException) -> None:
         """Count and log a record that failed verification (the backend deletes it)."""
         self._count("corrupt")
         log.warning("tier %s: corrupt record %s… dropped: %s", self.name, key[:24].hex(), err)

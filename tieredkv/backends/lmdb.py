@@ -320,6 +320,12 @@ class LMDBTier(Tier):
         return None if os.path.exists(os.path.join(path, "data.mdb")) else f"no LMDB environment at {path}"
 
     @property
+    def _sh(self) -> _SharedEnv:
+        """The shared environment (only used while open)."""
+        assert self._shared is not None, "LMDB tier used while not open"
+        return self._shared
+
+    @property
     def _env(self) -> Any:
         return None if self._shared is None else self._shared.env
 
@@ -420,7 +426,7 @@ class LMDBTier(Tier):
         return 0 if raw is None else _USED.unpack(raw)[0]
 
     def _size_in(self, txn: Any, key: bytes) -> int:
-        raw = txn.get(key, db=self._shared.acc)
+        raw = txn.get(key, db=self._sh.acc)
         return 0 if raw is None else _ACCESS.unpack(raw)[1]
 
     def _evict_in(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> None:
@@ -499,7 +505,7 @@ class LMDBTier(Tier):
         """Every record of the environment (every process's) by its shared access stamp, in the
         policy's eviction order (:meth:`~tieredkv.eviction.EvictionPolicy.rank`)."""
         infos = []
-        for k, v in txn.cursor(db=self._shared.acc):
+        for k, v in txn.cursor(db=self._sh.acc):
             stamp, size = _ACCESS.unpack(v)
             infos.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
         return self._policy.rank(infos)
@@ -613,7 +619,7 @@ class LMDBTier(Tier):
                 self._after_evictions(more)
 
     def _flush_stamps(self, txn: Any) -> None:
-        acc = self._shared.acc
+        acc = self._sh.acc
         for k, stamp in self._dirty.items():
             raw = txn.get(k, db=acc)
             if raw is not None and k in self._policy:  # not deleted meanwhile
@@ -658,7 +664,7 @@ class LMDBTier(Tier):
                 self._dirty[key] = now
             return out, bad, gone
 
-        out, bad, gone = self._txn(read, db=self._shared.rec, buffers=True)
+        out, bad, gone = self._txn(read, db=self._sh.rec, buffers=True)
         self._forget(gone)  # deleted by another process
         if bad:
             self._delete_sync([k for k, _ in bad])
@@ -699,7 +705,7 @@ class LMDBTier(Tier):
         return None
 
     def _contains_sync(self, keys: list[bytes]) -> list[bool]:
-        return self._txn(lambda txn: [txn.get(k) is not None for k in keys], db=self._shared.rec, buffers=True)
+        return self._txn(lambda txn: [txn.get(k) is not None for k in keys], db=self._sh.rec, buffers=True)
 
     async def _delete_many(self, keys: list[bytes]) -> int:
         return await self._run(self._delete_sync, keys)
@@ -751,7 +757,7 @@ class LMDBTier(Tier):
                     break
             return page
 
-        return self._txn(read, db=self._shared.acc)
+        return self._txn(read, db=self._sh.acc)
 
     async def _stats(self) -> TierStats:
         return await self._run(self._stats_sync)
@@ -790,7 +796,7 @@ class LMDBTier(Tier):
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         def read() -> list[bytes | None]:
-            return self._txn(lambda txn: [txn.get(k) for k in keys], db=self._shared.rec)
+            return self._txn(lambda txn: [txn.get(k) for k in keys], db=self._sh.rec)
 
         return await self._run(read)
 

@@ -155,6 +155,11 @@ def parse_redis_key(prefix: bytes, rkey: bytes) -> bytes | None:
     return stored_key(fp, rest)
 
 
+def _each(method: str, keys: Sequence[bytes], *args: Any) -> Callable[[Any, int], Any]:
+    """``add(pipe, i)`` for :meth:`RedisTier._per_key`: queue ``pipe.<method>(*args, keys[i])``."""
+    return lambda pipe, i: getattr(pipe, method)(*args, keys[i])
+
+
 def _glob_escape(raw: bytes) -> bytes:
     return b"".join(b"\\" + bytes([c]) if c in _GLOB_SPECIAL else bytes([c]) for c in raw)
 
@@ -409,7 +414,7 @@ class RedisTier(Tier):
             return
         try:
             for run in _chunks(rkeys, lambda _: 1, _SMALL_BATCH):
-                await self._per_key(run, lambda pipe, i, run=run: pipe.delete(run[i]))
+                await self._per_key(run, _each("delete", run))
         except RedisError as e:  # best effort: the put's own error is what the caller sees
             log.warning("tier %s: could not roll back %d records of a failed put: %s", self.name, len(rkeys), e)
 
@@ -461,8 +466,8 @@ class RedisTier(Tier):
                             "tier %s: record of %d bytes does not fit a %d-byte buffer; miss",
                             self.name,
                             claimed - HEADER_SIZE,
-                            len(into[i]),
-                        )  # type: ignore[arg-type]
+                            len(into[i]),  # type: ignore[arg-type]  # not None: a buffer was given
+                        )
                     else:  # bytes wanted and the header vouches for the size: read the rest
                         rest.append((i, rk, value, claimed))
                     continue
@@ -539,7 +544,7 @@ class RedisTier(Tier):
         out: list[bool] = []
         for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
             rkeys = [self.redis_key(k) for k in run]
-            replies = await self._per_key(rkeys, lambda pipe, i, rkeys=rkeys: pipe.exists(rkeys[i]))
+            replies = await self._per_key(rkeys, _each("exists", rkeys))
             out.extend(r is True or (isinstance(r, int) and r > 0) for r in replies)
         return out
 
@@ -547,7 +552,7 @@ class RedisTier(Tier):
         removed = 0
         for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
             rkeys = [self.redis_key(k) for k in run]
-            replies = await self._per_key(rkeys, lambda pipe, i, rkeys=rkeys: pipe.delete(rkeys[i]))
+            replies = await self._per_key(rkeys, _each("delete", rkeys))
             failed = [r for r in replies if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
@@ -612,7 +617,7 @@ class RedisTier(Tier):
         now = time.time()
         for run in _chunks(todo, lambda _: 1, _SMALL_BATCH):
             rks = [self.redis_key(infos[i].key) for i in run]
-            idles = await self._per_key(rks, lambda pipe, j, rks=rks: pipe.object("idletime", rks[j]))
+            idles = await self._per_key(rks, _each("object", rks, "idletime"))
             for i, idle in zip(run, idles, strict=True):
                 out[i] = RecordInfo(infos[i].key, infos[i].size, _stamp(idle, now))
         return out

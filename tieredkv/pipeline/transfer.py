@@ -194,7 +194,7 @@ class Transfers:
                 await self.writeback.promote(
                     route,
                     part_keys,
-                    [memoryview(v.numpy()) for v in views],
+                    [memoryview(v.numpy()) for v in views],  # type: ignore[arg-type]  # ndarray is a buffer
                     {j: found_in[i] for j, i in enumerate(part)},
                 )
         finally:

@@ -155,10 +155,11 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     def __init__(self, spec: OffloadingSpec, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(spec, vllm_config, kv_cache_config)
         grid = self._mamba_align_size
-        if grid is not None and self.config.alignment_tokens is not None:
+        config: Any = self.config  # type: ignore[has-type]  # set by vLLM's __init__ (untyped here)
+        if grid is not None and config.alignment_tokens is not None:
             # Hits land on the Mamba grid, so the sliding-window chunks worth storing are the ones
             # a boundary on that grid needs (vLLM aligns them to the full-attention chunk only).
-            self.config = self.config._replace(alignment_tokens=math.lcm(grid, self.config.alignment_tokens))
+            self.config = config._replace(alignment_tokens=math.lcm(grid, config.alignment_tokens))
         extra = spec.extra_config or {}
         self.max_store_keys_per_step = _positive(extra, "max_store_keys_per_step", 256)
         self.hold_finished_steps = _positive(extra, "hold_finished_steps", 16, allow_zero=True)

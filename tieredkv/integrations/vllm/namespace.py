@@ -109,7 +109,7 @@ def group_specs(config: Any, kinds: list[str], bytes_per_block: int) -> list[Gro
         window = None
         if kind == "sliding_window":
             window = int(window_chunks) * tpb * bpc if window_chunks else _NO_WINDOW
-        out.append(GroupSpec(i, kind, tpb, bpc, bytes_per_block, window))
+        out.append(GroupSpec(i, GroupKind(kind), tpb, bpc, bytes_per_block, window))
     return out
 
 

@@ -228,8 +228,9 @@ async def list_records(
     offset: int = 0,
 ) -> ListResult:
     """Records ``offset`` to ``offset + limit`` in scan order (tiers in config order; LMDB scans in
-    key order). Stops the scan one record past the page, so the work is O(offset + limit)."""
-    now = time.time()
+    key order). Stops the scan one record past the page, so the work is O(offset + limit).
+    Ages are taken right after the stamps are read (a Redis stamp is "now − idle time" at the
+    read), so a slow scan does not make records look younger than they are."""
     rows: list[RecordRow] = []
     skipped = 0
     more = False
@@ -245,7 +246,9 @@ async def list_records(
                     else:
                         more = True
                         break
-            rows.extend(_row(tcfg.label, i, now) for i in await tier.fill_stamps(page))
+            filled = await tier.fill_stamps(page)
+            now = time.time()
+            rows.extend(_row(tcfg.label, i, now) for i in filled)
         if more:
             break
     end = offset + len(rows)
@@ -265,7 +268,6 @@ async def summarize(
 ) -> SummaryResult:
     """Records, bytes and the oldest age per tier and namespace (``by="group"``: and group)."""
     progress = progress or _quiet()
-    now = time.time()
     acc: dict[tuple[str, str, int | None], SummaryRow] = {}
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
@@ -275,18 +277,19 @@ async def summarize(
             async for info in scan_records(tier, namespace, group):
                 buf.append(info)
                 if len(buf) == _STAMP_BATCH:
-                    n += _add_summary(acc, tcfg.label, await tier.fill_stamps(buf), by, now)
+                    n += _add_summary(acc, tcfg.label, await tier.fill_stamps(buf), by)
                     buf = []
                     progress.update(task, completed=n)
-            n += _add_summary(acc, tcfg.label, await tier.fill_stamps(buf), by, now)
+            n += _add_summary(acc, tcfg.label, await tier.fill_stamps(buf), by)
             progress.update(task, completed=n, total=n)
     order = {t.label: i for i, t in enumerate(cfg.tiers)}
     return SummaryResult(by, [acc[k] for k in sorted(acc, key=lambda k: (order[k[0]], k[1], k[2] or 0))])
 
 
 def _add_summary(
-    acc: dict[tuple[str, str, int | None], SummaryRow], tier: str, infos: list[RecordInfo], by: str, now: float
+    acc: dict[tuple[str, str, int | None], SummaryRow], tier: str, infos: list[RecordInfo], by: str
 ) -> int:
+    now = time.time()  # just after the stamps were read
     for info in infos:
         ns = info.fingerprint.hex()
         grp = info.group if by == "group" else None

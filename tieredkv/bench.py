@@ -245,9 +245,9 @@ def ratios(res: BenchResult) -> dict[str, float]:
 
 
 def tier_figures(results: Sequence[BenchResult]) -> list[str]:
-    """Every ``"<label>.store|load"`` figure of ``results``, stores first, in config order."""
+    """Every ``"<label>.store|load"`` figure of ``results``, tier by tier in config order."""
     labels = list(dict.fromkeys(label for r in results for label in r.tiers))
-    return [f"{label}.{op}" for op in OPS for label in labels]
+    return [f"{label}.{op}" for label in labels for op in OPS]
 
 
 def cell(res: BenchResult, key: str) -> str:

@@ -60,7 +60,7 @@ def test_a_tier_class_without_the_hook_gets_figures_and_no_ratio(tmp_path: Path,
     assert set(bench.ratios(res)) == set(res.baselines)  # files: figures, no ratio
     assert re.fullmatch(r"[\d.]+", bench.cell(res, "files.store"))
     assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.load"))
-    assert bench.tier_figures([res]) == [f"{t}.{op}" for op in ("store", "load") for t in ("slab", "files", "nvme")]
+    assert bench.tier_figures([res]) == [f"{t}.{op}" for t in ("slab", "files", "nvme") for op in ("store", "load")]
 
 
 def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp_path: Path) -> None:

@@ -208,8 +208,9 @@ def _bench_size(
     samples: dict[str, list[float]] = {}
     # Each rep measures every figure once, raw limits and tiers interleaved, so both see the
     # same machine (this box's disk and neighbours swing by 2x over a minute).
+    media = _by_class(tiers, size, n, work)
     for _ in range(reps):
-        for raw_cfg, tier_cfgs in _by_class(tiers, size, n, work):
+        for raw_cfg, tier_cfgs in media:
             raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
             if raw is None:
                 continue

@@ -14,7 +14,9 @@ import json
 import os
 import sys
 
-from tieredkv.bench import BASELINES, SIZES, KiB, MiB, machine_info, plot, ratios, run_tier_bench
+from tieredkv.backends.registry import config_model
+from tieredkv.bench import SIZES, BenchResult, KiB, MiB, cell, machine_info, plot, ratios, run_tier_bench, tier_figures
+from tieredkv.config import TierConfigBase
 from tieredkv.testing.servers import RedisServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
     ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and figure")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--tiers", default="cpu,lmdb,redis")
+    ap.add_argument("--tiers", default="cpu,lmdb,redis", help="tier kinds, each with its defaults")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--quick", action="store_true", help="tiny run (smoke test): 2 sizes, 16 MiB, 1 rep")
     a = ap.parse_args(argv)
@@ -33,11 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     total, reps = a.total_mib * MiB, a.reps
     if a.quick:
         sizes, total, reps = [64 * KiB, 1 * MiB], 16 * MiB, 1
-    kinds = tuple(a.tiers.split(","))
     with RedisServer() as srv:
-        results = run_tier_bench(
-            sizes, total, reps, kinds, redis_url=srv.url, redis_port=srv.port, log=lambda m: print(m, file=sys.stderr)
-        )
+        tiers = [tier_config(kind, srv.url) for kind in a.tiers.split(",")]
+        results = run_tier_bench(tiers, sizes, total, reps, log=lambda m: print(m, file=sys.stderr))
     print_table(results)
     os.makedirs(a.out, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -49,7 +49,14 @@ def main(argv: list[str] | None = None) -> int:
                 "total_bytes_per_figure": total,
                 "reps": reps,
                 "results": [
-                    {"size": r.size, "chunks": r.chunks, "gbps": r.gbps, "reps": r.reps, "ratios": ratios(r)}
+                    {
+                        "size": r.size,
+                        "chunks": r.chunks,
+                        "gbps": r.gbps,
+                        "reps": r.reps,
+                        "ratios": ratios(r),
+                        "baselines": r.baselines,
+                    }
                     for r in results
                 ],
             },
@@ -64,23 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_table(results: list) -> None:
-    keys = list(BASELINES)
-    head = f"{'size':>8} | " + " | ".join(f"{k:>17}" for k in keys)
-    print("tieredkv GB/s (raw GB/s) ratio")
+def tier_config(kind: str, url: str) -> TierConfigBase:
+    """``kind``'s defaults; a tier with a server ``url`` field points at this run's redis-server."""
+    model = config_model(kind)
+    return model.model_validate({"kind": kind, **({"url": url} if "url" in model.model_fields else {})})
+
+
+def print_table(results: list[BenchResult]) -> None:
+    keys = tier_figures(results)
+    head = f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in keys)
+    print("tieredkv GB/s / raw GB/s (ratio)")
     print(head)
     print("-" * len(head))
     for r in results:
-        cells = []
-        for k in keys:
-            b = BASELINES[k]
-            if k in r.gbps and b in r.gbps:
-                cells.append(f"{r.gbps[k]:.2f}/{r.gbps[b]:.2f} {r.gbps[k] / r.gbps[b]:.2f}x".rjust(17))
-            else:
-                cells.append(" " * 17)
         label = f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB"
-        print(f"{label:>8} | " + " | ".join(cells))
-    print("baselines: " + ", ".join(f"{k} vs {v}" for k, v in BASELINES.items()))
+        print(f"{label:>8} | " + " | ".join(cell(r, k).rjust(22) for k in keys))
+    judged = {k: v for r in results for k, v in r.baselines.items()}
+    print("baselines: " + ", ".join(f"{k} vs {v}" for k, v in judged.items()))
 
 
 if __name__ == "__main__":

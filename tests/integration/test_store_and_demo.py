@@ -159,9 +159,11 @@ def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> N
 
 def test_bench_moves_bytes_through_the_store_and_deletes_what_it_wrote(tmp_path: Path) -> None:
     from tieredkv.bench import make_tier, pipeline_store_load
+    from tieredkv.config import LMDBTierConfig
 
     src = torch.randint(0, 256, (24, 4096), dtype=torch.uint8)
-    tier = make_tier("lmdb", 4096, 24, str(tmp_path), None)
+    tier = make_tier(LMDBTierConfig(path=str(tmp_path / "users")), 4096, 24, str(tmp_path))
+    assert Path(tier.config.path).parent == tmp_path and tier.config.path != str(tmp_path / "users")
     ns = Namespace(model="bench-test")
     ts, tl = pipeline_store_load(tier, src, torch.zeros_like(src), ns)  # raises if bytes differ
     assert ts > 0 and tl > 0
@@ -193,6 +195,49 @@ def test_redis_benchmark_baseline_deletes_every_key_it_creates(redis_server: Red
     finally:
         client.delete("user:key", *REDIS_BENCHMARK_KEYS)
         client.close()
+
+
+def test_bench_command_labels_figures_by_tier_and_judges_each_against_its_medium(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """``tieredkv bench`` on a config with named tiers: figures carry the tier labels, each
+    ratio is against the baseline its tier class declares, and the Redis server and the
+    configured LMDB directory are left as they were found."""
+    import os
+    import subprocess
+    import sys
+
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        "namespace: {model: bench-cli}\ntiers:\n"
+        "  - {kind: cpu, name: slab, capacity_bytes: 4MiB, segment_bytes: 1MiB}\n"
+        f"  - {{kind: lmdb, name: nvme, path: '{tmp_path / 'kv'}'}}\n"
+        f"  - {{kind: redis, name: shared, url: '{redis_server.url}'}}\n"
+    )
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    client.set("user:key", b"keep me")
+    before = set(client.keys("*"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")}
+    argv = [sys.executable, "-m", "tieredkv.cli", "bench", "--config", str(conf), "--sizes", "64", "--total-mib", "1"]
+    r = subprocess.run(
+        [*argv, "--reps", "1", "--out", str(tmp_path / "out"), "--json"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(r.stdout)["results"]
+    assert row["baselines"] == {
+        "slab.store": "memcpy", "slab.load": "memcpy",
+        "nvme.store": "lmdb_raw.store", "nvme.load": "lmdb_raw.load",
+        "shared.store": "redis_py.store", "shared.load": "redis_py.load",
+    }  # fmt: skip
+    assert set(row["ratios"]) == set(row["baselines"]) and all(v > 0 for v in row["ratios"].values())
+    for key in ("file_pagecache.store", "file_durable.store", "file.load", *row["baselines"].values()):
+        assert row["gbps"][key] > 0, key
+    assert set(client.keys("*")) == before and client.get("user:key") == b"keep me"
+    client.delete("user:key")
+    client.close()
+    assert not (tmp_path / "kv").exists()  # bench copies ran in temporary directories beside it
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tieredkv-bench-")] == []
 
 
 # ---- every documented metric has a sample after a real run -----------------------------------

@@ -36,7 +36,7 @@ from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, Ti
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, Namespace, key_fingerprint, stored_key_group
 
-__all__ = ["OpObserver", "RecordInfo", "Tier", "TierCapabilities", "TierStats"]
+__all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,21 @@ class TierCapabilities:
     sync_probe: bool = False
 
 
+@dataclass(frozen=True)
+class RawLimits:
+    """One measurement of a tier's medium without tieredkv (``tieredkv bench``): what the medium
+    itself does on the same payloads, the figure the tier's own throughput is judged against."""
+
+    #: Figure name → GB/s. ``"<what>.store"`` / ``"<what>.load"`` for one direction, a bare name
+    #: for a figure that bounds both (``"memcpy"``). Names are the medium's, never a tier's label.
+    gbps: dict[str, float]
+    #: ``"store"`` / ``"load"`` → the figure in :attr:`gbps` the tier is judged against (ratio =
+    #: tier GB/s / that figure); a direction left out gets figures without a ratio.
+    baseline: dict[str, str] = field(default_factory=dict)
+    #: Caveats printed once with the results ("the raw Redis figures use one node of the cluster").
+    notes: tuple[str, ...] = ()
+
+
 class Tier(ABC):
     """Base of every tier. Subclasses set :attr:`kind`, :attr:`config_model` and
     :attr:`capabilities`, and implement the underscore hooks.
@@ -144,6 +159,19 @@ class Tier(ABC):
         """Where ``config`` points at no data of this tier yet (an LMDB directory without an
         environment), said without creating anything; None when it may hold data or cannot tell.
         Admin commands that must not create a tier ask this before :meth:`open`."""
+        return None
+
+    @classmethod
+    def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits | None:
+        """The raw limit of this tier's medium, for ``tieredkv bench``: one run of what the medium
+        does without tieredkv on the bench's payloads, measured the way the tier uses it
+        (``config`` is the bench copy of the tier's config). ``src`` is a ``(chunks, size)``
+        uint8 torch tensor to write; ``dst``, of the same shape, is where reads go; ``workdir``
+        is a scratch directory on the disk the bench runs beside. Called once per repetition,
+        interleaved with the tiers; must leave the medium as it found it.
+
+        None (the default): no raw figure, so the tier's throughput is reported without a ratio.
+        The medium-specific code of the built-in tiers is in :mod:`tieredkv.backends._rawbench`."""
         return None
 
     # ---- lifecycle -----------------------------------------------------------------

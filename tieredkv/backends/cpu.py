@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import CPUTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
 from tieredkv.eviction import EvictionPolicy, make_policy
@@ -77,6 +77,14 @@ class CPUTier(Tier):
         self._mv: memoryview | None = None
         self._evict_listener: Callable[[bytes, bytes], None] | None = None
         self.pinned = False
+
+    @classmethod
+    def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits:
+        """``memcpy``: ``copy_`` of every chunk into a preallocated tensor, the most a slab of
+        host memory can move (both directions are one copy)."""
+        from tieredkv.backends._rawbench import gbps, raw_memcpy
+
+        return RawLimits({"memcpy": gbps(src.numel(), raw_memcpy(src, dst))}, {"store": "memcpy", "load": "memcpy"})
 
     # ---- lifecycle -------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
@@ -318,6 +318,21 @@ class LMDBTier(Tier):
         """The directory, when it holds no LMDB environment (``data.mdb``)."""
         path = os.path.abspath(os.path.expanduser(config.path))
         return None if os.path.exists(os.path.join(path, "data.mdb")) else f"no LMDB environment at {path}"
+
+    @classmethod
+    def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits:
+        """The disk under ``workdir``: one file written with ``pwrite`` (page cache, then with
+        ``fdatasync``) and read warm with ``preadv``; and py-lmdb put/get with this tier's map
+        flags (``sync_mode``), the baseline: what LMDB itself does with these records."""
+        from tieredkv.backends._rawbench import gbps, raw_file, raw_lmdb
+
+        nbytes = src.numel()
+        w, r = raw_file(src, dst, workdir, durable=False)
+        figures = {"file_pagecache.store": gbps(nbytes, w), "file.load": gbps(nbytes, r)}
+        figures["file_durable.store"] = gbps(nbytes, raw_file(src, dst, workdir, durable=True)[0])
+        w, r = raw_lmdb(src, dst, workdir, sync=config.sync_mode == "durable")
+        figures |= {"lmdb_raw.store": gbps(nbytes, w), "lmdb_raw.load": gbps(nbytes, r)}
+        return RawLimits(figures, {"store": "lmdb_raw.store", "load": "lmdb_raw.load"})
 
     @property
     def _sh(self) -> _SharedEnv:

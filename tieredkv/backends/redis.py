@@ -73,7 +73,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import (
     ConfigError,
@@ -220,6 +220,27 @@ class RedisTier(Tier):
         self._record_guess = _DEFAULT_RECORD_GUESS
         parts = urlsplit(config.url)
         self._where = f"{parts.scheme}://{parts.hostname or parts.path}{f':{parts.port}' if parts.port else ''}"
+
+    @classmethod
+    def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits:
+        """The server at ``config.url``: redis-py pipelined SET/GET of the chunks (the baseline:
+        the same client library and loop as the tier, without records or hash tags) and, for a
+        plain ``redis://`` URL without a password, ``redis-benchmark`` (the server's own limit
+        over one connection). Both delete every key they wrote; see
+        :func:`~tieredkv.backends._rawbench.redis_benchmark` for how a user's key is spared."""
+        from tieredkv.backends._rawbench import gbps, raw_redis, redis_benchmark
+
+        nbytes, (n, size) = src.numel(), src.shape
+        auth = {k: v for k, v in (("username", config.username), ("password", config.password)) if v is not None}
+        w, r = raw_redis(src, dst, config.url, **auth)
+        figures = {"redis_py.store": gbps(nbytes, w), "redis_py.load": gbps(nbytes, r)}
+        parts = urlsplit(config.url)
+        if parts.scheme == "redis" and parts.password is None and config.password is None:
+            rb = redis_benchmark(parts.port or 6379, size, min(n, 2000), host=parts.hostname or "127.0.0.1")
+            if rb:
+                figures |= {"redis_benchmark.store": rb[0], "redis_benchmark.load": rb[1]}
+        notes = ("the raw Redis figures use one node of the cluster",) if config.cluster else ()
+        return RawLimits(figures, {"store": "redis_py.store", "load": "redis_py.load"}, notes)
 
     # ---- helpers ----------------------------------------------------------------------
 

@@ -69,9 +69,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     ) -> None:
         """Measure the configured tiers through the pipeline against their media's raw limits
-        (memcpy, file and py-lmdb writes/reads, redis-py and redis-benchmark). LMDB runs in temporary
-        directories beside the configured path; Redis runs under a fresh namespace and deletes only
-        its own keys. Writes results JSON and a PNG plot."""
+        (each tier class's own: memcpy, file and py-lmdb writes/reads, redis-py and redis-benchmark).
+        Local tiers run in temporary directories beside the configured path; shared ones under a
+        fresh namespace, deleting only their own keys. Writes results JSON and a PNG plot."""
         from tieredkv.cli.app import run
 
         run(lambda: _bench(config, sizes, total_mib, reps, out_dir, as_json))
@@ -146,7 +146,6 @@ def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
 def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: Path, as_json: bool) -> None:
     import datetime as dt
     import shutil
-    from urllib.parse import urlsplit
 
     from tieredkv.cli.ops import load
 
@@ -158,33 +157,25 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
         size_list = [int(x) * 1024 for x in sizes.split(",")]
     except ValueError:
         raise CLIError(EXIT_BAD_INPUT, f"--sizes: got {sizes!r}; expected KiB numbers like 64,256,1024") from None
-    kinds = tuple(dict.fromkeys(t.kind for t in cfg.tiers))
-    redis_cfg = next((t for t in cfg.tiers if t.kind == "redis"), None)  # bench measures raw media per kind
-    redis_url = getattr(redis_cfg, "url", None)
-    if redis_cfg is not None and getattr(redis_cfg, "cluster", False):
-        render.say("note: the raw Redis figures use one node of the cluster", console=render.err)
-    port = urlsplit(redis_url).port if redis_url else None
     local = next((p for t in cfg.tiers if (p := local_path(t))), None)
     workdir = None
-    if local is not None:
+    if local is not None:  # raw disk figures and bench copies of local tiers on the configured disk
         parent = Path(local).parent
         parent.mkdir(parents=True, exist_ok=True)
         workdir = tempfile.mkdtemp(prefix="tieredkv-bench-", dir=parent)
     try:
         results = b.run_tier_bench(
+            cfg.tiers,
             size_list,
             total_mib << 20,
             reps,
-            kinds,
-            redis_url=redis_url,
-            redis_port=port,
             workdir=workdir,
             log=lambda m: render.say(m, console=render.err),
         )
     finally:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    rows = [{"size": r.size, "gbps": r.gbps, "ratios": b.ratios(r)} for r in results]
+    rows = [{"size": r.size, "gbps": r.gbps, "ratios": b.ratios(r), "baselines": r.baselines} for r in results]
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"tiers-{stamp}.json"
@@ -197,12 +188,9 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
     if as_json:
         render.emit_json({"results": rows, "json": str(path), "png": str(png) if png else None})
         return
-    cells = []
-    for r in results:
-        row = [f"{r.size // 1024} KiB"]
-        for k, base in b.BASELINES.items():
-            ok = k in r.gbps and base in r.gbps
-            row.append(f"{r.gbps[k]:.2f}/{r.gbps[base]:.2f} ({r.gbps[k] / r.gbps[base]:.2f}x)" if ok else "")
-        cells.append(row)
-    render.table("tier GB/s vs raw GB/s (ratio)", ("size", *b.BASELINES), cells, right=("size", *b.BASELINES))
+    keys = b.tier_figures(results)
+    cells = [[f"{r.size // 1024} KiB", *(b.cell(r, k) for k in keys)] for r in results]
+    render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), cells, right=("size", *keys))
+    judged = {k: v for r in results for k, v in r.baselines.items()}
+    render.say("baselines: " + (", ".join(f"{k} vs {v}" for k, v in judged.items()) or "none declared"))
     render.say(f"wrote {path}" + (f" and {png}" if png else " (pip install 'tieredkv[bench]' for the PNG plot)"))

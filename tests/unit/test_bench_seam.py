@@ -1,0 +1,174 @@
+"""The bench seam: a tier's raw limit lives with its tier class, the bench knows no tier kind."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from tieredkv import bench
+from tieredkv.backends import registry as reg
+from tieredkv.backends.base import Tier
+from tieredkv.backends.cpu import CPUTier
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.redis import RedisTier
+from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig, TierConfigBase
+from tieredkv.testing.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+KiB = 1 << 10
+
+
+@pytest.fixture
+def dir_tier() -> Iterator[type[Tier]]:
+    """The sample third-party tier (tests/plugin_sample), registered as ``dir``: no raw_limits."""
+    spec = importlib.util.spec_from_file_location("tieredkv_dirtier", ROOT / "tests/plugin_sample/tieredkv_dirtier.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tieredkv_dirtier"] = module
+    spec.loader.exec_module(module)
+    saved = dict(reg._registry)
+    reg.register_tier("dir", module.DirTier, clobber=True)
+    try:
+        yield module.DirTier
+    finally:
+        reg._registry.clear()
+        reg._registry.update(saved)
+        sys.modules.pop("tieredkv_dirtier", None)
+
+
+def test_a_tier_class_without_the_hook_gets_figures_and_no_ratio(tmp_path: Path, dir_tier: type[Tier]) -> None:
+    assert dir_tier.raw_limits.__func__ is Tier.raw_limits.__func__  # type: ignore[attr-defined]  # inherited default
+    plain = dir_tier.config_model.model_validate({"kind": "dir", "name": "files", "root": str(tmp_path / "files")})  # type: ignore[union-attr]
+    tiers: list[TierConfigBase] = [CPUTierConfig(name="slab"), plain, LMDBTierConfig(name="nvme")]
+    (res,) = bench.run_tier_bench(tiers, [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None)
+    assert res.tiers == ["slab", "files", "nvme"] and res.chunks == 16
+    for key in ("slab.store", "slab.load", "files.store", "files.load", "nvme.store", "nvme.load"):
+        assert res.gbps[key] > 0, key
+    assert res.baselines == {
+        "slab.store": "memcpy",
+        "slab.load": "memcpy",
+        "nvme.store": "lmdb_raw.store",
+        "nvme.load": "lmdb_raw.load",
+    }
+    assert set(bench.ratios(res)) == set(res.baselines)  # files: figures, no ratio
+    assert re.fullmatch(r"[\d.]+", bench.cell(res, "files.store"))
+    assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.load"))
+    assert bench.tier_figures([res]) == [f"{t}.{op}" for t in ("slab", "files", "nvme") for op in ("store", "load")]
+
+
+def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp_path: Path) -> None:
+    src = torch.randint(0, 256, (8, 64 * KiB), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    cpu = CPUTier.raw_limits(CPUTierConfig(), src, dst, workdir=str(tmp_path))
+    assert cpu.baseline == {"store": "memcpy", "load": "memcpy"} and cpu.gbps["memcpy"] > 0
+    assert torch.equal(dst, src)  # the copy really happened
+    dst.zero_()
+    disk = LMDBTier.raw_limits(LMDBTierConfig(sync_mode="durable"), src, dst, workdir=str(tmp_path))
+    assert disk.baseline == {"store": "lmdb_raw.store", "load": "lmdb_raw.load"}
+    assert set(disk.gbps) == {
+        "file_pagecache.store",
+        "file.load",
+        "file_durable.store",
+        "lmdb_raw.store",
+        "lmdb_raw.load",
+    }
+    assert torch.equal(dst, src) and list(tmp_path.iterdir()) == []  # read back; scratch removed
+
+
+def test_redis_raw_limits_leave_the_server_as_found(redis_server: RedisServer) -> None:
+    src = torch.randint(0, 256, (8, 64 * KiB), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        client.set("raw:0", b"a user's key that looks like the old raw keys")
+        before = set(client.keys("*"))
+        raw = RedisTier.raw_limits(
+            RedisTierConfig(url=redis_server.url, cluster=True), src, dst, workdir="/nonexistent"
+        )
+        assert raw.baseline == {"store": "redis_py.store", "load": "redis_py.load"}
+        assert raw.gbps["redis_py.store"] > 0 and raw.gbps["redis_py.load"] > 0
+        assert raw.notes == ("the raw Redis figures use one node of the cluster",)
+        assert torch.equal(dst, src)
+        assert (
+            set(client.keys("*")) == before and client.get("raw:0") == b"a user's key that looks like the old raw keys"
+        )
+    finally:
+        client.delete("raw:0")
+        client.close()
+
+
+def test_bench_copy_of_a_tier_comes_from_its_config_model(tmp_path: Path) -> None:
+    users = LMDBTierConfig(name="nvme", path="/srv/kv", size_cap_bytes="1GiB", map_size_bytes="2GiB")
+    copy = bench.bench_config(users, 1 << 20, 100, str(tmp_path))
+    assert isinstance(copy, LMDBTierConfig) and copy.name == "nvme"
+    assert Path(copy.path).parent == tmp_path and users.path == "/srv/kv"
+    assert int(copy.size_cap_bytes) == 100 * (1 << 20) + 8 * (1 << 20) and copy.op_timeout_s == 120.0
+    slab = bench.bench_config(CPUTierConfig(segment_bytes="1MiB", op_timeout_s=300), 4 << 20, 4, str(tmp_path))
+    assert isinstance(slab, CPUTierConfig) and slab.prefault and slab.op_timeout_s == 300  # never lowered
+    assert int(slab.segment_bytes) >= (4 << 20) + 64 and int(slab.capacity_bytes) >= 16 << 20
+    shared = bench.bench_config(RedisTierConfig(url="redis://h:1/0"), 4096, 4, str(tmp_path))
+    assert isinstance(shared, RedisTierConfig) and shared.socket_timeout_s == 30.0 and shared.url == "redis://h:1/0"
+
+
+# ---- no kind switch outside backends/ -----------------------------------------------------------
+
+#: Kinds that are not tier kinds: KV group kinds, pipeline job kinds, ``kind == ""`` (missing).
+NOT_TIER_KINDS = {"full", "sliding_window", "mamba", "store", "load", "put", "get", ""}
+_COMPARE = re.compile(r"""\bkind\s*(?:==|!=)\s*(['"])(?P<v>\w*)\1|(['"])(?P<w>\w*)\3\s*(?:==|!=)\s*[\w.]*\bkind\b""")
+_MEMBER = re.compile(r"""(?<!for )\b[\w.]*kinds?\s+(?:not\s+)?in\s*[(\[{](?P<items>[^)\]}]*)""")
+_TIER_LITERAL = re.compile(
+    r"""(['"])(?:cpu|lmdb|redis)\1\s+(?:not\s+)?in\b|(?<!\.type\s)(?:==|!=)\s*(['"])(?:cpu|lmdb|redis)\2"""
+    r"""|\bisinstance\([^)]*\b(?:CPUTier|LMDBTier|RedisTier)\b"""
+)
+
+
+def kind_switches(text: str) -> list[str]:
+    """Lines of ``text`` that branch on a tier kind (a literal tier kind, or a kind compared with
+    anything but a group or job kind; a torch ``device.type`` is no tier kind)."""
+    found = []
+    for line in text.splitlines():
+        code = line.split("#", 1)[0]
+        bad = _TIER_LITERAL.search(code) is not None
+        for m in _COMPARE.finditer(code):
+            bad |= (m.group("v") if m.group("v") is not None else m.group("w")) not in NOT_TIER_KINDS
+        for m in _MEMBER.finditer(code):
+            bad |= not set(re.findall(r"""['"](\w*)['"]""", m.group("items"))) <= NOT_TIER_KINDS
+        if bad:
+            found.append(line.strip())
+    return found
+
+
+def test_the_kind_switch_finder_finds_what_the_bench_used_to_do() -> None:
+    old = """
+    if kind == "cpu":
+    if "lmdb" in kinds:
+    redis_cfg = next((t for t in cfg.tiers if t.kind == "redis"), None)
+    if t.kind in ("lmdb", "dir"):
+    if isinstance(tier, LMDBTier):
+    stores = [r for r in eng.results if r.kind == "store"]
+    if kind == "sliding_window":
+    for kind in ("capacity", "in_use"):
+    if kind not in ("full", "mamba"):
+    if t.device.type != "cpu":
+    """
+    assert len(kind_switches(old)) == 5
+
+
+def test_no_tier_kind_switch_outside_backends() -> None:
+    """Issue 14: what differs between tiers lives with the tier (capabilities, config model,
+    raw_limits); code outside tieredkv/backends/ (and the tier benchmark) never branches on a
+    kind. The peer benchmarks name other products' backends and are not scanned."""
+    paths = [*(ROOT / "tieredkv").rglob("*.py"), ROOT / "benchmarks" / "bench_tiers.py"]
+    found = {}
+    for path in paths:
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith("tieredkv/backends/") and (hits := kind_switches(path.read_text())):
+            found[rel] = hits
+    assert found == {}

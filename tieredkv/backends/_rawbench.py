@@ -1,0 +1,225 @@
+"""Raw limits of the built-in tiers' media, measured without tieredkv on the bench's payloads.
+
+Each tier's :meth:`~tieredkv.backends.base.Tier.raw_limits` picks the figures of its medium from
+here and names the one it is judged against; ``tieredkv bench`` (:mod:`tieredkv.bench`) runs
+them interleaved with the tiers. Payloads are ``src``, a ``(chunks, size)`` uint8 tensor, read
+back into ``dst`` of the same shape; this module never imports torch itself (the tensors come
+from the caller), lmdb and redis only inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BATCH_BYTES",
+    "REDIS_BENCHMARK_KEYS",
+    "gbps",
+    "raw_file",
+    "raw_lmdb",
+    "raw_memcpy",
+    "raw_redis",
+    "redis_benchmark",
+    "run_loop",
+]
+
+MiB = 1 << 20
+#: Bytes per write transaction / pipeline job, the same batch the bench gives the pipeline.
+BATCH_BYTES = 16 * MiB
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor row, without a copy."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs lack __buffer__
+
+
+def run_loop(coro: Any) -> Any:
+    """Run ``coro`` on uvloop when installed (as the pipeline does), else asyncio."""
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---- host memory ---------------------------------------------------------------------------------
+
+
+def raw_memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """Seconds to ``copy_`` every chunk into a preallocated tensor (the CPU slab's limit)."""
+
+    def run() -> None:
+        for i in range(src.shape[0]):
+            dst[i].copy_(src[i])
+
+    return _timed(run)
+
+
+# ---- local disk ----------------------------------------------------------------------------------
+
+
+def raw_file(src: torch.Tensor, dst: torch.Tensor, workdir: str, durable: bool) -> tuple[float, float]:
+    """(write seconds, warm read seconds) of the chunks as one file."""
+    path = os.path.join(workdir, "raw.bin")
+    size = src.shape[1]
+    fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for i in range(src.shape[0]):
+            os.pwrite(fd, _view(src[i]), i * size)
+        if durable:
+            os.fdatasync(fd)
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(src.shape[0]):
+            os.preadv(fd, [_view(dst[i])], i * size)
+        tr = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return tw, tr
+
+
+def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str, *, sync: bool = False) -> tuple[float, float]:
+    """(write seconds, read seconds) of py-lmdb put/get in transactions of about BATCH_BYTES,
+    with the LMDB tier's map flags (``sync``/``metasync`` as its ``sync_mode`` sets them)."""
+    import lmdb
+
+    path = tempfile.mkdtemp(dir=workdir)
+    n, size = src.shape
+    env = lmdb.open(
+        path,
+        map_size=max(4 * n * size, 64 * MiB),
+        writemap=False,
+        sync=sync,
+        metasync=sync,
+        readahead=False,
+        meminit=False,
+        max_dbs=2,
+    )
+    db = env.open_db(b"records")
+    per = max(1, BATCH_BYTES // size)
+    keys = [i.to_bytes(8, "big") for i in range(n)]
+    try:
+        t0 = time.perf_counter()
+        for b in range(0, n, per):
+            with env.begin(write=True, db=db) as txn:
+                for i in range(b, min(n, b + per)):
+                    txn.put(keys[i], _view(src[i]))
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with env.begin(db=db, buffers=True) as txn:
+            for i in range(n):
+                got = txn.get(keys[i])
+                if got is None:
+                    raise KeyError(f"raw lmdb bench: key {i} vanished")
+                _view(dst[i])[:] = got
+        tr = time.perf_counter() - t0
+    finally:
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return tw, tr
+
+
+# ---- Redis ---------------------------------------------------------------------------------------
+
+
+def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str, **client_kwargs: Any) -> tuple[float, float]:
+    """(SET seconds, GET seconds) of redis-py (uvloop when installed) pipelines of at most 64
+    values and about 8 MiB (``client_kwargs``: e.g. the tier's ``username``/``password``). Its keys carry a fresh random token (a user's key is never
+    overwritten) and are deleted again; nothing else is touched."""
+    import redis.asyncio as aioredis
+
+    n, size = src.shape
+    per = max(1, min(64, (8 * MiB) // size))
+    names = [f"tieredkv-raw:{uuid.uuid4().hex}:{i}" for i in range(n)]
+
+    async def run() -> tuple[float, float]:
+        r = aioredis.Redis.from_url(url, **client_kwargs)
+        try:
+            t0 = time.perf_counter()
+            for b in range(0, n, per):
+                p = r.pipeline(transaction=False)
+                for i in range(b, min(n, b + per)):
+                    p.set(names[i], _view(src[i]))
+                await p.execute()
+            tw = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for b in range(0, n, per):
+                p = r.pipeline(transaction=False)
+                for i in range(b, min(n, b + per)):
+                    p.get(names[i])
+                for i, v in zip(range(b, min(n, b + per)), await p.execute()):
+                    _view(dst[i])[:] = v
+            tr = time.perf_counter() - t0
+            for b in range(0, n, 1000):  # only the keys this run wrote, never the whole database
+                await r.delete(*names[b : b + 1000])
+            return tw, tr
+        finally:
+            await r.aclose()
+
+    result: tuple[float, float] = run_loop(run())
+    return result
+
+
+#: The keys ``redis-benchmark -t set,get`` writes (without ``-r`` the placeholder stays literal).
+REDIS_BENCHMARK_KEYS = ("key:__rand_int__",)
+
+
+def redis_benchmark(port: int, size: int, n: int, host: str = "127.0.0.1") -> tuple[float, float] | None:
+    """GB/s of SET and GET from ``redis-benchmark`` (-P1 -c1: the best setting for big values here).
+
+    It writes :data:`REDIS_BENCHMARK_KEYS` into database 0 of the user's server: when one of them
+    already exists there (someone's data) nothing is run (None); otherwise they are deleted after
+    the run, whatever happens, so the server is left as it was found. None too when the
+    ``redis-benchmark`` executable is not installed."""
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return None
+    import redis
+
+    client = redis.Redis(host=host, port=port, db=0, socket_timeout=30)
+    try:
+        if client.exists(*REDIS_BENCHMARK_KEYS):
+            return None  # never overwrite (and then delete) a key that is not ours
+        try:
+            return _run_redis_benchmark(exe, host, port, size, n)
+        finally:
+            client.delete(*REDIS_BENCHMARK_KEYS)
+    finally:
+        client.close()
+
+
+def _run_redis_benchmark(exe: str, host: str, port: int, size: int, n: int) -> tuple[float, float] | None:
+    # One key: every GET hits a value of the full size.
+    argv = [exe, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n)]
+    out = subprocess.run(
+        [*argv, "-P", "1", "-c", "1", "-q"], capture_output=True, text=True, timeout=300, check=False
+    ).stdout
+    rps = {m.group(1).lower(): float(m.group(2)) for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)}
+    if "set" not in rps or "get" not in rps:
+        return None
+    return rps["set"] * size / 1e9, rps["get"] * size / 1e9

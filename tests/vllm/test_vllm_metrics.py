@@ -2,9 +2,12 @@
 Prometheus logger, with values equal to the store's.
 
 One engine-loop run per mode (``tests/vllm/engine.py``: vLLM 0.33's real ``Scheduler``, the
-connector's both roles built by vLLM's factory, every KV byte checked) with ``TieredKVConnector``
-in front of tieredkv's spec (``spec``) or of vLLM's ``TieringOffloadingSpec`` with a tieredkv
-secondary tier (``secondary``), over LMDB, full-attention + sliding-window groups. Every ``SchedulerStats`` the
+connector's both roles built by vLLM's factory, every KV byte checked): tieredkv's spec (``spec``)
+or vLLM's ``TieringOffloadingSpec`` with a tieredkv secondary tier (``secondary``), each behind
+vLLM's own ``OffloadingConnector`` and behind ``TieredKVConnector``, over LMDB, full-attention +
+sliding-window groups. The counters travel through the hooks vLLM's offloading connector calls
+(the manager's and the secondary tier's ``get_stats``, the spec's ``build_metric_definitions``),
+so no tieredkv connector is needed for them. Every ``SchedulerStats`` the
 scheduler makes is kept, then fed to vLLM's own consumers: ``KVConnectorLogging`` (the interval
 aggregation behind the "KV Transfer metrics" log line) and ``PrometheusStatLogger`` (what serves
 ``/metrics``). Both must carry tieredkv's hits, bytes, corrupt records, dropped stores and breaker
@@ -47,15 +50,23 @@ class Run:
         self.mode = ""
 
 
-@pytest.fixture(scope="module", params=["spec", "secondary"])
+OFFLOADING = {"kv_connector": "OffloadingConnector", "kv_connector_module_path": None}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("spec", "vllm"), ("secondary", "vllm"), ("spec", "tieredkv"), ("secondary", "tieredkv")],
+    ids=lambda p: f"{p[0]}-{p[1]}-connector",
+)
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    mode, connector = request.param
     tiers = _tiers_file(tmp_path_factory.mktemp("metrics"), "lmdb")
-    if request.param == "spec":
+    if mode == "spec":
         extra = spec_extra(2, tiers)
     else:  # a primary tier of 32 chunks: later phases' hits come back from tieredkv (promotions)
         extra = dict(secondary_extra(2, tiers), cpu_bytes_to_use=1 << 17)
-    with cpu_workers(extra, tiering_cpu_worker=request.param == "secondary"):
-        yield engine_run(extra, tiers if request.param == "spec" else None)
+    with cpu_workers(extra, tiering_cpu_worker=mode == "secondary"):
+        yield engine_run(extra, tiers if mode == "spec" else None, TKC if connector == "tieredkv" else OFFLOADING)
 
 
 def corrupt_one_record(store: Any, tiers_file: Path, num_blocks: int) -> None:
@@ -89,11 +100,11 @@ def corrupt_one_record(store: Any, tiers_file: Path, num_blocks: int) -> None:
     assert key in result.failed and key not in result.done, result  # never served
 
 
-def engine_run(extra: dict[str, Any], corrupt_from: Path | None) -> Run:
+def engine_run(extra: dict[str, Any], corrupt_from: Path | None, connector: dict[str, Any]) -> Run:
     from tieredkv.integrations.vllm.stats import stores_of
 
     res = RunResult(GROUPS, 2, False)
-    eng = Engine(extra, groups=GROUPS, blocks_per_chunk=2, result=res, **TKC)
+    eng = Engine(extra, groups=GROUPS, blocks_per_chunk=2, result=res, **connector)
     kept: list[Any] = []
     update = eng.scheduler.update_from_output
 
@@ -111,7 +122,6 @@ def engine_run(extra: dict[str, Any], corrupt_from: Path | None) -> Run:
         if corrupt_from is not None:
             corrupt_one_record(store, corrupt_from, eng.num_blocks)
         # The engine is idle: one more scheduler step reports what is left, then nothing moves.
-        assert eng.scheduler.connector.store_stats is not None
         last = eng.scheduler.connector.get_kv_connector_stats()
         from vllm.v1.metrics.stats import SchedulerStats
 

@@ -28,10 +28,10 @@ side decides, with the rules of :class:`tieredkv.scheduler.ChunkLedger` (the pla
 * **Misses are fed back**: a full-attention lookup that misses a chunk the ledger counted as
   stored (evicted since) makes it storable again.
 
-**Metrics on vLLM's own ``/metrics``.** The scheduler side adds tieredkv's counters (hits, bytes
-and corrupt records per tier, dropped stores and breakers per tier, chunks and bytes per KV group)
-to vLLM's connector stats, and :meth:`TieredKVConnector.build_prom_metrics` defines them, as
-``vllm:kv_offload_tieredkv_*`` (see :mod:`tieredkv.integrations.vllm.stats`).
+**Metrics on vLLM's own ``/metrics``.** tieredkv's counters reach vLLM's connector stats through
+the spec's manager (``TieredKVManager.get_stats``) or a tieredkv secondary tier, the hooks vLLM's
+offloading connector already calls, so they appear as ``vllm:kv_offload_tieredkv_*`` behind this
+connector and behind vLLM's own (see :mod:`tieredkv.integrations.vllm.stats`).
 
 Extra config (``kv_connector_extra_config``, next to the spec's keys):
 ``max_store_keys_per_step`` (256), ``hold_finished_steps`` (16), ``hold_max_blocks`` (half the
@@ -52,12 +52,6 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
@@ -87,7 +81,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.request import Request, RequestStatus
 
 from tieredkv.groups import _check_int
-from tieredkv.integrations.vllm.stats import StoreStatsReporter, TieredKVPromMetrics, stores_of
 from tieredkv.scheduler import _WAITING, ChunkLedger
 
 __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
@@ -665,10 +658,8 @@ class TieredKVConnector(OffloadingConnector):
         spec = OffloadingSpecFactory.create_spec(offloading_config)
         self.connector_scheduler: TieredKVConnectorScheduler | None = None  # type: ignore[assignment]
         self.connector_worker: OffloadingConnectorWorker | None = None
-        self.store_stats: StoreStatsReporter | None = None
         if role == KVConnectorRole.SCHEDULER:
-            sched = self.connector_scheduler = TieredKVConnectorScheduler(spec, vllm_config, kv_cache_config)
-            self.store_stats = StoreStatsReporter(lambda: stores_of(sched.manager))
+            self.connector_scheduler = TieredKVConnectorScheduler(spec, vllm_config, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
 
@@ -679,21 +670,3 @@ class TieredKVConnector(OffloadingConnector):
         if holds:
             sending = set(sending or ()) | holds
         return sending, recving
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """vLLM's offloading stats plus, on the scheduler side, tieredkv's counter increments."""
-        stats = super().get_kv_connector_stats()
-        if self.store_stats is None:
-            return stats
-        return self.store_stats.merge_into(stats)  # type: ignore[arg-type]
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics:
-        """vLLM's offload metrics and tieredkv's ``vllm:kv_offload_tieredkv_*``, in vLLM's registry."""
-        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

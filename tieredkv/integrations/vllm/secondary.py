@@ -33,6 +33,7 @@ from tieredkv.config import load_config
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
+from tieredkv.integrations.vllm.stats import StoreStatsReporter, metric_definitions
 from tieredkv.keys import chunk_key_of, stored_key
 from tieredkv.store import TieredStore
 
@@ -49,6 +50,15 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
+        """tieredkv's ``vllm:kv_offload_tieredkv_*`` (vLLM's tiering spec adds them to its own)."""
+        return metric_definitions()
+
+    def get_stats(self) -> Any:
+        """tieredkv's counter increments since the last call; vLLM's tiering manager merges them."""
+        return self._stats.take()
 
     def __init__(
         self,
@@ -94,6 +104,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
             log.info("tieredkv secondary tier: group %d -> %s (%s)", i, list(r.tiers), r.write)
         self._rows = np.asarray(primary_kv_view) if primary_kv_view.nbytes else np.zeros((0, row_bytes), np.uint8)
         self._lookups = AsyncLookups(self.store.lookup_async)
+        self._stats = StoreStatsReporter(lambda: [self.store])
         self._writing: collections.Counter[bytes] = collections.Counter()  # stored keys in flight
         self._present: dict[bytes, None] = {}  # stored keys this tier wrote or read (insertion order)
         self._present_cap = 1 << 20

@@ -52,6 +52,7 @@ from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds, namespace_from_offloading_config, new_generation
+from tieredkv.integrations.vllm.stats import StoreStatsReporter, metric_definitions
 from tieredkv.keys import Namespace, key_group, partial_chunk_key, partial_valid_from, stored_key, with_group
 from tieredkv.store import TieredStore
 
@@ -135,6 +136,12 @@ class TieredKVOffloadingSpec(OffloadingSpec):
     starts a new cache generation), ``group_kinds`` (one of full / sliding_window / mamba per
     group, when layer names do not tell), plus vLLM's own keys (``blocks_per_chunk``, ...)."""
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's metrics of a spec plus tieredkv's ``vllm:kv_offload_tieredkv_*``, which
+        :meth:`TieredKVManager.get_stats` reports: on vLLM's ``/metrics`` under any connector."""
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         source = self.extra_config.get("tieredkv_config") or os.environ.get("TIEREDKV_CONFIG")
@@ -211,6 +218,12 @@ class TieredKVManager(OffloadingManager):
         self._lookups = AsyncLookups(self.store.lookup_async)
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
+        self._stats = StoreStatsReporter(lambda: [self.store])
+
+    def get_stats(self) -> Any:
+        """tieredkv's counter increments since the last call (an ``OffloadingConnectorStats`` or
+        None); vLLM's scheduler side adds them to its connector stats every step."""
+        return self._stats.take()
 
     @property
     def _fp(self) -> bytes:

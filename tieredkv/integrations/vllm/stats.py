@@ -5,12 +5,14 @@ module reports the same counters through the path vLLM's offloading connector al
 they appear on vLLM's ``/metrics`` next to ``vllm:kv_offload_*``, labelled the way vLLM labels
 connector metrics (``model_name``, ``engine``) plus ``tier`` or ``group``:
 
-* the scheduler-side connector (:class:`~tieredkv.integrations.vllm.connector.TieredKVConnector`)
-  adds :meth:`StoreStatsReporter.take` to its ``get_kv_connector_stats()`` payload, an
-  ``OffloadingConnectorStats`` (self-describing: metric name -> type, label values -> value), so
-  vLLM's aggregation (``KVConnectorLogging``) and IPC carry it unchanged;
-* ``TieredKVConnector.build_prom_metrics`` returns :class:`TieredKVPromMetrics`, vLLM's
-  ``OffloadPromMetrics`` with :func:`metric_definitions` added, which turns the payload into
+* ``TieredKVManager.get_stats()`` (the whole spec) and ``TieredKVSecondaryTier.get_stats()`` (a
+  secondary tier under vLLM's ``TieringOffloadingSpec``) return :meth:`StoreStatsReporter.take`,
+  an ``OffloadingConnectorStats`` (self-describing: metric name -> type, label values -> value)
+  that vLLM's offloading scheduler merges into its connector stats every step, so vLLM's
+  aggregation (``KVConnectorLogging``) and IPC carry it unchanged — under vLLM's
+  ``OffloadingConnector`` and under ``TieredKVConnector`` alike;
+* the spec's and the secondary tier's ``build_metric_definitions`` return
+  :func:`metric_definitions`, which vLLM's ``OffloadPromMetrics`` turns into
   ``vllm:kv_offload_tieredkv_*`` counters and gauges in vLLM's registry.
 
 Counters are reported as increments since the previous step (vLLM sums them per interval), read
@@ -28,12 +30,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-    OffloadPromMetrics,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
 
 from tieredkv.store import TieredStore
@@ -41,7 +38,6 @@ from tieredkv.store import TieredStore
 __all__ = [
     "PREFIX",
     "StoreStatsReporter",
-    "TieredKVPromMetrics",
     "metric_definitions",
     "stores_of",
 ]
@@ -161,16 +157,6 @@ class StoreStatsReporter:
         self._last, self._gauges = counters, gauges
         return None if out.is_empty() else out
 
-    def merge_into(self, stats: OffloadingConnectorStats | None) -> OffloadingConnectorStats | None:
-        """vLLM's payload with tieredkv's increments added (either may be ``None``)."""
-        mine = self.take()
-        if mine is None:
-            return stats
-        if stats is None:
-            return mine
-        stats.aggregate(mine)
-        return stats
-
     def _read(self) -> tuple[Snapshot, Snapshot]:
         for attempt in range(3):
             try:
@@ -179,24 +165,6 @@ class StoreStatsReporter:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
-
-
-class TieredKVPromMetrics(OffloadPromMetrics):
-    """vLLM's ``OffloadPromMetrics`` that also knows tieredkv's metrics (vLLM asserts every key of a
-    payload has a definition, and defines only its own and the spec's)."""
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        for name, meta in metric_definitions().items():
-            if name not in self._offloading_metric_defs:
-                self._offloading_metric_metadata[name] = meta
-                self._offloading_metric_defs[name] = self._create_metric(name, meta)
 
 
 def values_by_metric(payload: Mapping[str, Any]) -> dict[str, dict[tuple[str, ...], Any]]:

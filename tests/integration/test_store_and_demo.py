@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import tieredkv
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import load_config
-from tieredkv.demo import DemoOptions, _Engine, run_demo
+from tieredkv.demo import DEFAULT_PREFILL_TOKENS_PER_S, SAVED_S_FORMULA, DemoOptions, _Engine, busy_seconds, run_demo
 from tieredkv.keys import Namespace
-from tieredkv.pipeline import KeyState
+from tieredkv.pipeline import JobResult, KeyState
 from tieredkv.testing.servers import RedisServer
 
 
@@ -133,6 +133,83 @@ def test_demo_with_bounded_store_plans_drains_finished_requests(tmp_path: Path) 
     assert s["store"]["failed"] == 0 and s["load"]["failed"] == 0
     assert s["groups"][0]["tokens_from_cache"] > 0
     assert Engine.rest_plans > 0
+
+
+def test_busy_seconds_is_the_union_of_job_intervals() -> None:
+    def job(start: float, end: float) -> JobResult:
+        return JobResult(0, "load", True, 1, end - start, finished_at=end)
+
+    assert busy_seconds([]) == 0.0
+    # [1, 3] and [2, 4] overlap, [5, 6] stands alone, [5.2, 5.5] lies inside it; [4, 5] is idle.
+    jobs = [job(5.0, 6.0), job(2.0, 4.0), job(5.2, 5.5), job(1.0, 3.0)]
+    assert busy_seconds(jobs) == pytest.approx(4.0)
+    assert busy_seconds([job(1.0, 2.0), job(2.0, 3.0)]) == pytest.approx(2.0)  # touching: no gap, no overlap
+
+
+def _check_demo_figures(s: dict[str, Any], rate: float) -> None:
+    """The invariants of the demo's user-facing figures (no timing assumptions beyond them)."""
+    assert s["mismatches"] == 0 and s["verified_blocks"] > 0
+    for kind in ("store", "load"):
+        j = s[kind]
+        assert "gbps" not in j, "the wall-time GB/s is gone: it divided bytes by mostly idle time"
+        assert j["jobs"] > 0 and j["failed"] == 0 and j["bytes"] > 0
+        assert 0 < j["busy_s"] <= s["wall_s"], (kind, j["busy_s"], s["wall_s"])
+        # busy GB/s is at least bytes over wall time (1e-3: the JSON rounds to 3 decimals)
+        assert j["busy_gbps"] >= j["bytes"] / s["wall_s"] / 1e9 - 1e-3
+        assert j["busy_gbps"] == pytest.approx(j["bytes"] / j["busy_s"] / 1e9, abs=1e-3)
+        assert 0 < j["p50_ms"] <= j["p99_ms"]
+    # Tokens: the full-attention group loads every hit token; the sliding window only its window.
+    full, swa = s["groups"]
+    assert s["tokens_from_cache"] > 0 and s["tokens_from_cache"] == full["tokens_from_cache"]
+    assert 0 < swa["tokens_from_cache"] < s["tokens_from_cache"]
+    assert s["tokens_from_cache"] + s["tokens_recomputed"] == s["prompt_tokens"]
+    assert [g["tokens_recomputed"] for g in s["groups"]] == [s["tokens_recomputed"]] * 2
+    # Time saved: recomputing the tokens from cache at the stated rate, minus the time loading them.
+    assert s["prefill_tokens_per_s"] == rate and s["saved_s_formula"] == SAVED_S_FORMULA
+    assert s["recompute_s"] == pytest.approx(s["tokens_from_cache"] / rate, abs=1e-4)
+    assert s["saved_s"] == pytest.approx(max(0.0, s["tokens_from_cache"] / rate - s["load"]["busy_s"]), abs=2e-4)
+
+
+def test_demo_reports_busy_throughput_tokens_from_cache_and_time_saved(tmp_path: Path) -> None:
+    o = DemoOptions(conversations=3, turns=2, system_tokens=(256, 512))
+    assert o.prefill_tokens_per_s == DEFAULT_PREFILL_TOKENS_PER_S == 10_000
+    default = run_demo(load_config(cfg(tmp_path / "a"), env={}), o)
+    _check_demo_figures(default, DEFAULT_PREFILL_TOKENS_PER_S)
+    # A tenth of the rate: each token from cache is worth ten times the prefill time.
+    o.prefill_tokens_per_s = 1_000
+    slow = run_demo(load_config(cfg(tmp_path / "b"), env={}), o)
+    _check_demo_figures(slow, 1_000)
+    assert slow["saved_s"] > 0  # thousands of tokens at 1k tokens/s: seconds, against ms of loading
+    per_token = [s["recompute_s"] / s["tokens_from_cache"] for s in (default, slow)]
+    assert per_token == [pytest.approx(1e-4, rel=1e-3), pytest.approx(1e-3, rel=1e-3)]
+
+
+def test_demo_command_prints_the_summary_block_first_at_the_stated_rate(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIEREDKV_")}
+    argv = [sys.executable, "-m", "tieredkv.cli", "demo", "--conversations", "3", "--turns", "2"]
+    r = subprocess.run(
+        [*argv, "--prefill-tokens-per-s", "2000", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("tieredkv demo — 6 requests")
+    labels = [line[:14].strip() for line in lines[1:6]]
+    assert labels == ["from cache", "time saved", "loads", "stores", "integrity"], lines[:7]
+    cached = re.search(r"from cache +([\d,]+) of ([\d,]+) prompt tokens", lines[1])
+    saved = re.search(
+        r"time saved +([\d.]+) s = ([\d.]+) s to prefill them at 2,000 tokens/s - ([\d.]+) s loading", lines[2]
+    )
+    assert cached and saved, lines[1:3]
+    tokens = int(cached.group(1).replace(",", ""))
+    assert tokens > 0 and float(saved.group(2)) == pytest.approx(tokens / 2000, abs=1e-3)
+    assert float(saved.group(1)) == pytest.approx(float(saved.group(2)) - float(saved.group(3)), abs=1e-9)
+    assert "GB/s over busy time" in lines[3] and "GB/s over busy time" in lines[4]
+    assert "loaded blocks equal what was stored" in lines[5]
 
 
 def test_metrics_endpoint_reports_tiers_groups_and_breakers(tmp_path: Path) -> None:

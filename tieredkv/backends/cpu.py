@@ -278,14 +278,23 @@ class CPUTier(Tier):
         reserved: set[bytes] = set()
         segs: set[int] = set()
         now = time.time()
+        seg_bytes, seg_reserved, free_lists = self._seg_bytes, self._seg_reserved, self._free
+        cls_of: dict[int, int] = {}  # one class lookup per distinct size (a job's chunks share one)
         try:
             for key, n in items:
-                cls = self._class_for(n)
-                off, seg = self._allocate(cls, reserved, segs)
+                cls = cls_of.get(n)
+                if cls is None:
+                    cls = cls_of[n] = self._class_for(n)
+                free = free_lists[cls]
+                if free:  # the common case: a free slot of the class
+                    off = free.pop()
+                    seg = off // seg_bytes
+                else:
+                    off, seg = self._allocate(cls, reserved, segs)
                 plan.append(_Slot(off, cls, seg, n, b"", now))
                 reserved.add(key)
                 segs.add(seg)
-                self._seg_reserved[seg] = self._seg_reserved.get(seg, 0) + 1
+                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
         except TierFullError:
             self.abort(plan)
             raise
@@ -313,9 +322,28 @@ class CPUTier(Tier):
         """Publish reserved slots whose bytes are written (``count``: as puts, for callers
         outside :meth:`put_many`)."""
         assert self._mv is not None
-        for key, slot in items:
-            self._unreserve(slot)
-            self._install(key, slot)
+        index, policies, seg_keys, sizes, seg_reserved = (
+            self._index,
+            self._policies,
+            self._seg_keys,
+            self._class_sizes,
+            self._seg_reserved,
+        )
+        for key, slot in items:  # _unreserve + _install, inlined: this runs per chunk
+            seg = slot.seg
+            n = seg_reserved[seg] - 1
+            if n > 0:
+                seg_reserved[seg] = n
+            else:
+                del seg_reserved[seg]
+            old = index.get(key)
+            if old is not None:
+                self._drop(key, old)
+            index[key] = slot
+            size = sizes[slot.cls]
+            policies[slot.cls].insert(key, size)
+            seg_keys[seg].add(key)
+            self._used += size
         if count:
             self._count("puts", len(items))
             self._count("put_bytes", sum(s.length for _, s in items))
@@ -365,6 +393,13 @@ class CPUTier(Tier):
         """End borrows: unpin each key and return its slot (the one :meth:`borrow` lent; pass
         ``slots`` when one key may be borrowed more than once, else the latest lent is taken). A
         slot that lost its key meanwhile is freed by its last give-back."""
+        returned: list[bytes] = []
+        try:
+            self._give_back(keys, slots, returned)
+        finally:
+            self.unpin_many(returned)  # one lock round for the batch
+
+    def _give_back(self, keys: list[bytes], slots: list[_Slot] | None, returned: list[bytes]) -> None:
         for i, key in enumerate(keys):
             lent = self._lent.get(key)
             if not lent:
@@ -378,7 +413,7 @@ class CPUTier(Tier):
                 continue  # not lent under this key: nothing to return
             if not lent:
                 del self._lent[key]
-            self.unpin_many([key])
+            returned.append(key)
             slot.refs -= 1
             n = self._seg_lent[slot.seg] - 1
             if n > 0:

@@ -14,7 +14,7 @@ Primitives:
 * :class:`Copier` — gathers blocks into a staging buffer (D2H) and scatters them back (H2D).
   With CUDA tensors the copies run on a dedicated stream after an event recorded on the
   caller's stream, and completion is an event; with CPU tensors they are plain ``copy_``\\ s
-  (a per-block ``copy_`` loop: ``index_copy_`` on bytes is ~12x slower here).
+  (one ``copy_`` per run of consecutive blocks: ``index_copy_`` on bytes is ~12x slower here).
 """
 
 from __future__ import annotations
@@ -203,21 +203,37 @@ class Copier:
             ctx: Any = torch.cuda.stream(stream)
         else:
             ctx = _NullCtx()
+        runs = _runs(placements)
         with ctx:
             off = 0
             for t, bb in zip(group.tensors, group.block_bytes):
-                for pos, b in placements:
-                    view = buf[off + pos * bb : off + (pos + 1) * bb]
+                for pos, b, k in runs:  # one copy per run of consecutive blocks
+                    view = buf[off + pos * bb : off + (pos + k) * bb]
+                    dev = t[b] if k == 1 else t[b : b + k].view(-1)
                     if to_staging:
-                        view.copy_(t[b], non_blocking=on_cuda)
+                        view.copy_(dev, non_blocking=on_cuda)
                     else:
-                        t[b].copy_(view, non_blocking=on_cuda)
+                        dev.copy_(view, non_blocking=on_cuda)
                 off += n * bb
             if on_cuda:
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 return ev
         return None
+
+
+def _runs(placements: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(position, block_id, count)`` runs of placements whose positions and block ids both
+    step by one: each run is one contiguous range on both sides (one copy instead of ``count``)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in placements:
+        if runs:
+            p0, b0, k = runs[-1]
+            if pos == p0 + k and b == b0 + k:
+                runs[-1] = (p0, b0, k + 1)
+                continue
+        runs.append((pos, b, 1))
+    return runs
 
 
 class _NullCtx:

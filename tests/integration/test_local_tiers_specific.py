@@ -230,8 +230,14 @@ async def test_cpu_reserve_commit_borrow_path() -> None:
         assert torch.equal(tier.slot_view(got), payload(512 * KiB, 1))
         tier.give_back([k(1)])
         assert not tier.is_pinned(k(1))
-        # a flipped byte in the slab is caught by borrow: miss, dropped, counted
-        tier.slab[got.offset + 7] ^= 0xFF
+        # bytes written in the process are served without a checksum pass; a record arriving
+        # from outside (raw_put_many: migrate) is verified on borrow: a flipped byte is a
+        # miss, dropped, counted
+        (rec,) = await tier.raw_get_many([k(1)])
+        assert rec is not None
+        bad = bytearray(rec)
+        bad[64 + 7] ^= 0xFF
+        await tier.raw_put_many([(k(1), bytes(bad))])
         assert tier.borrow([k(1)]) == [None] and tier.counters["corrupt"] == 1
         assert await tier.contains_many([k(1)]) == [False]
         (s2,) = tier.reserve([(k(4), 1000)])

@@ -14,7 +14,15 @@ unpinned (they are evicted). Otherwise the batch fails with
 :class:`~tieredkv.errors.TierFullError` and nothing of it is stored.
 
 An overwrite writes a new slot and switches the index afterwards (copy-on-write), so a
-slot being written is never readable.
+slot being written is never readable, and a published slot's bytes never change.
+
+Checksums: the slab never leaves the process, so bytes written here (``put_many``, the
+pipeline's ``reserve``/``commit``) are served without a checksum pass on either path. A record's
+header (checksum included) is computed when the record leaves the process
+(:meth:`raw_get_many`: migrate, ``tieredkv`` tools) and cached on the slot (its bytes never
+change); eviction write-back hands the payload to the next tier, which seals its own record.
+Records that came from outside (:meth:`raw_put_many`) carry their header and are verified on
+first use — a corrupt one is a counted miss, deleted — and trusted after that.
 
 Slot lifetime has one owner, :meth:`CPUTier._release`: a slot lent to a reader by
 :meth:`CPUTier.borrow` (the pipeline copies straight from it) carries a reference count,
@@ -47,8 +55,9 @@ class _Slot:
     cls: int
     seg: int
     length: int  # payload bytes
-    header: bytes
+    header: bytes  # the record header; b"": not sealed yet (written in this process, see _seal)
     stamp: float
+    checked: bool = True  # False: bytes came from outside the process, verify before serving
     refs: int = 0  # readers holding this slot (borrow .. give_back)
     dead: bool = False  # dropped from the index while lent: freed by the last give_back
 
@@ -150,17 +159,10 @@ class CPUTier(Tier):
         now = time.time()
         for key, dst in zip(keys, into):
             slot = self._index.get(key)
-            if slot is None:
+            if slot is None or not self._check(key, slot):
                 out.append(None)
                 continue
-            try:
-                payload = verify_parts(slot.header, mv[slot.offset : slot.offset + slot.length], key)
-            except CorruptRecordError as e:
-                self._on_corrupt(key, e)
-                self._drop(key, slot)
-                out.append(None)
-                continue
-            out.append(self._deliver(key, payload, dst))
+            out.append(self._deliver(key, mv[slot.offset : slot.offset + slot.length], dst))
             slot.stamp = now
             self._policies[slot.cls].touch(key)
         return out
@@ -211,8 +213,34 @@ class CPUTier(Tier):
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         mv = self._mv
         assert mv is not None
-        slots = [self._index.get(k) for k in keys]
-        return [None if s is None else s.header + mv[s.offset : s.offset + s.length] for s in slots]
+        out: list[bytes | None] = []
+        for k in keys:
+            s = self._index.get(k)
+            out.append(None if s is None else self._seal(k, s) + mv[s.offset : s.offset + s.length])
+        return out
+
+    def _seal(self, key: bytes, slot: _Slot) -> bytes:
+        """The slot's record header, computed (checksum over the slot's bytes) the first time the
+        record leaves the process; a published slot's bytes never change, so it is cached."""
+        if not slot.header:
+            assert self._mv is not None
+            slot.header = make_header(key, self._mv[slot.offset : slot.offset + slot.length])
+        return slot.header
+
+    def _check(self, key: bytes, slot: _Slot) -> bool:
+        """Whether ``slot`` may be served: bytes written in this process are; a record that came
+        from outside is verified against its header once (corrupt: counted, dropped, False)."""
+        if slot.checked:
+            return True
+        assert self._mv is not None
+        try:
+            verify_parts(slot.header, self._mv[slot.offset : slot.offset + slot.length], key)
+        except CorruptRecordError as e:
+            self._on_corrupt(key, e)
+            self._drop(key, slot)
+            return False
+        slot.checked = True
+        return True
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         mv = self._mv
@@ -222,7 +250,7 @@ class CPUTier(Tier):
             cls = self._class_for(n)
             off, seg = self._allocate(cls, {key}, set())
             mv[off : off + n] = rec[HEADER_SIZE:]
-            self._install(key, _Slot(off, cls, seg, n, bytes(rec[:HEADER_SIZE]), time.time()))
+            self._install(key, _Slot(off, cls, seg, n, bytes(rec[:HEADER_SIZE]), time.time(), checked=False))
 
     def _install(self, key: bytes, slot: _Slot) -> None:
         """Publish a written slot under ``key``, freeing the slot it replaces."""
@@ -236,9 +264,10 @@ class CPUTier(Tier):
 
     # ---- zero-extra-copy path for the pipeline (loop thread only) -------------------------
     #
-    # A store reserves slots, lets the device copy land in them, then commits (the header is
-    # computed over the slot's bytes); a load borrows verified slot views (pinned) and copies
-    # from them straight to the device. Each saves one memcpy through a staging buffer.
+    # A store reserves slots, lets the device copy land in them, then commits (no checksum: the
+    # header is sealed when the record leaves the process); a load borrows slot views (pinned)
+    # and copies from them straight to the device. Each saves one memcpy through a staging
+    # buffer.
 
     def reserve(self, items: list[tuple[bytes, int]]) -> list[_Slot]:
         """Allocate a slot per ``(key, nbytes)``, all or nothing (TierFullError). Slots stay
@@ -249,14 +278,23 @@ class CPUTier(Tier):
         reserved: set[bytes] = set()
         segs: set[int] = set()
         now = time.time()
+        seg_bytes, seg_reserved, free_lists = self._seg_bytes, self._seg_reserved, self._free
+        cls_of: dict[int, int] = {}  # one class lookup per distinct size (a job's chunks share one)
         try:
             for key, n in items:
-                cls = self._class_for(n)
-                off, seg = self._allocate(cls, reserved, segs)
+                cls = cls_of.get(n)
+                if cls is None:
+                    cls = cls_of[n] = self._class_for(n)
+                free = free_lists[cls]
+                if free:  # the common case: a free slot of the class
+                    off = free.pop()
+                    seg = off // seg_bytes
+                else:
+                    off, seg = self._allocate(cls, reserved, segs)
                 plan.append(_Slot(off, cls, seg, n, b"", now))
                 reserved.add(key)
                 segs.add(seg)
-                self._seg_reserved[seg] = self._seg_reserved.get(seg, 0) + 1
+                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
         except TierFullError:
             self.abort(plan)
             raise
@@ -266,15 +304,46 @@ class CPUTier(Tier):
         """``uint8`` tensor view of a reserved or borrowed slot's payload bytes."""
         return self._slab[slot.offset : slot.offset + slot.length]
 
+    def span_view(self, slots: Sequence[_Slot]) -> Any:
+        """One ``uint8`` view over ``slots`` when they lie back to back in the slab, each exactly
+        its payload long (so the view is their payloads concatenated), else None. Lets the
+        pipeline move a whole run of a job's chunks with one copy."""
+        if not slots:
+            return None
+        first = slots[0]
+        n = first.length
+        off = first.offset
+        for i, s in enumerate(slots):
+            if s.offset != off + i * n or s.length != n:
+                return None
+        return self._slab[off : off + n * len(slots)]
+
     def commit(self, items: list[tuple[bytes, _Slot]], *, count: bool = True) -> None:
         """Publish reserved slots whose bytes are written (``count``: as puts, for callers
         outside :meth:`put_many`)."""
-        mv = self._mv
-        assert mv is not None
-        for key, slot in items:
-            slot.header = make_header(key, mv[slot.offset : slot.offset + slot.length])
-            self._unreserve(slot)
-            self._install(key, slot)
+        assert self._mv is not None
+        index, policies, seg_keys, sizes, seg_reserved = (
+            self._index,
+            self._policies,
+            self._seg_keys,
+            self._class_sizes,
+            self._seg_reserved,
+        )
+        for key, slot in items:  # _unreserve + _install, inlined: this runs per chunk
+            seg = slot.seg
+            n = seg_reserved[seg] - 1
+            if n > 0:
+                seg_reserved[seg] = n
+            else:
+                del seg_reserved[seg]
+            old = index.get(key)
+            if old is not None:
+                self._drop(key, old)
+            index[key] = slot
+            size = sizes[slot.cls]
+            policies[slot.cls].insert(key, size)
+            seg_keys[seg].add(key)
+            self._used += size
         if count:
             self._count("puts", len(items))
             self._count("put_bytes", sum(s.length for _, s in items))
@@ -302,13 +371,8 @@ class CPUTier(Tier):
         now = time.time()
         for key in keys:
             slot = self._index.get(key)
-            if slot is not None:
-                try:
-                    verify_parts(slot.header, mv[slot.offset : slot.offset + slot.length], key)
-                except CorruptRecordError as e:
-                    self._on_corrupt(key, e)
-                    self._drop(key, slot)
-                    slot = None
+            if slot is not None and not self._check(key, slot):
+                slot = None
             if slot is None:
                 out.append(None)
                 continue
@@ -329,6 +393,13 @@ class CPUTier(Tier):
         """End borrows: unpin each key and return its slot (the one :meth:`borrow` lent; pass
         ``slots`` when one key may be borrowed more than once, else the latest lent is taken). A
         slot that lost its key meanwhile is freed by its last give-back."""
+        returned: list[bytes] = []
+        try:
+            self._give_back(keys, slots, returned)
+        finally:
+            self.unpin_many(returned)  # one lock round for the batch
+
+    def _give_back(self, keys: list[bytes], slots: list[_Slot] | None, returned: list[bytes]) -> None:
         for i, key in enumerate(keys):
             lent = self._lent.get(key)
             if not lent:
@@ -342,7 +413,7 @@ class CPUTier(Tier):
                 continue  # not lent under this key: nothing to return
             if not lent:
                 del self._lent[key]
-            self.unpin_many([key])
+            returned.append(key)
             slot.refs -= 1
             n = self._seg_lent[slot.seg] - 1
             if n > 0:
@@ -418,12 +489,10 @@ class CPUTier(Tier):
 
     def _evict(self, key: bytes, slot: _Slot) -> None:
         if self._evict_listener is not None and self._mv is not None:
-            try:
-                payload = verify_parts(slot.header, self._mv[slot.offset : slot.offset + slot.length], key)
-            except CorruptRecordError as e:
-                self._on_corrupt(key, e)
-            else:
-                self._evict_listener(key, bytes(payload))
+            if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
+                self._count("evictions")
+                return
+            self._evict_listener(key, bytes(self._mv[slot.offset : slot.offset + slot.length]))
         self._drop(key, slot)
         self._count("evictions")
 

@@ -43,6 +43,7 @@ class SlotTier(Protocol):
 
     def reserve(self, items: list[tuple[bytes, int]]) -> list[Any]: ...
     def slot_view(self, slot: Any) -> Any: ...
+    def span_view(self, slots: Sequence[Any]) -> Any: ...
     def commit(self, items: list[tuple[bytes, Any]], *, count: bool = True) -> None: ...
     def abort(self, slots: list[Any]) -> None: ...
     def borrow(self, keys: list[bytes]) -> list[Any | None]: ...
@@ -116,10 +117,10 @@ class Transfers:
             return [], {tier.name: 0}
         try:
             ev = None
-            for i, c in enumerate(job.chunks):
-                ev = self.copier.gather(
-                    grp.tensors, c.block_ids, tier.slot_view(slots[i]), after=ready if i == 0 else None
-                )
+            full = all(len(c.block_ids) == grp.blocks_per_chunk for c in job.chunks)
+            for a, b, span in _slot_runs(tier, slots, grp, merge=full):
+                ids = [bid for c in job.chunks[a:b] for bid in c.block_ids]
+                ev = self.copier.gather(grp.tensors, ids, span, after=ready if a == 0 else None)
             await wait_event(ev)
         except BaseException:
             tier.abort(slots)
@@ -163,19 +164,23 @@ class Transfers:
         route = grp.route
         slots = self.slot_tier(route.tiers)
         borrowed: dict[int, Any] = {}
+        bpc = grp.blocks_per_chunk
         try:
-            places = [job.placements(i, grp.blocks_per_chunk) for i in range(len(keys))]
-            direct = [grp.direct_view(pl) for pl in places]
+            places = [job.placements(i, bpc) for i in range(len(keys))]
             if slots is not None:  # hits in the slot tier are copied straight from their slots
                 for i, slot in enumerate(slots.borrow(keys)):
                     if slot is not None:
                         borrowed[i] = slot
                         found_in[i] = slots.name
+            direct = [None if i in borrowed else grp.direct_view(pl) for i, pl in enumerate(places)]
             lower = route.tiers[1:] if slots is not None else route.tiers
             complete = True  # every chunk so far was found: keep copying
             for part in parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger than the pool
                 part_keys = [keys[i] for i in part]
-                views = [buf.view(j * cb, cb) if direct[i] is None else direct[i] for j, i in enumerate(part)]
+                views = [
+                    None if i in borrowed else buf.view(j * cb, cb) if direct[i] is None else direct[i]
+                    for j, i in enumerate(part)
+                ]
                 rest = [j for j, i in enumerate(part) if i not in found_in]
                 if rest:
                     got = await self.lanes.read_items(lower, part_keys, views, cb, rest)
@@ -184,22 +189,55 @@ class Transfers:
                 if not complete:
                     continue
                 ev = None
+                lent: list[int] = []  # a run of consecutive borrowed chunks, copied together
                 for j, i in enumerate(part):
                     if i in borrowed:
-                        src = cast(SlotTier, slots).slot_view(borrowed[i])
-                        ev = self.copier.scatter(grp.tensors, places[i], src, grp.blocks_per_chunk)
+                        lent.append(i)
+                        if j + 1 < len(part) and part[j + 1] in borrowed:
+                            continue
+                        for a, b, span in _slot_runs(cast(SlotTier, slots), [borrowed[x] for x in lent], grp):
+                            merged = [(c * bpc + p, blk) for c, x in enumerate(lent[a:b]) for p, blk in places[x]]
+                            ev = self.copier.scatter(grp.tensors, merged, span, (b - a) * bpc)
+                        lent = []
                     elif direct[i] is None:
-                        ev = self.copier.scatter(grp.tensors, places[i], views[j], grp.blocks_per_chunk)
+                        ev = self.copier.scatter(grp.tensors, places[i], cast(Any, views[j]), bpc)
                 await wait_event(ev)
-                await self.writeback.promote(
-                    route,
-                    part_keys,
-                    [memoryview(v.numpy()) for v in views],  # type: ignore[arg-type]  # ndarray is a buffer
-                    {j: found_in[i] for j, i in enumerate(part)},
-                )
+                if route.promote:
+                    first = route.tiers[0]
+                    await self.writeback.promote(
+                        route,
+                        part_keys,
+                        [
+                            None if v is None or found_in[i] == first else memoryview(v.numpy())  # type: ignore[arg-type]
+                            for v, i in zip(views, part)
+                        ],
+                        {j: found_in[i] for j, i in enumerate(part)},
+                    )
         finally:
             if borrowed:
                 cast(SlotTier, slots).give_back([keys[i] for i in borrowed], list(borrowed.values()))
+
+
+def _slot_runs(
+    tier: SlotTier, slots: Sequence[Any], grp: GroupBinding, *, merge: bool = True
+) -> list[tuple[int, int, Any]]:
+    """``(start, stop, view)``: runs of a job's chunks whose slots lie back to back, with one view
+    over each run's slots, so a run moves as one chunk of ``stop - start`` chunks' blocks. Only
+    for a group of one tensor (its payload is the blocks in order, so chunks concatenate);
+    otherwise (or without ``merge``) one run per chunk."""
+    n = len(slots)
+    if not merge or len(grp.tensors.tensors) != 1:
+        return [(i, i + 1, tier.slot_view(slots[i])) for i in range(n)]
+    whole = tier.span_view(slots)
+    if whole is not None:
+        return [(0, n, whole)]
+    runs: list[tuple[int, int, Any]] = []
+    a = 0
+    for i in range(1, n + 1):
+        if i == n or tier.span_view(slots[i - 1 : i + 1]) is None:
+            runs.append((a, i, tier.span_view(slots[a:i])))
+            a = i
+    return runs
 
 
 def tiers_read(found_in: dict[int, str]) -> dict[str, int]:

@@ -85,20 +85,27 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 # ---- one store per engine and process, shared by manager and worker ---------------------------
 
 
-@dataclass
 class _Shared:
     """What the manager and the worker of one engine share (same process)."""
 
-    store: TieredStore
-    namespace: Namespace
-    refs: int = 0
-    unstored: set[bytes] = field(default_factory=set)
-    """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
-    (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
+        self.store = store
+        self.refs = 0
+        self.unstored: set[bytes] = set()
+        """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
+        (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+        self.namespace = namespace
 
     @property
-    def fingerprint(self) -> bytes:
-        return self.namespace.fingerprint
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @namespace.setter
+    def namespace(self, ns: Namespace) -> None:
+        # The fingerprint is read for every key the manager converts (several per lookup);
+        # ``Namespace.fingerprint`` hashes the whole namespace on each read, so keep it here.
+        self._namespace = ns
+        self.fingerprint: bytes = ns.fingerprint
 
 
 _STORES: dict[tuple[Any, ...], _Shared] = {}
@@ -133,7 +140,8 @@ class TieredKVOffloadingSpec(OffloadingSpec):
     """``kv_connector_extra_config``: ``tieredkv_config`` (path of a tieredkv YAML; else
     ``$TIEREDKV_CONFIG``, else tieredkv's defaults), optional ``max_inflight_store_chunks``
     (default: what the staging pool holds), ``keep_on_reset`` (default false: a vLLM cache reset
-    starts a new cache generation), ``group_kinds`` (one of full / sliding_window / mamba per
+    starts a new cache generation), ``stats_interval_s`` (0.1: how often, at most, tieredkv's
+    counters are read for vLLM's stats while transfers are in flight; 0: every step), ``group_kinds`` (one of full / sliding_window / mamba per
     group, when layer names do not tell), plus vLLM's own keys (``blocks_per_chunk``, ...)."""
 
     @classmethod
@@ -162,6 +170,10 @@ class TieredKVOffloadingSpec(OffloadingSpec):
         self.max_inflight_store_chunks = int(
             self.extra_config.get("max_inflight_store_chunks", 0) or max(1, staging // chunk_bytes // 2)
         )
+        interval = self.extra_config.get("stats_interval_s", 0.1)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval >= 0:
+            raise ConfigError(f"kv_connector_extra_config.stats_interval_s: got {interval!r}; use a number >= 0")
+        self.stats_interval_s = float(interval)
         self._manager: TieredKVManager | None = None
         self._worker: TieredKVWorker | None = None
 
@@ -219,11 +231,28 @@ class TieredKVManager(OffloadingManager):
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
         self._stats = StoreStatsReporter(lambda: [self.store])
+        self._stats_at = float("-inf")
 
     def get_stats(self) -> Any:
-        """tieredkv's counter increments since the last call (an ``OffloadingConnectorStats`` or
-        None); vLLM's scheduler side adds them to its connector stats every step."""
+        """tieredkv's counter increments since the last report (an ``OffloadingConnectorStats`` or
+        None); vLLM's scheduler side calls this every step and adds them to its connector stats.
+
+        Reading every counter of the store costs ~0.1 ms of scheduler time, so while transfers or
+        lookups are in flight the counters are read at most every ``stats_interval_s`` (the
+        increments add up, nothing is lost, they only show up to that much later); once nothing
+        is in flight they are read on every call, so an idle engine has reported everything."""
+        interval = self.spec.stats_interval_s
+        if interval:
+            now = time.monotonic()
+            if now - self._stats_at < interval and not self._quiet():
+                return None
+            self._stats_at = now
         return self._stats.take()
+
+    def _quiet(self) -> bool:
+        """Nothing of this engine's is in flight: no store or load between prepare and complete,
+        no lookup queued or unanswered, no job in the store's pipeline."""
+        return not self._inflight and not self._loading and not self._lookups.busy() and self.store.drain(0)
 
     @property
     def _fp(self) -> bytes:

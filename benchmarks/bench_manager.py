@@ -1,0 +1,379 @@
+"""Scheduler-side cost inside vLLM per engine step: tieredkv's manager vs vLLM's CPU manager.
+
+Runs vLLM 0.33's real scheduler with the engine-loop harness (``tests/vllm/engine.py``: emulated
+model runner on CPU tensors, every KV byte checked) and times, per engine step, every call the
+connector makes into its ``OffloadingManager`` (``lookup``, ``prepare_load``, ``touch``,
+``complete_load``, ``prepare_store``, ``complete_store``, ``take_events``, ``get_stats``,
+``on_schedule_end``, ...) and every scheduler-side connector hook the scheduler calls
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+``update_connector_output``, ``request_finished``, ``take_events``, ``get_kv_connector_stats``,
+...). Variants (interleaved, one rep of each before the next rep):
+
+* ``O+cpu``: vLLM's ``OffloadingConnector`` + vLLM's ``CPUOffloadingSpec`` (CPU stand-in worker);
+* ``O+tkv``: vLLM's ``OffloadingConnector`` + ``TieredKVOffloadingSpec`` (one in-process CPU tier);
+* ``T+tkv``: ``TieredKVConnector`` + ``TieredKVOffloadingSpec``.
+
+Manager µs/step: ``O+tkv`` vs ``O+cpu`` (same connector, only the manager differs). Connector
+µs/step (hooks, manager calls inside them included): ``T+tkv`` vs ``O+cpu``. Timers wrap the
+classes' own methods, so the harness's bookkeeping around the hooks is not counted (the part of
+its ``prepare_store`` wrapper that runs inside a hook is measured and subtracted). Only the
+outermost call of each kind is timed (a manager method calling another counts once).
+
+Not part of the test suite. Usage (vLLM venv, from the repository root):
+
+    .venv-vllm/bin/python benchmarks/bench_manager.py [--reps 3] [--json out.json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import logging
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness lives in tests/vllm
+
+from tests.vllm.engine import (
+    Engine,
+    ReqSpec,
+    RunResult,
+    _drive,
+    build_workload,
+    cpu_workers,
+    reference_extra_config,
+    tieredkv_extra_config,
+)
+
+MANAGER_METHODS = (
+    "lookup",
+    "get_load_source",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_new_request",
+    "on_request_finished",
+    "take_events",
+    "on_schedule_end",
+    "has_pending_work",
+    "reset_cache",
+    "on_reset_flushed",
+    "get_stats",
+    "config_info",
+)
+CONNECTOR_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "on_new_request",
+    "has_pending_push_work",
+    "has_pending_block_frees",
+    "take_events",
+    "get_kv_connector_stats",
+    "reset_cache",
+)
+TKC = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "tieredkv.integrations.vllm"}
+VARIANTS = ("O+cpu", "O+tkv", "T+tkv")
+# The same with tieredkv's counters read for vLLM's stats on every step (``stats_interval_s`` 0,
+# the behaviour before the interval): the "before" columns.
+BEFORE = ("O+tkv0", "T+tkv0")
+
+
+class Timers:
+    """Per-kind (``mgr`` / ``conn``) totals and call counts; only the outermost call is timed."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)  # the scheduler thread's own CPU time
+        self.cpu_by_method: dict[str, float] = defaultdict(float)
+        self.by_method: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.depth: dict[str, int] = defaultdict(int)
+
+    def wrap(self, kind: str, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth[kind]:
+                return fn(*args, **kwargs)
+            self.depth[kind] += 1
+            c = time.thread_time()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                dc = time.thread_time() - c
+                self.cpu[kind] += dc
+                self.cpu_by_method[f"{kind}.{name}"] += dc
+                self.depth[kind] -= 1
+                self.total[kind] += dt
+                self.by_method[f"{kind}.{name}"] += dt
+                self.calls[f"{kind}.{name}"] += 1
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return timed
+
+
+@contextlib.contextmanager
+def patched_classes(timers: Timers) -> Iterator[None]:
+    """Timers on the manager classes' and the connector class's own methods (class level, so the
+    bound methods the harness captures when it builds the engine are the timed ones)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from tieredkv.integrations.vllm.spec import TieredKVManager
+
+    saved: list[tuple[type, str, Any]] = []
+    targets: list[tuple[type, str, tuple[str, ...]]] = [
+        (CPUOffloadingManager, "mgr", MANAGER_METHODS),
+        (TieredKVManager, "mgr", MANAGER_METHODS),
+        (OffloadingConnector, "conn", CONNECTOR_HOOKS),
+    ]
+    for cls, kind, names in targets:
+        for name in names:
+            fn = getattr(cls, name, None)
+            if fn is None:
+                continue
+            saved.append((cls, name, cls.__dict__.get(name)))
+            setattr(cls, name, timers.wrap(kind, name, fn))
+    try:
+        yield
+    finally:
+        for cls, name, old in reversed(saved):
+            if old is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, old)
+
+
+def write_config(path: Path) -> Path:
+    """tieredkv with one in-process CPU tier as large as the reference's 64 MiB CPU pool."""
+    cfg = {
+        "version": 1,
+        "namespace": {"model": "x"},
+        "tiers": [{"kind": "cpu", "name": "cpu", "capacity_bytes": "64MiB"}],
+        "pipeline": {"staging_bytes": "8MiB"},
+    }
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def many_workload(n: int, seed: int = 0) -> list[list[ReqSpec]]:
+    """``bench_connector``'s schedule: n requests of ~600 tokens, then the same prompts again."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(560, 640))] for _ in range(n)]
+    first = [ReqSpec(f"R{i}", 0, tuple(p), 4) for i, p in enumerate(prompts)]
+    again = [ReqSpec(f"R{i}b", 0, tuple(p), 4) for i, p in enumerate(prompts)]
+    return [first, again]
+
+
+def schedules() -> dict[str, dict[str, Any]]:
+    hybrid = ("full", "swa", "mamba")
+    return {
+        # The harness's default: three phases, chunked prefill (24-token cap), preemptions.
+        "3phase full": {"groups": ("full",), "workload": None},
+        "3phase full+swa+mamba": {"groups": hybrid, "workload": None},
+        "3phase full+swa+mamba async": {"groups": hybrid, "workload": None, "async_scheduling": True},
+        # bench_connector's: N requests of ~600 tokens twice (the second round hits).
+        "24 req x2 full+swa+mamba": {
+            "groups": hybrid,
+            "workload": many_workload(24),
+            "num_gpu_blocks": 60 * 24 + 64,
+            "max_num_seqs": 24,
+            "max_num_batched_tokens": 4096,
+            "long_prefill_token_threshold": 512,
+        },
+    }
+
+
+def run_once(variant: str, sched: dict[str, Any], cfg_path: Path, bpc: int = 1) -> dict[str, Any]:
+    extra = reference_extra_config(bpc) if variant == "O+cpu" else tieredkv_extra_config(bpc, cfg_path)
+    if variant.endswith("0"):
+        extra["stats_interval_s"] = 0
+    kw: dict[str, Any] = dict(TKC) if variant.startswith("T+") else {}
+    eng_kw = {k: v for k, v in sched.items() if k != "workload"}
+    res = RunResult(tuple(sched["groups"]), bpc, bool(sched.get("async_scheduling", False)))
+    timers = Timers()
+    phases = sched["workload"] if sched["workload"] is not None else build_workload(0)
+    per_step: dict[str, list[float]] = {"mgr": [], "conn": []}
+    with patched_classes(timers), cpu_workers(extra, False):
+        eng = Engine(extra, blocks_per_chunk=bpc, result=res, **kw, **eng_kw)
+        assert eng.connector_scheduler is not None
+        m = eng.connector_scheduler.manager
+        # The harness's prepare_store wrapper (counting, fault hook) runs inside the connector's
+        # hooks: time it whole, so its own part can be taken off the connector total.
+        harness_store = m.prepare_store
+        m.prepare_store = timers.wrap("harness", "prepare_store", harness_store)
+        step = eng.step
+
+        def timed_step() -> bool:
+            before = dict(timers.total)
+            mps = timers.by_method["mgr.prepare_store"]
+            try:
+                return step()
+            finally:
+                per_step["mgr"].append(timers.total["mgr"] - before.get("mgr", 0.0))
+                harness_own = (timers.total["harness"] - before.get("harness", 0.0)) - (
+                    timers.by_method["mgr.prepare_store"] - mps
+                )
+                per_step["conn"].append(timers.total["conn"] - before.get("conn", 0.0) - harness_own)
+
+        eng.step = timed_step  # type: ignore[method-assign]
+        try:
+            _drive(eng, phases, 20000, 200, 0.001, 200, False)
+        finally:
+            res.steps = eng.step_no
+            eng.shutdown()
+    steps = max(1, res.steps)
+    harness_own = timers.total["harness"] - timers.by_method["mgr.prepare_store"]
+    conn = timers.total["conn"] - harness_own
+    hits = sum(res.hit_tokens.values())
+    return {
+        "variant": variant,
+        "steps": res.steps,
+        "idle": res.idle_reached,
+        "wrong_bytes": res.wrong_bytes,
+        "error": res.error,
+        "hit_tokens": dict(res.hit_tokens),
+        "hits": hits,
+        "keys_offered": res.keys_offered,
+        "mgr_us_step": timers.total["mgr"] / steps * 1e6,
+        "conn_us_step": conn / steps * 1e6,
+        "mgr_cpu_us_step": timers.cpu["mgr"] / steps * 1e6,
+        "conn_cpu_us_step": (timers.cpu["conn"] - timers.cpu["harness"] + timers.cpu_by_method["mgr.prepare_store"])
+        / steps
+        * 1e6,
+        "mgr_us_step_median": statistics.median(per_step["mgr"]) * 1e6 if per_step["mgr"] else 0.0,
+        "mgr_us_step_p90": _pct(per_step["mgr"], 0.9) * 1e6,
+        "conn_us_step_p90": _pct(per_step["conn"], 0.9) * 1e6,
+        "mgr_calls": {k[4:]: v for k, v in timers.calls.items() if k.startswith("mgr.")},
+        "mgr_us_by_method": {k[4:]: v * 1e6 / steps for k, v in timers.by_method.items() if k.startswith("mgr.")},
+        "mgr_cpu_us_by_method": {
+            k[4:]: v * 1e6 / steps for k, v in timers.cpu_by_method.items() if k.startswith("mgr.")
+        },
+        "conn_us_by_hook": {k[5:]: v * 1e6 / steps for k, v in timers.by_method.items() if k.startswith("conn.")},
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def profile(sched_name: str, variant: str, cfg_path: Path, top: int = 25) -> str:
+    """cProfile of one run; the callees of the manager's methods, by cumulative time."""
+    pr = cProfile.Profile()
+    pr.enable()
+    r = run_once(variant, schedules()[sched_name], cfg_path)
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf).sort_stats("tottime")
+    st.print_stats(r"tieredkv/(integrations|scheduler|keys|store|pipeline)", top)
+    return f"{variant} on {sched_name}: {r['steps']} steps\n" + buf.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--schedules", nargs="+", default=None, help="names (default: all)")
+    ap.add_argument("--variants", nargs="+", default=[*VARIANTS, *BEFORE])
+    ap.add_argument("--json", help="write the raw runs here")
+    ap.add_argument("--profile", action="store_true", help="cProfile O+tkv and T+tkv on the first schedule")
+    args = ap.parse_args()
+    logging.disable(logging.WARNING)
+    all_sched = schedules()
+    names = args.schedules or list(all_sched)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-manager-"))
+    cfg_path = write_config(tmp / "tieredkv.json")
+    if args.profile:
+        for v in ("O+tkv", "T+tkv"):
+            print(profile(names[0], v, cfg_path))
+        return
+    load = os.getloadavg()
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {v: [] for v in args.variants} for n in names}
+    for rep in range(args.reps):
+        for n in names:
+            for v in args.variants:
+                r = run_once(v, all_sched[n], cfg_path)
+                runs[n][v].append(r)
+                print(
+                    f"rep {rep} {n:>28} {v:>6} steps {r['steps']:>4} mgr {r['mgr_us_step']:8.1f} µs/step "
+                    f"conn {r['conn_us_step']:8.1f} µs/step hits {r['hits']:>6} wrong {r['wrong_bytes']}"
+                    + (f" ERROR {r['error']}" if r["error"] else "")
+                    + ("" if r["idle"] else " NOT-IDLE"),
+                    flush=True,
+                )
+    load_end = os.getloadavg()
+    print(f"\nload average at start {load[0]:.2f} {load[1]:.2f}, at end {load_end[0]:.2f} {load_end[1]:.2f}\n")
+    print(table(runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load_start": load, "load_end": load_end, "runs": runs}, indent=1))
+
+
+def med(rs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rs)
+
+
+def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """Medians over the reps. Manager: O+tkv vs O+cpu (same connector); connector: T+tkv vs O+cpu.
+    "before" (``*0`` variants, counters read every step) where they ran; wall (CPU) µs/step."""
+    lines = [
+        (
+            "| schedule | steps O+cpu / O+tkv / T+tkv | hit tokens O+cpu / O+tkv / T+tkv "
+            "| manager µs/step vLLM CPU | manager µs/step tieredkv before → after | ratio before → after "
+            "| connector µs/step O+cpu | connector µs/step T+tkv before → after | ratio before → after |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def wc(rs: list[dict[str, Any]], kind: str) -> str:
+        return f"{med(rs, kind + '_us_step'):.0f} ({med(rs, kind + '_cpu_us_step'):.0f})"
+
+    for n, by_v in runs.items():
+        if not all(by_v.get(v) for v in VARIANTS):
+            continue
+        o, ot, t = by_v["O+cpu"], by_v["O+tkv"], by_v["T+tkv"]
+        ot0, t0 = by_v.get("O+tkv0") or [], by_v.get("T+tkv0") or []
+        m_o, c_o = med(o, "mgr_us_step"), med(o, "conn_us_step")
+
+        def pair(before: list[dict[str, Any]], after: list[dict[str, Any]], kind: str, base: float) -> tuple[str, str]:
+            vals = f"{wc(before, kind)} → {wc(after, kind)}" if before else wc(after, kind)
+            ratio = f"{med(after, kind + '_us_step') / base:.2f}"
+            if before:
+                ratio = f"{med(before, kind + '_us_step') / base:.2f} → {ratio}"
+            return vals, ratio
+
+        mv, mr = pair(ot0, ot, "mgr", m_o)
+        cv, cr = pair(t0, t, "conn", c_o)
+        steps = " / ".join(str(int(med(x, "steps"))) for x in (o, ot, t))
+        hits = " / ".join(str(int(med(x, "hits"))) for x in (o, ot, t))
+        lines.append(f"| {n} | {steps} | {hits} | {wc(o, 'mgr')} | {mv} | {mr} | {wc(o, 'conn')} | {cv} | {cr} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

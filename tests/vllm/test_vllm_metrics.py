@@ -187,6 +187,10 @@ def test_the_run_moved_every_kind_of_counter(run: Run) -> None:
 def test_vllm_aggregation_carries_the_stores_counts(run: Run) -> None:
     """vLLM's ``KVConnectorLogging`` (interval aggregation, via the connector class's
     ``build_kv_connector_stats``) sums tieredkv's per-step increments to the store's totals."""
+    aggregated_equals_store(run)
+
+
+def aggregated_equals_store(run: Run) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
     logging_ = KVConnectorLogging(run.vllm_config.kv_transfer_config)
@@ -201,6 +205,23 @@ def test_vllm_aggregation_carries_the_stores_counts(run: Run) -> None:
         assert got == value, f"{name}{labels}: vLLM aggregated {got}, the store counted {value}"
     # vLLM's own offload metrics travel in the same payload, untouched.
     assert any(k.startswith("vllm:kv_offload_store_bytes") for k in reduced), sorted(reduced)[:20]
+
+
+def test_counters_read_every_step_report_the_same_totals(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``stats_interval_s`` (default 0.1 s, the fixture's runs) only delays counts while transfers
+    are in flight; with 0 the counters are read every step and vLLM aggregates the same totals."""
+    tiers = _tiers_file(tmp_path_factory.mktemp("interval0"), "lmdb")
+    extra = spec_extra(2, tiers, stats_interval_s=0)
+    with cpu_workers(extra, tiering_cpu_worker=False):
+        run = engine_run(extra, None, OFFLOADING)
+    assert len(payloads(run)) > 1
+    aggregated_equals_store(run)
+
+
+def test_a_bad_stats_interval_names_the_field_and_the_fix(tmp_path: Path) -> None:
+    extra = spec_extra(2, _tiers_file(tmp_path, "lmdb"), stats_interval_s=-1)
+    with pytest.raises(Exception, match=r"stats_interval_s: got -1; use a number >= 0"):
+        Engine(extra, groups=GROUPS, blocks_per_chunk=2, result=RunResult(GROUPS, 2, False), **OFFLOADING)
 
 
 def prom_samples(run: Run) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -15,7 +15,9 @@ connector metrics (``model_name``, ``engine``) plus ``tier`` or ``group``:
   :func:`metric_definitions`, which vLLM's ``OffloadPromMetrics`` turns into
   ``vllm:kv_offload_tieredkv_*`` counters and gauges in vLLM's registry.
 
-Counters are reported as increments since the previous step (vLLM sums them per interval), read
+Counters are reported as increments since the previous report (vLLM sums them per interval; the
+spec's manager reads them at most every ``stats_interval_s`` while transfers or lookups are in
+flight, and on every call once nothing is, so an idle engine has reported everything), read
 from the store's public API only: ``store.stats()`` (pipeline counters, dropped stores, breakers,
 per-group counters) and each ``store.tiers[i].counters`` (hits, bytes, corrupt records). A store
 that is replaced (a reset, a restart) starts again from its own counts; nothing goes negative.

@@ -190,15 +190,18 @@ class Namespace:
     generation: str = ""
     """Cache generation: empty until the engine's cache is reset (vLLM ``reset_cache`` on sleep or a
     weight update); then a fresh random token, so nothing stored before the reset can be hit."""
+    _fp: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("namespace.model: got '' — a model name is required (e.g. 'meta-llama/Llama-3.1-8B')")
+        # Computed once: every key conversion reads it (several per lookup on the scheduler path).
+        object.__setattr__(self, "_fp", _fingerprint(self))
 
     @property
     def fingerprint(self) -> bytes:
         """16-byte BLAKE2b digest of the canonical JSON form of every field."""
-        return _fingerprint(self)
+        return self._fp
 
     def key(self, block_hash: bytes, group: int) -> bytes:
         """The stored key for ``block_hash`` in ``group`` under this namespace."""
@@ -248,14 +251,6 @@ def _canonical(ns: Namespace) -> dict[str, Any]:
     }
 
 
-_FP_CACHE: dict[Namespace, bytes] = {}
-
-
 def _fingerprint(ns: Namespace) -> bytes:
-    fp = _FP_CACHE.get(ns)
-    if fp is None:
-        blob = json.dumps(_canonical(ns), sort_keys=True, separators=(",", ":")).encode()
-        fp = hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES, person=b"tieredkv-ns").digest()
-        if len(_FP_CACHE) < 4096:
-            _FP_CACHE[ns] = fp
-    return fp
+    blob = json.dumps(_canonical(ns), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES, person=b"tieredkv-ns").digest()

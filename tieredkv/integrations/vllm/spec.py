@@ -85,27 +85,20 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 # ---- one store per engine and process, shared by manager and worker ---------------------------
 
 
+@dataclass
 class _Shared:
     """What the manager and the worker of one engine share (same process)."""
 
-    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
-        self.store = store
-        self.refs = 0
-        self.unstored: set[bytes] = set()
-        """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
-        (refused, dropped, or only a partial record): the manager must not treat them as stored."""
-        self.namespace = namespace
+    store: TieredStore
+    namespace: Namespace
+    refs: int = 0
+    unstored: set[bytes] = field(default_factory=set)
+    """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
+    (refused, dropped, or only a partial record): the manager must not treat them as stored."""
 
     @property
-    def namespace(self) -> Namespace:
-        return self._namespace
-
-    @namespace.setter
-    def namespace(self, ns: Namespace) -> None:
-        # The fingerprint is read for every key the manager converts (several per lookup);
-        # ``Namespace.fingerprint`` hashes the whole namespace on each read, so keep it here.
-        self._namespace = ns
-        self.fingerprint: bytes = ns.fingerprint
+    def fingerprint(self) -> bytes:
+        return self.namespace.fingerprint  # computed once per Namespace
 
 
 _STORES: dict[tuple[Any, ...], _Shared] = {}

@@ -176,7 +176,16 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
     import torch
 
     from tieredkv.bench import make_tier, pipeline_store_load
+    from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig
     from tieredkv.keys import Namespace
+
+    # The user-facing defaults of each kind; make_tier gives the bench copy its own directory
+    # under ``workdir`` and room for the run (tieredkv.bench.bench_config).
+    cfg = {
+        "cpu": lambda: CPUTierConfig(),
+        "lmdb": lambda: LMDBTierConfig(path=workdir),
+        "redis": lambda: RedisTierConfig(url=redis_url),
+    }[kind]()
 
     ns = Namespace(model="tieredkv-peers", tenant_salt=uuid.uuid4().hex)
     out = {}
@@ -188,7 +197,7 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
         samples = []
         for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
             dst.zero_()
-            tier = make_tier(kind, size, n, workdir, redis_url)
+            tier = make_tier(cfg, size, n, workdir)
             try:
                 ts, tl = pipeline_store_load(tier, src, dst, ns)  # raises if a byte differs
             finally:

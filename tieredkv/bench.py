@@ -222,7 +222,13 @@ def _bench_size(
             for label in tier_cfgs:
                 res.baselines.update({f"{label}.{op}": raw.baseline[op] for op in OPS if op in raw.baseline})
         for tcfg in tiers:
-            ts, tl = pipeline_store_load(make_tier(tcfg, size, n, work), src, dst, ns)
+            # Its own directory, removed right after (as each raw run removes its file): dirty
+            # pages of one run are never written back on the next run's time.
+            own = tempfile.mkdtemp(dir=work)
+            try:
+                ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns)
+            finally:
+                shutil.rmtree(own, ignore_errors=True)
             samples.setdefault(f"{tcfg.label}.store", []).append(n * size / ts / 1e9)
             samples.setdefault(f"{tcfg.label}.load", []).append(n * size / tl / 1e9)
     for name, xs in samples.items():

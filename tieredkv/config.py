@@ -310,6 +310,15 @@ class RedisTierConfig(TierConfigBase):
     max_batch_bytes: Size = Field(
         ByteSize(8 << 20), gt=0, description="Split pipelines so one round trip carries at most this many bytes."
     )
+    native_io: bool = Field(
+        True,
+        description="On a single node over redis:// or unix://, move records with tieredkv's own pipelined"
+        " RESP connections (payloads sent and received in place, no copies); false: redis-py for everything."
+        " Clusters and TLS always use redis-py.",
+    )
+    connections: int = Field(
+        2, ge=1, le=64, description="Data-path connections of native_io: a batch's reads are split over them."
+    )
 
     @field_validator("key_prefix")
     @classmethod

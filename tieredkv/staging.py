@@ -41,8 +41,16 @@ class StagingBuffer:
     nbytes: int
     tensor: torch.Tensor
 
+    _bytes: memoryview | None = None
+
     def view(self, start: int, length: int) -> torch.Tensor:
         return self.tensor[start : start + length]
+
+    def mview(self, start: int, length: int) -> memoryview:
+        """The same bytes as :meth:`view`, as a ``memoryview`` (what tiers read and write)."""
+        if self._bytes is None:
+            self._bytes = memoryview(self.tensor.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+        return self._bytes[start : start + length]
 
 
 class StagingPool:
@@ -140,6 +148,11 @@ class KVGroupTensors:
         self.device = self.tensors[0].device
         self.block_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.bytes_per_block = sum(self.block_bytes)
+        #: The bytes of the only tensor, block after block, when the group is one tensor in host
+        #: memory (a chunk of consecutive blocks is then a slice of it: no staging copy).
+        self.host_bytes: memoryview | None = None
+        if len(self.tensors) == 1 and self.device.type == "cpu":
+            self.host_bytes = memoryview(self.tensors[0].reshape(-1).numpy())  # type: ignore[arg-type]
 
     @staticmethod
     def _as_blocks(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.crc import key_slot
 from redis.exceptions import OutOfMemoryError, RedisError
 
+from tieredkv.backends._resp import Placed
 from tieredkv.backends.redis import RedisTier, parse_redis_key, redis_key
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import TierFullError, TierTimeoutError, TierUnavailableError
@@ -123,25 +124,39 @@ async def test_torch_tensor_destination(server: RedisServer) -> None:
 
 
 @pytest.mark.asyncio
-async def test_large_batch_is_split_by_max_batch_bytes(server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("native_io", [True, False], ids=["native", "redis-py"])
+async def test_large_batch_is_split_by_max_batch_bytes(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch, native_io: bool
+) -> None:
     ns = _ns()
     items = [(k, os.urandom(64 << 10)) for k in _keys(ns, 20)]
-    async with _tier(server.url, max_batch_bytes=200_000) as tier:
-        sizes: list[int] = []
-        real = tier._pipeline
+    async with _tier(server.url, max_batch_bytes=200_000, native_io=native_io) as tier:
+        sizes: list[int] = []  # record bytes of the SETs of each round trip
+        if native_io:
+            assert tier._native is not None
+            real_execute = tier._native.execute
 
-        def counting() -> Any:
-            pipe = real()
-            orig = pipe.execute
+            async def native_execute(commands: Any, intos: Any = None) -> Any:
+                sizes.append(sum(c[2].size for c in commands if c[0] == "SET"))
+                return await real_execute(commands, intos)
 
-            async def execute(*a: Any, **kw: Any) -> Any:
-                sizes.append(sum(len(c[0][2]) for c in pipe.command_stack if c[0][0] == "SET"))
-                return await orig(*a, **kw)
+            monkeypatch.setattr(tier._native, "execute", native_execute)
+        else:
+            assert tier._native is None
+            real = tier._pipeline
 
-            pipe.execute = execute
-            return pipe
+            def counting() -> Any:
+                pipe = real()
+                orig = pipe.execute
 
-        monkeypatch.setattr(tier, "_pipeline", counting)
+                async def execute(*a: Any, **kw: Any) -> Any:
+                    sizes.append(sum(len(c[0][2]) for c in pipe.command_stack if c[0][0] == "SET"))
+                    return await orig(*a, **kw)
+
+                pipe.execute = execute
+                return pipe
+
+            monkeypatch.setattr(tier, "_pipeline", counting)
         await tier.put_many(items)
         assert len(sizes) >= 7  # 20 × 64 KiB in ≤ 200 kB runs: 3 records per run
         assert all(0 < s <= 200_000 for s in sizes)
@@ -427,6 +442,19 @@ async def test_foreign_record_under_our_key_is_a_miss(server: RedisServer, raw_s
 def _count_reply_bytes(tier: RedisTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the bytes of every value reply the tier's pipelines receive (one entry per reply)."""
     seen: list[int] = []
+    if tier._native is not None:  # native_io: a value reply is bytes, or placed in a buffer (its length)
+        real_execute = tier._native.execute
+
+        async def native_execute(commands: Any, intos: Any = None) -> Any:
+            replies = await real_execute(commands, intos)
+            seen.extend(
+                int(r) if isinstance(r, Placed) else len(r)
+                for r in replies
+                if isinstance(r, (bytes, bytearray, Placed))
+            )
+            return replies
+
+        monkeypatch.setattr(tier._native, "execute", native_execute)
     real = tier._pipeline
 
     def counting() -> Any:
@@ -620,3 +648,98 @@ async def test_tls_with_client_certificate(tls_certs: Path) -> None:
         await no_cert.close()
     with pytest.raises(ValueError, match="rediss://"):  # ConfigError: TLS options on a plain url
         await _tier(f"redis://127.0.0.1:{tls_port}/0", ssl_ca_certs=str(d / "ca.crt")).open()
+
+
+# ---- native_io: the data path's own connections -------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_native_io_url_credentials_db_and_records_shared_with_redis_py() -> None:
+    """Credentials and database from the URL reach the native connections; what one client path
+    writes the other reads byte for byte (one record format); a wrong password is the same
+    clear error on either path."""
+    ns = _ns()
+    keys = _keys(ns, 6)
+    payloads = [os.urandom(n) for n in (1, 64, 4096, 70_000, 300_000, 1 << 20)]
+    with RedisServer(requirepass="s3cret") as srv:
+        url = f"redis://:s3cret@127.0.0.1:{srv.port}/3"
+        prefix = _prefix()
+        async with _tier(url, key_prefix=prefix) as native, _tier(url, key_prefix=prefix, native_io=False) as plain:
+            assert native._native is not None and plain._native is None
+            await native.put_many(list(zip(keys[:3], payloads[:3])))
+            await plain.put_many(list(zip(keys[3:], payloads[3:])))
+            for reader in (native, plain):
+                dst = [bytearray(len(p)) for p in payloads]
+                assert await reader.get_many(keys, into=dst) == [len(p) for p in payloads]
+                assert [bytes(d) for d in dst] == payloads
+                assert await reader.get_many(keys) == payloads
+            # in database 3, not 0
+            db0 = aioredis.Redis.from_url(f"redis://:s3cret@127.0.0.1:{srv.port}/0")
+            db3 = aioredis.Redis.from_url(url)
+            try:
+                assert await db0.exists(native.redis_key(keys[0])) == 0
+                assert await db3.exists(native.redis_key(keys[0])) == 1
+            finally:
+                await db0.aclose()
+                await db3.aclose()
+        bad = _tier(f"redis://:wrong@127.0.0.1:{srv.port}/3", key_prefix=prefix)
+        with pytest.raises(TierUnavailableError) as ei:
+            await bad.get_many(keys[:1], into=[bytearray(1)])
+        assert "authentication failed" in str(ei.value)
+        await bad.close()
+
+
+@pytest.mark.asyncio
+async def test_native_io_concurrent_tasks_on_the_same_keys_never_see_wrong_bytes(server: RedisServer) -> None:
+    """Many tasks store new versions of the same keys and read them into their own buffers at
+    once, over several connections: every read is a miss or exactly one version written for that
+    key, and the last versions stand at the end."""
+    ns = _ns()
+    keys = _keys(ns, 12)
+    size = 48 << 10
+
+    def version(i: int, v: int) -> bytes:
+        return (i.to_bytes(4, "little") + v.to_bytes(4, "little")) * (size // 8)
+
+    async with _tier(server.url, connections=3, max_batch_bytes=256 << 10) as tier:
+        assert tier._native is not None and tier._native.size == 3
+        bad: list[str] = []
+        seen = 0
+
+        async def writer(w: int) -> None:
+            for v in range(w, 40, 4):
+                await tier.put_many([(k, version(i, v)) for i, k in enumerate(keys)])
+
+        async def reader() -> None:
+            nonlocal seen
+            for _ in range(30):
+                dst = [bytearray(size) for _ in keys]
+                got = await tier.get_many(keys, into=dst)
+                for i, (n, d) in enumerate(zip(got, dst)):
+                    if n is None:
+                        continue
+                    seen += 1
+                    v = int.from_bytes(d[4:8], "little")
+                    if n != size or bytes(d) != version(i, v):
+                        bad.append(f"key {i}: {n} bytes, not one version")
+
+        await asyncio.gather(*(writer(w) for w in range(4)), *(reader() for _ in range(4)))
+        assert not bad, bad[:3]
+        assert seen > 0 and tier.counters["corrupt"] == 0
+        final = await tier.get_many(keys)
+        assert all(g is not None and int.from_bytes(g[4:8], "little") in (36, 37, 38, 39) for g in final)
+
+
+@pytest.mark.asyncio
+async def test_native_io_survives_a_server_restart_under_pooled_connections() -> None:
+    """The pooled connections die with the server; the next batch reconnects once and succeeds."""
+    ns = _ns()
+    keys = _keys(ns, 4)
+    with RedisServer() as srv:
+        async with _tier(srv.url, connections=2) as tier:
+            await tier.put_many([(k, b"before") for k in keys])
+            assert await tier.get_many(keys) == [b"before"] * 4
+            srv.restart()  # no persistence: the data is gone, the port is the same
+            assert await tier.get_many(keys) == [None] * 4
+            await tier.put_many([(k, b"after") for k in keys])
+            assert await tier.get_many(keys, into=[bytearray(5) for _ in keys]) == [5] * 4

@@ -73,6 +73,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tieredkv.backends._resp import Into, Placed, Record, RespPool, native_target
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import (
@@ -83,7 +84,7 @@ from tieredkv.errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from tieredkv.format import HEADER_SIZE, decode_header, encode_record, verify_record
+from tieredkv.format import HEADER_SIZE, decode_header, encode_record, make_header, verify_parts, verify_record
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, chunk_key_of, key_fingerprint, key_group, key_hash, stored_key
 
 __all__ = ["RedisTier", "parse_redis_key", "redis_key"]
@@ -214,6 +215,7 @@ class RedisTier(Tier):
                 " (the hash tag is added by the tier); use e.g. 'tkv' or 'tkv-prod'"
             )
         self._client: Any = None
+        self._native: RespPool | None = None  # the data path's own connections (native_io)
         self._prefix = config.key_prefix.encode()
         self._buckets = config.hash_tag_buckets
         self._max_batch = int(config.max_batch_bytes)
@@ -298,7 +300,9 @@ class RedisTier(Tier):
             groups.setdefault(name, []).append(i)
         return groups
 
-    async def _per_key(self, rkeys: list[bytes], add: Callable[[Any, int], Any], *, ncmd: int = 1) -> list[Any]:
+    async def _per_key(
+        self, rkeys: list[bytes], add: Callable[[Any, int], Any], *, ncmd: int = 1, data: bool = False
+    ) -> list[Any]:
         """``ncmd`` commands per key (``add(pipe, i)`` queues them for ``rkeys[i]``), a pipeline
         per node run concurrently.
 
@@ -310,7 +314,10 @@ class RedisTier(Tier):
         On a cluster, the keys of a node that failed (or whose replies are connection errors /
         CLUSTERDOWN / TRYAGAIN) are retried after a topology refresh, each node at most
         :data:`_NODE_TRIES` times and the batch at most :data:`_CLUSTER_ROUNDS` rounds: bounded
-        in attempts, not in wall time (each attempt is bounded by the socket timeouts)."""
+        in attempts, not in wall time (each attempt is bounded by the socket timeouts).
+
+        ``data``: a data-path batch (SET / EXISTS+GETRANGE / GET); with ``native_io`` it runs on
+        the tier's own connections, split over them (``add`` then gets a :class:`_NativePipe`)."""
         out: list[Any] = [None] * len(rkeys)
         down: dict[int, BaseException] = {}  # key index -> its node's failure (last round)
         tries: dict[str, int] = {}
@@ -324,6 +331,8 @@ class RedisTier(Tier):
                 tries[name] = tries.get(name, 0) + 1
 
             async def run(idx: list[int]) -> list[Any]:
+                if data and self._native is not None:
+                    return await self._native_run(self._native, idx, add)
                 pipe = self._pipeline()
                 for i in idx:
                     add(pipe, i)
@@ -366,6 +375,23 @@ class RedisTier(Tier):
             )
         return out
 
+    @staticmethod
+    async def _native_run(pool: RespPool, idx: list[int], add: Callable[[Any, int], Any]) -> list[Any]:
+        """The commands ``add`` queues for ``idx``, split in order over the pool's connections
+        (run concurrently); replies in order. One slice failing fails the batch (as a node would)."""
+        k = max(1, min(pool.size, len(idx)))
+        step = -(-len(idx) // k)
+        pipes = []
+        for a in range(0, len(idx), step):
+            pipe = _NativePipe()
+            for i in idx[a : a + step]:
+                add(pipe, i)
+            pipes.append(pipe)
+        if len(pipes) == 1:
+            return await pool.execute(pipes[0].commands, pipes[0].intos)
+        parts = await asyncio.gather(*(pool.execute(p.commands, p.intos) for p in pipes))
+        return [r for part in parts for r in part]
+
     async def _refresh_topology(self, failed_node: str | None) -> None:
         """Re-read the cluster's slot map (redis-py marks pooled connections for a lazy reconnect,
         never closing one in use). A failure is left to the retry that follows to report."""
@@ -399,8 +425,23 @@ class RedisTier(Tier):
             await _aclose_quietly(client)
             raise
         self._client = client
+        target = native_target(self.config.url) if self.config.native_io and not self.config.cluster else None
+        if target is not None:
+            if self.config.username is not None:
+                target["username"] = self.config.username
+            if self.config.password is not None:
+                target["password"] = self.config.password
+            self._native = RespPool(
+                target,
+                size=self.config.connections,
+                socket_timeout=self.config.socket_timeout_s,
+                connect_timeout=self.config.connect_timeout_s,
+            )
 
     async def _close(self) -> None:
+        native, self._native = self._native, None
+        if native is not None:
+            await native.aclose()
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
@@ -416,9 +457,12 @@ class RedisTier(Tier):
 
                 def add(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
                     key, payload = run[i]
-                    pipe.set(rkeys[i], encode_record(key, payload), ex=ttl)
+                    if isinstance(pipe, _NativePipe):  # header and payload sent as they are
+                        pipe.set(rkeys[i], Record(make_header(key, payload), payload), ex=ttl)
+                    else:
+                        pipe.set(rkeys[i], encode_record(key, payload), ex=ttl)
 
-                results = await self._per_key(rkeys, add)
+                results = await self._per_key(rkeys, add, data=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 written.extend(rk for rk, r in zip(rkeys, results, strict=True) if not isinstance(r, BaseException))
                 if failed:
@@ -457,15 +501,31 @@ class RedisTier(Tier):
             rkeys = [self.redis_key(keys[i]) for i in run]
             caps = [cap(i) for i in run]
 
-            def add(pipe: Any, j: int, rkeys: list[bytes] = rkeys, caps: list[int] = caps) -> None:
-                pipe.exists(rkeys[j])  # tells an empty value (corrupt) from no key (a plain miss)
-                pipe.getrange(rkeys[j], 0, caps[j])  # at most caps[j] + 1 bytes: longer means too long
+            heads = [bytearray(HEADER_SIZE) for _ in run] if self._native is not None else []
 
-            replies = await self._per_key(rkeys, add, ncmd=2)
-            for i, rk, limit, reply in zip(run, rkeys, caps, replies, strict=True):
+            def add(
+                pipe: Any,
+                j: int,
+                rkeys: list[bytes] = rkeys,
+                caps: list[int] = caps,
+                run: Sequence[int] = run,
+                heads: list[bytearray] = heads,
+            ) -> None:
+                pipe.exists(rkeys[j])  # tells an empty value (corrupt) from no key (a plain miss)
+                dst = into[run[j]]
+                if isinstance(pipe, _NativePipe) and dst is not None:  # the payload lands in dst
+                    pipe.getrange(rkeys[j], 0, caps[j], into=Into(memoryview(heads[j]), dst))
+                else:
+                    pipe.getrange(rkeys[j], 0, caps[j])  # at most caps[j] + 1 bytes: longer means too long
+
+            replies = await self._per_key(rkeys, add, ncmd=2, data=True)
+            for j, (i, rk, limit, reply) in enumerate(zip(run, rkeys, caps, replies, strict=True)):
                 if isinstance(reply, BaseException):  # its node is down: a miss (counted node_errors)
                     continue
                 exists, value = reply
+                if isinstance(value, Placed):  # header in heads[j], payload already in its buffer
+                    out[i] = self._verify_placed(keys[i], rk, heads[j], into[i], int(value), corrupt)  # type: ignore[arg-type]
+                    continue
                 if isinstance(value, BaseException):
                     if _wrongtype(value):  # a foreign non-string value under our key: a miss
                         self._on_corrupt(keys[i], value)
@@ -530,6 +590,27 @@ class RedisTier(Tier):
             return None
         self._note_size(len(value))
         return self._deliver(key, payload, dst)
+
+    def _verify_placed(
+        self,
+        key: bytes,
+        rk: bytes,
+        head: bytearray,
+        dst: memoryview,
+        length: int,
+        corrupt: list[tuple[bytes, bytes, bool]],
+    ) -> int | None:
+        """Verify a record read in place (header apart, payload in ``dst``); the payload's length,
+        or None (a miss: the bytes in ``dst`` are then not the record's and nobody is told they are)."""
+        n = length - HEADER_SIZE
+        try:
+            verify_parts(memoryview(head), dst[:n], key)
+        except CorruptRecordError as e:
+            self._on_corrupt(key, e)
+            corrupt.append((rk, bytes(head) + bytes(dst[:n]), True))
+            return None
+        self._note_size(length)
+        return n
 
     async def _drop_corrupt(self, corrupt: list[tuple[bytes, bytes, bool]]) -> None:
         """Delete values judged corrupt (``(redis key, bytes seen, whether they were the whole
@@ -730,6 +811,30 @@ class RedisTier(Tier):
         if isinstance(exc, (ClusterError, RedisClusterException)):
             return TierUnavailableError(f"{where}: {op}: the cluster is unavailable ({detail})")
         return TierUnavailableError(f"{where}: {op} failed ({detail})")
+
+
+class _NativePipe:
+    """Collects data-path commands for :class:`~tieredkv.backends._resp.RespPool` with the method
+    names of a redis-py pipeline (so one ``add`` serves both)."""
+
+    __slots__ = ("commands", "intos")
+
+    def __init__(self) -> None:
+        self.commands: list[list[Any]] = []
+        self.intos: list[Into | None] = []
+
+    def _add(self, cmd: list[Any], into: Into | None = None) -> None:
+        self.commands.append(cmd)
+        self.intos.append(into)
+
+    def set(self, name: bytes, value: Any, ex: int | None = None) -> None:
+        self._add(["SET", name, value] if ex is None else ["SET", name, value, "EX", ex])
+
+    def getrange(self, name: bytes, start: int, end: int, into: Into | None = None) -> None:
+        self._add(["GETRANGE", name, start, end], into)
+
+    def exists(self, name: bytes) -> None:
+        self._add(["EXISTS", name])
 
 
 #: Replies that mean "the node did not get to answer": retried on a cluster like a failed node.

@@ -67,16 +67,20 @@ class GroupBinding:
     def chunk_bytes(self) -> int:
         return self.tensors.chunk_bytes(self.spec.blocks_per_chunk)
 
-    def direct_view(self, placements: Sequence[tuple[int, int]]) -> Any:
+    def direct_view(self, placements: Sequence[tuple[int, int]]) -> memoryview | None:
         """The device bytes of a whole chunk when they already are its payload — one CPU tensor and
         consecutive blocks — so tiers can read and write them with no staging copy; else None."""
-        t = self.tensors
-        if len(t.tensors) != 1 or t.device.type != "cpu" or len(placements) != self.blocks_per_chunk:
+        host = self.tensors.host_bytes
+        bpc = self.spec.blocks_per_chunk
+        if host is None or len(placements) != bpc:
             return None
         first = placements[0][1]
-        if any(pos != j or b != first + j for j, (pos, b) in enumerate(placements)):
+        if placements[-1] != (bpc - 1, first + bpc - 1) or any(
+            pos != j or b != first + j for j, (pos, b) in enumerate(placements)
+        ):
             return None
-        return t.tensors[0][first : first + self.blocks_per_chunk].view(-1)
+        bb = self.tensors.bytes_per_block
+        return host[first * bb : (first + bpc) * bb]
 
 
 class Transfers:
@@ -143,9 +147,9 @@ class Transfers:
                 c = job.chunks[i]
                 direct = grp.direct_view(list(enumerate(c.block_ids)))
                 if direct is None:
-                    direct = buf.view(j * cb, cb)
-                    ev = self.copier.gather(grp.tensors, c.block_ids, direct, after=ready)
-                views.append(memoryview(direct.numpy()))
+                    ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(j * cb, cb), after=ready)
+                    direct = buf.mview(j * cb, cb)
+                views.append(direct)
             await wait_event(ev)
             got, w = await self.writeback.write(grp.route, [keys[i] for i in part], views)
             done += got  # the writes are over: the buffer is free for the next part
@@ -177,8 +181,8 @@ class Transfers:
             complete = True  # every chunk so far was found: keep copying
             for part in parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger than the pool
                 part_keys = [keys[i] for i in part]
-                views = [
-                    None if i in borrowed else buf.view(j * cb, cb) if direct[i] is None else direct[i]
+                views: list[memoryview | None] = [  # where each chunk's bytes land (None: in a slot)
+                    None if i in borrowed else buf.mview(j * cb, cb) if direct[i] is None else direct[i]
                     for j, i in enumerate(part)
                 ]
                 rest = [j for j, i in enumerate(part) if i not in found_in]
@@ -200,17 +204,14 @@ class Transfers:
                             ev = self.copier.scatter(grp.tensors, merged, span, (b - a) * bpc)
                         lent = []
                     elif direct[i] is None:
-                        ev = self.copier.scatter(grp.tensors, places[i], cast(Any, views[j]), bpc)
+                        ev = self.copier.scatter(grp.tensors, places[i], buf.view(j * cb, cb), bpc)
                 await wait_event(ev)
                 if route.promote:
                     first = route.tiers[0]
                     await self.writeback.promote(
                         route,
                         part_keys,
-                        [
-                            None if v is None or found_in[i] == first else memoryview(v.numpy())  # type: ignore[arg-type]
-                            for v, i in zip(views, part)
-                        ],
+                        [None if v is None or found_in[i] == first else v for v, i in zip(views, part)],
                         {j: found_in[i] for j, i in enumerate(part)},
                     )
         finally:

@@ -1,0 +1,416 @@
+"""A small pipelined RESP2 client for the Redis tier's data path: writes without copying the
+payload, reads straight into the caller's buffers.
+
+Why: redis-py moves a value through several copies on the way in (socket buffer, hiredis, a new
+``bytes``, then the tier's buffer), and a record written through it has to be built by copying
+the payload behind its header. Here:
+
+* a write sends the 64-byte header and the payload as separate parts of one bulk string
+  (``transport.writelines``; no copy in Python);
+* a read receives a bulk reply straight into its destination: the header into a small buffer,
+  the payload into the caller's memory (:class:`asyncio.BufferedProtocol`, i.e. ``recv_into``).
+
+Scope: one node over plain TCP or a unix socket; replies are simple strings, errors, integers and
+bulk strings (the data path sends nothing that answers with an array). Clusters, TLS and the admin
+commands stay on redis-py. Errors are redis-py's exception classes, so the tier translates both
+paths alike. A connection runs one batch at a time; one that timed out, was cancelled, lost its
+peer or read something unexpected is closed, never reused. A batch that fails on a pooled
+connection because the server went away (e.g. restarted) is retried once on a new connection
+(every command the data path sends is idempotent: SET, GETRANGE, GET, EXISTS, DEL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["Into", "Placed", "Record", "RespPool", "native_target"]
+
+_CRLF = b"\r\n"
+_READ_CHUNK = 1 << 16
+_MAX_LINE = 1 << 16  # a reply line (not a bulk body) longer than this is a protocol error
+_SMALL = 1 << 12  # arguments up to this size are joined into the command's prefix buffer
+
+_ERRORS: dict[str, type[RedisError]] = {
+    "OOM": OutOfMemoryError,
+    "NOAUTH": AuthenticationError,
+    "WRONGPASS": AuthenticationError,
+    "NOPERM": NoPermissionError,
+    "READONLY": ReadOnlyError,
+    "LOADING": BusyLoadingError,
+}
+
+
+class Record:
+    """One argument sent as a single bulk string made of ``parts`` (e.g. header, payload)."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self, *parts: bytes | memoryview) -> None:
+        self.parts = parts
+        self.size = sum(len(p) for p in parts)
+
+
+class Into:
+    """Where a bulk reply goes: its first ``len(head)`` bytes into ``head``, the rest into ``body``
+    (when it fits: ``len(head) <= length <= len(head) + len(body)``; otherwise the reply is bytes)."""
+
+    __slots__ = ("body", "head")
+
+    def __init__(self, head: memoryview, body: memoryview) -> None:
+        self.head = head
+        self.body = body
+
+
+class Placed(int):
+    """The reply of a command with an :class:`Into`: a bulk string of this many bytes, placed there."""
+
+
+def _error(message: str) -> RedisError:
+    code = message.split(" ", 1)[0]
+    if code == "ERR":
+        message = message[4:]
+    return _ERRORS.get(code, ResponseError)(message)
+
+
+class _Protocol(asyncio.BufferedProtocol):
+    """One connection: sends a batch of commands and collects their replies in order."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray(_READ_CHUNK)
+        self._mv = memoryview(self._buf)
+        self._r = 0  # parse window of the line buffer: [r, w)
+        self._w = 0
+        self._direct = False  # the last get_buffer handed out a reply target, not the line buffer
+        self._targets: collections.deque[memoryview] = collections.deque()  # a bulk body's remaining parts
+        self._tpos = 0
+        self._need_crlf = False
+        self._value: Any = None  # the reply being received (a bulk string)
+        self._expect: collections.deque[Into | None] = collections.deque()
+        self._replies: list[Any] = []
+        self._waiter: asyncio.Future[list[Any]] | None = None
+        self.broken: BaseException | None = None
+
+    # ---- asyncio callbacks -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(RedisConnectionError(f"connection to the server lost: {exc or 'closed by the server'}"))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._targets and self._r == self._w:  # nothing buffered: receive into the reply's memory
+            self._direct = True
+            return self._targets[0][self._tpos :]
+        self._direct = False
+        if self._r == self._w:
+            self._r = self._w = 0
+        elif len(self._buf) - self._w < _READ_CHUNK // 4:
+            n = self._w - self._r
+            self._buf[:n] = self._buf[self._r : self._w]
+            self._r, self._w = 0, n
+            if len(self._buf) - n < _READ_CHUNK // 4:
+                self._buf.extend(bytes(_READ_CHUNK))
+                self._mv = memoryview(self._buf)
+        return self._mv[self._w :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._direct:
+                self._tpos += nbytes
+                if self._tpos == len(self._targets[0]):
+                    self._next_target()
+            else:
+                self._w += nbytes
+            self._feed()
+        except Exception as e:  # noqa: BLE001 - a protocol surprise: this connection is done
+            self._fail(e if isinstance(e, RedisConnectionError) else RedisConnectionError(f"bad reply: {e}"))
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost reports it
+
+    # ---- parsing -----------------------------------------------------------------------
+
+    def _next_target(self) -> None:
+        self._targets.popleft()
+        self._tpos = 0
+        if not self._targets:
+            self._need_crlf = True
+
+    def _feed(self) -> None:
+        buf = self._buf
+        while True:
+            if self._targets:  # bytes of a bulk body that came in with the line before it
+                avail = self._w - self._r
+                if not avail:
+                    return
+                t = self._targets[0]
+                k = min(avail, len(t) - self._tpos)
+                t[self._tpos : self._tpos + k] = self._mv[self._r : self._r + k]
+                self._r += k
+                self._tpos += k
+                if self._tpos == len(t):
+                    self._next_target()
+                continue
+            if self._need_crlf:
+                if self._w - self._r < 2:
+                    return
+                if buf[self._r : self._r + 2] != _CRLF:
+                    raise RedisConnectionError("bad reply: a bulk string does not end with CRLF")
+                self._r += 2
+                self._need_crlf = False
+                value, self._value = self._value, None
+                self._reply(bytes(value) if isinstance(value, bytearray) else value)
+                continue
+            if self._r == self._w:
+                return
+            end = buf.find(_CRLF, self._r, self._w)
+            if end < 0:
+                if self._w - self._r > _MAX_LINE:
+                    raise RedisConnectionError("bad reply: a line without CRLF")
+                return
+            kind = buf[self._r]
+            line = bytes(buf[self._r + 1 : end])
+            self._r = end + 2
+            if kind == 0x2B:  # '+'
+                self._reply(line)
+            elif kind == 0x2D:  # '-'
+                self._reply(_error(line.decode(errors="replace")))
+            elif kind == 0x3A:  # ':'
+                self._reply(int(line))
+            elif kind == 0x24:  # '$'
+                self._bulk(int(line))
+            else:
+                raise RedisConnectionError(f"bad reply: unexpected type byte {bytes([kind])!r}")
+
+    def _bulk(self, n: int) -> None:
+        if n < 0:
+            self._reply(None)
+            return
+        if not self._expect:
+            raise RedisConnectionError("bad reply: more replies than commands")
+        into = self._expect[0]
+        if into is not None and len(into.head) <= n <= len(into.head) + len(into.body):
+            parts = [into.head, into.body[: n - len(into.head)]]
+            self._value = Placed(n)
+        else:
+            value = bytearray(n)
+            parts = [memoryview(value)]
+            self._value = value
+        self._targets.extend(p for p in parts if len(p))
+        if not self._targets:
+            self._need_crlf = True
+
+    def _reply(self, value: Any) -> None:
+        if not self._expect:
+            raise RedisConnectionError("bad reply: more replies than commands")
+        self._expect.popleft()
+        self._replies.append(value)
+        if not self._expect and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(self._replies)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.broken is None:
+            self.broken = exc
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+        self.close()
+
+    # ---- use ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.broken is None:
+            self.broken = RedisConnectionError("connection closed")
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    async def execute(
+        self, commands: Sequence[Sequence[Any]], intos: Sequence[Into | None], timeout: float | None
+    ) -> list[Any]:
+        """Send ``commands`` in one write and return their replies in order (an error reply is an
+        exception object in its place). Raises redis-py's ConnectionError / TimeoutError."""
+        if self.broken is not None:
+            raise self.broken
+        assert self.transport is not None and self._waiter is None
+        loop = asyncio.get_running_loop()
+        self._expect = collections.deque(intos)
+        self._replies = []
+        self._waiter = loop.create_future()
+        try:
+            self.transport.writelines(_pack(commands))
+            async with asyncio.timeout(timeout):
+                return await self._waiter
+        except TimeoutError:
+            self._fail(RedisTimeoutError("Timeout reading from the server"))
+            raise self.broken from None  # type: ignore[misc]
+        except BaseException:
+            self._fail(RedisConnectionError("batch abandoned (cancelled)"))
+            raise
+        finally:
+            self._waiter = None
+
+
+def _pack(commands: Sequence[Sequence[Any]]) -> list[bytes | memoryview]:
+    """RESP arrays of bulk strings; small pieces joined, large ones (payloads) passed as they are."""
+    out: list[bytes | memoryview] = []
+    small = bytearray()
+    for cmd in commands:
+        small += b"*%d\r\n" % len(cmd)
+        for arg in cmd:
+            if isinstance(arg, Record):
+                small += b"$%d\r\n" % arg.size
+                for part in arg.parts:
+                    if len(part) <= _SMALL:
+                        small += part
+                    else:
+                        out.append(bytes(small))
+                        small.clear()
+                        out.append(part)
+                small += _CRLF
+                continue
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif isinstance(arg, int):
+                arg = b"%d" % arg
+            small += b"$%d\r\n" % len(arg)
+            if len(arg) <= _SMALL:
+                small += arg
+            else:
+                out.append(bytes(small))
+                small.clear()
+                out.append(arg)
+            small += _CRLF
+    if small:
+        out.append(bytes(small))
+    return out
+
+
+def native_target(url: str) -> dict[str, Any] | None:
+    """Where a ``redis://`` or ``unix://`` URL points (host/port or path, db, credentials);
+    ``None`` for ``rediss://`` (TLS stays on redis-py)."""
+    parts = urlsplit(url)
+    if parts.scheme == "redis":
+        db = (parts.path or "/0").lstrip("/") or "0"
+        where: dict[str, Any] = {"host": parts.hostname or "127.0.0.1", "port": parts.port or 6379}
+    elif parts.scheme == "unix":
+        where = {"path": unquote(parts.path)}
+        db = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p).get("db", "0")
+    else:
+        return None
+    where["db"] = int(db)
+    where["username"] = unquote(parts.username) if parts.username else None
+    where["password"] = unquote(parts.password) if parts.password else None
+    return where
+
+
+class RespPool:
+    """Up to ``size`` connections to one node; :meth:`execute` runs a batch on one of them."""
+
+    def __init__(
+        self,
+        target: dict[str, Any],
+        *,
+        size: int,
+        socket_timeout: float | None,
+        connect_timeout: float | None,
+    ) -> None:
+        self.target = target
+        self.size = size
+        self.socket_timeout = socket_timeout
+        self.connect_timeout = connect_timeout
+        self._idle: list[_Protocol] = []
+        self._sem = asyncio.Semaphore(size)
+        self._closed = False
+
+    async def _connect(self) -> _Protocol:
+        t = self.target
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                if "path" in t:
+                    _, proto = await loop.create_unix_connection(_Protocol, t["path"])
+                else:
+                    _, proto = await loop.create_connection(_Protocol, t["host"], t["port"])
+        except TimeoutError:
+            raise RedisTimeoutError("Timeout connecting to the server") from None
+        except OSError as e:
+            where = t.get("path") or f"{t['host']}:{t['port']}"
+            raise RedisConnectionError(f"Error connecting to {where}: {e}") from e
+        hello: list[list[Any]] = []
+        if t["password"] is not None:
+            hello.append(["AUTH", t["username"], t["password"]] if t["username"] else ["AUTH", t["password"]])
+        if t["db"]:
+            hello.append(["SELECT", t["db"]])
+        # A round trip before any data goes out: a server that accepts connections but does not
+        # answer (stopped, overloaded) fails here, and no write is left queued to land later.
+        hello.append(["PING"])
+        if hello:
+            try:
+                replies = await proto.execute(hello, [None] * len(hello), self.socket_timeout)
+            except BaseException:
+                proto.close()
+                raise
+            for r in replies:
+                if isinstance(r, BaseException):
+                    proto.close()
+                    raise r
+        return proto
+
+    async def execute(self, commands: Sequence[Sequence[Any]], intos: Sequence[Into | None] | None = None) -> list[Any]:
+        """Replies of ``commands`` (sent in one write on one connection), error replies in place."""
+        if self._closed:
+            raise RedisConnectionError("the tier's connections are closed")
+        expect = list(intos) if intos is not None else [None] * len(commands)
+        async with self._sem:
+            conn = None
+            while self._idle and conn is None:
+                conn = self._idle.pop()
+                if conn.broken is not None:  # lost its peer while idle
+                    conn = None
+            pooled = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            try:
+                replies = await conn.execute(commands, expect, self.socket_timeout)
+            except RedisConnectionError:
+                conn.close()
+                if not pooled:
+                    raise
+                conn = await self._connect()  # the server may have restarted under a pooled connection
+                try:
+                    replies = await conn.execute(commands, expect, self.socket_timeout)
+                except BaseException:
+                    conn.close()
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+            if self._closed:
+                conn.close()
+            else:
+                self._idle.append(conn)
+            return replies
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+        await asyncio.sleep(0)  # let the transports finish closing

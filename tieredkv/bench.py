@@ -14,8 +14,9 @@ Used by ``benchmarks/bench_tiers.py`` and ``tieredkv bench``. For each chunk siz
   figures and no ratio. Nothing here knows a tier kind: a tier's bench copy comes from its config
   model (:func:`make_tier`), its raw limit from its class.
 
-Each figure is the median of ``reps`` runs; every tier run starts from an empty store, as does
-each raw run (first-touch costs are paid by both).
+Each figure is the median of ``reps`` runs, after one untimed warm-up run of everything; every
+tier run starts from an empty store in a directory of its own (removed right after, as each raw
+run removes its file), as does each raw run (first-touch costs are paid by both).
 """
 
 from __future__ import annotations
@@ -209,13 +210,14 @@ def _bench_size(
     # Each rep measures every figure once, raw limits and tiers interleaved, so both see the
     # same machine (this box's disk and neighbours swing by 2x over a minute).
     media = _by_class(tiers, size, n, work)
-    for _ in range(reps):
+    for rep in range(reps + 1):  # rep 0 warms up every figure (first-run costs of the process) and is not kept
         for raw_cfg, tier_cfgs in media:
             raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
             if raw is None:
                 continue
             for name, value in raw.gbps.items():
-                samples.setdefault(name, []).append(value)
+                if rep:
+                    samples.setdefault(name, []).append(value)
             for note in set(raw.notes) - notes:
                 notes.add(note)
                 log(f"note: {note}")
@@ -229,8 +231,9 @@ def _bench_size(
                 ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns)
             finally:
                 shutil.rmtree(own, ignore_errors=True)
-            samples.setdefault(f"{tcfg.label}.store", []).append(n * size / ts / 1e9)
-            samples.setdefault(f"{tcfg.label}.load", []).append(n * size / tl / 1e9)
+            if rep:
+                samples.setdefault(f"{tcfg.label}.store", []).append(n * size / ts / 1e9)
+                samples.setdefault(f"{tcfg.label}.load", []).append(n * size / tl / 1e9)
     for name, xs in samples.items():
         res.add(name, xs)
 

@@ -344,3 +344,30 @@ async def test_missing_says_where_no_lmdb_environment_is_yet_without_creating_on
     assert CPUTier.missing(CPUTierConfig()) is None  # the default: cannot tell, may hold data
     moved = cfg.with_local_dir(tmp_path / "elsewhere")
     assert moved.path == str(tmp_path / "elsewhere") and LMDBTier.missing(moved) is not None
+
+
+async def test_lmdb_large_reads_verified_beside_the_copy_serve_no_wrong_bytes(tmp_path: Path) -> None:
+    """Records of 128 KiB and more are copied into their buffers first and verified on the verify
+    thread: a corrupt one among them (or among small ones, verified inline) is a miss, counted and
+    deleted; every other buffer holds exactly its record; a buffer too small is a miss."""
+    tier = LMDBTier(lmdb_cfg(tmp_path, map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB))
+    async with tier:
+        sizes = [256 << 10, 1 << 20, 4 << 10, 300 << 10, 2 << 20, 128 << 10, 1000]
+        keys = [k(i) for i in range(len(sizes))]
+        data = [payload(n, i).numpy().tobytes() for i, n in enumerate(sizes)]
+        await tier.put_many(list(zip(keys, data)))
+        raw = await tier.raw_get_many([keys[1], keys[2]])
+        for key, rec in zip((keys[1], keys[2]), raw):
+            assert rec is not None
+            bad = bytearray(rec)
+            bad[-1] ^= 0xFF  # last payload byte
+            await tier.raw_put_many([(key, bytes(bad))])
+        bufs = [bytearray(n) for n in sizes]
+        bufs[4] = bytearray(sizes[4] - 1)  # too small: a miss, not a partial copy reported as a hit
+        got = await tier.get_many(keys, into=bufs)
+        assert got == [sizes[0], None, None, sizes[3], None, sizes[5], sizes[6]]
+        for i in (0, 3, 5, 6):
+            assert bytes(bufs[i]) == data[i]
+        assert tier.counters["corrupt"] == 2
+        assert await tier.contains_many(keys) == [True, False, False, True, True, True, True]
+        assert await tier.get_many([keys[4]]) == [data[4]]

@@ -13,8 +13,10 @@ Below, "LRU" stands for that policy's order.
 * ``put_many`` is one write transaction: it evicts the least-recently-used unpinned records
   until the batch fits under ``size_cap_bytes`` (or raises TierFullError having stored
   nothing), then writes every record.
-* ``get_many`` is one read transaction with ``buffers=True``: each record is verified and its
-  payload copied straight from the memory map into the caller's buffer (one copy).
+* ``get_many`` is one read transaction with ``buffers=True``: each record's payload is copied
+  straight from the memory map into the caller's buffer (one copy) and verified — a small one
+  first, a large one (128 KiB and more) after the copy, on the tier's verify thread beside the
+  next copies (checksum and copy overlap; a record that fails is a miss either way).
   Access stamps are bumped in memory and written with the next write transaction.
 * ``MapFullError`` first clears stale reader slots (a killed reader pins old pages), then grows
   the map (doubling, up to ``max_map_size_bytes``) and retries; at the limit it evicts further;

@@ -375,6 +375,11 @@ class RedisTier(Tier):
             )
         return out
 
+    def _run_bytes(self) -> int:
+        """Bytes of a data-path run: ``max_batch_bytes`` per round trip, times the native
+        connections a run is split over (they work at once)."""
+        return self._max_batch * (self._native.size if self._native is not None else 1)
+
     @staticmethod
     async def _native_run(pool: RespPool, idx: list[int], add: Callable[[Any, int], Any]) -> list[Any]:
         """The commands ``add`` queues for ``idx``, split in order over the pool's connections
@@ -452,7 +457,7 @@ class RedisTier(Tier):
         ttl = self.config.ttl_s
         written: list[bytes] = []
         try:
-            for run in _chunks(items, lambda it: HEADER_SIZE + len(it[1]), self._max_batch):
+            for run in _chunks(items, lambda it: HEADER_SIZE + len(it[1]), self._run_bytes()):
                 rkeys = [self.redis_key(k) for k, _ in run]
 
                 def add(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
@@ -497,7 +502,7 @@ class RedisTier(Tier):
             dst = into[i]
             return self._record_guess if dst is None else HEADER_SIZE + len(dst)
 
-        for run in _chunks(range(len(keys)), size, self._max_batch):
+        for run in _chunks(range(len(keys)), size, self._run_bytes()):
             rkeys = [self.redis_key(keys[i]) for i in run]
             caps = [cap(i) for i in run]
 

@@ -274,28 +274,19 @@ def _pack(commands: Sequence[Sequence[Any]]) -> list[bytes | memoryview]:
     for cmd in commands:
         small += b"*%d\r\n" % len(cmd)
         for arg in cmd:
-            if isinstance(arg, Record):
-                small += b"$%d\r\n" % arg.size
-                for part in arg.parts:
-                    if len(part) <= _SMALL:
-                        small += part
-                    else:
-                        out.append(bytes(small))
-                        small.clear()
-                        out.append(part)
-                small += _CRLF
-                continue
             if isinstance(arg, str):
                 arg = arg.encode()
             elif isinstance(arg, int):
                 arg = b"%d" % arg
-            small += b"$%d\r\n" % len(arg)
-            if len(arg) <= _SMALL:
-                small += arg
-            else:
-                out.append(bytes(small))
-                small.clear()
-                out.append(arg)
+            parts = arg.parts if isinstance(arg, Record) else (arg,)
+            small += b"$%d\r\n" % (arg.size if isinstance(arg, Record) else len(arg))
+            for part in parts:
+                if len(part) <= _SMALL:
+                    small += part
+                else:
+                    out.append(bytes(small))
+                    small.clear()
+                    out.append(part)
             small += _CRLF
     if small:
         out.append(bytes(small))

@@ -83,6 +83,20 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+def side_figures(n: int, nbytes: int, samples: list[tuple[float, float]]) -> dict[str, Any]:
+    """One side's figures for one chunk size from ``(store s, load s)`` per rep (both sides of
+    ``bench_peers.py`` report them the same way; it imports this)."""
+    return {
+        "chunks": n,
+        "bytes": nbytes,
+        "verified": True,
+        "store_s": [round(s, 6) for s, _ in samples],
+        "load_s": [round(lo, 6) for _, lo in samples],
+        "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
+        "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples],
+    }
+
+
 def _connector_class() -> type:
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
@@ -297,17 +311,7 @@ def run_size(
         one_round(0)  # warm-up, untimed
         samples = [one_round(k) for k in range(1, reps + 1)]
         dog.arm(f"LMCache {backend} {size} B close")
-        nbytes = n * size
-        return {
-            "size": size,
-            "chunks": n,
-            "bytes": nbytes,
-            "verified": True,
-            "store_s": [round(s, 6) for s, _ in samples],
-            "load_s": [round(lo, 6) for _, lo in samples],
-            "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
-            "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples],
-        }
+        return {"size": size, **side_figures(n, n * size, samples)}
     finally:
         _destroy(LMCacheEngineBuilder, tag, notes)
         if backend == "disk":

@@ -57,6 +57,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _lmcache_child import side_figures  # benchmarks/ is on sys.path: both run as scripts from there
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CHILD = HERE / "_lmcache_child.py"
@@ -206,24 +208,12 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
             if r:
                 samples.append((ts, tl))
         nbytes = n * size
-        out[size] = _side(n, nbytes, samples)
+        out[size] = side_figures(n, nbytes, samples)
         log(
             f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s"
         )
         del src, dst
     return out
-
-
-def _side(n: int, nbytes: int, samples: list[tuple[float, float]]) -> dict[str, Any]:
-    return {
-        "chunks": n,
-        "bytes": nbytes,
-        "verified": True,
-        "store_s": [round(s, 6) for s, _ in samples],
-        "load_s": [round(lo, 6) for _, lo in samples],
-        "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
-        "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples],
-    }
 
 
 def _run_child(

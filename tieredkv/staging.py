@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from bisect import insort
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ class StagingBuffer:
     nbytes: int
     tensor: torch.Tensor
 
-    _bytes: memoryview | None = None
+    _bytes: memoryview | None = field(default=None, init=False, repr=False)
 
     def view(self, start: int, length: int) -> torch.Tensor:
         return self.tensor[start : start + length]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import lmdb
@@ -371,3 +374,89 @@ async def test_lmdb_large_reads_verified_beside_the_copy_serve_no_wrong_bytes(tm
         assert tier.counters["corrupt"] == 2
         assert await tier.contains_many(keys) == [True, False, False, True, True, True, True]
         assert await tier.get_many([keys[4]]) == [data[4]]
+
+
+_LARGE = 256 * KiB  # above the size the LMDB tier verifies on its verify thread
+_WRITER = """
+import asyncio, sys
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import LMDBTierConfig
+from tieredkv.keys import Namespace
+ns = Namespace(model="specific")
+def value(kid, v):
+    word = kid.to_bytes(4, "little") + v.to_bytes(4, "little")
+    return word * ({size} // 8)
+async def main():
+    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=256 << 20, size_cap_bytes=128 << 20)
+    async with LMDBTier(cfg) as tier:
+        for v in range(1000, 1000 + {rounds}):
+            await tier.put_many([(ns.key(kid.to_bytes(32, "big"), 0), value(kid, v)) for kid in range({keys})])
+asyncio.run(main())
+"""
+
+
+def _version_of(kid: int, buf: bytes | bytearray) -> int | None:
+    """The version ``buf`` holds if it is exactly one written value of key ``kid``; else None."""
+    v = int.from_bytes(buf[4:8], "little")
+    word = kid.to_bytes(4, "little") + v.to_bytes(4, "little")
+    return v if bytes(buf) == word * (len(buf) // 8) else None
+
+
+def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path) -> None:
+    """Large records (copied, then verified on the verify thread) read while they are overwritten:
+    two threads, each with its own loop and tier on one directory (one shared environment), run
+    writer and reader tasks on the same keys while another process writes new versions of them
+    too. Every read is a miss or exactly one written version of its own key; nothing is corrupt."""
+    keys, rounds = 8, 12
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER.format(size=_LARGE, rounds=rounds, keys=keys), str(tmp_path)],
+        stderr=subprocess.PIPE,
+    )
+    bad: list[str] = []
+    seen = Counter[str]()
+
+    def value(kid: int, v: int) -> bytes:
+        return (kid.to_bytes(4, "little") + v.to_bytes(4, "little")) * (_LARGE // 8)
+
+    async def engine(offset: int) -> None:
+        cfg = LMDBTierConfig(path=str(tmp_path), map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB)
+        async with LMDBTier(cfg) as tier:
+
+            async def writer(w: int) -> None:
+                for v in range(offset + w, offset + 40, 2):
+                    await tier.put_many([(k(kid), value(kid, v)) for kid in range(keys)])
+
+            async def reader() -> None:
+                for _ in range(25):
+                    bufs = [bytearray(b"\xee" * _LARGE) for _ in range(keys)]
+                    got = await tier.get_many([k(kid) for kid in range(keys)], into=bufs)
+                    for kid, (n, buf) in enumerate(zip(got, bufs)):
+                        if n is None:
+                            seen["miss"] += 1
+                        elif n != _LARGE or _version_of(kid, buf) is None:
+                            bad.append(f"key {kid}: {n} bytes, not one written version")
+                        else:
+                            seen["hit"] += 1
+
+            await asyncio.gather(writer(0), writer(1), reader(), reader())
+            assert tier.counters["corrupt"] == 0
+
+    threads = [threading.Thread(target=asyncio.run, args=(engine(off),)) for off in (0, 500)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _, err = child.communicate()
+    assert child.returncode == 0, err.decode()[-2000:]
+    assert not bad, bad[:3]
+    assert seen["hit"] > 0
+
+    # the last word on each key is one version someone wrote, whole
+    async def final() -> None:
+        cfg = LMDBTierConfig(path=str(tmp_path), map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB)
+        async with LMDBTier(cfg) as tier:
+            bufs = [bytearray(_LARGE) for _ in range(keys)]
+            assert await tier.get_many([k(kid) for kid in range(keys)], into=bufs) == [_LARGE] * keys
+            assert all(_version_of(kid, b) is not None for kid, b in enumerate(bufs))
+
+    asyncio.run(final())

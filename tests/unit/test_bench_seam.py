@@ -172,3 +172,19 @@ def test_no_tier_kind_switch_outside_backends() -> None:
         if not rel.startswith("tieredkv/backends/") and (hits := kind_switches(path.read_text())):
             found[rel] = hits
     assert found == {}
+
+
+def test_peers_bench_tieredkv_side_runs_every_kind(tmp_path: Path, redis_server: RedisServer) -> None:
+    """``./scripts/bench peers`` is not in the suite (it installs LMCache); its tieredkv side is, so
+    a change to the bench seam cannot break it unnoticed (issue 14's did): every kind stores and
+    loads verified bytes and reports one figure per rep, the same way the LMCache side does."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for kind in ("cpu", "lmdb", "redis"):
+        out = bench_peers.run_tieredkv(kind, [64 * KiB], 2 << 20, 2, str(tmp_path), redis_server.url)
+        fig = out[64 * KiB]
+        assert fig["verified"] and fig["chunks"] == 32 and fig["bytes"] == 2 << 20
+        assert len(fig["store_gbps"]) == len(fig["load_gbps"]) == 2 and min(fig["load_gbps"]) > 0

@@ -30,13 +30,13 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self, overload
+from typing import Any, ClassVar, Self, TypeVar, overload
 
 from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, Namespace, key_fingerprint, stored_key_group
 
-__all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats"]
+__all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats", "runs"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,27 @@ log = logging.getLogger(__name__)
 OpObserver = Callable[[str, str, int, int, float, str], None]
 
 _MIN_KEY = FINGERPRINT_BYTES + GROUP_BYTES + 1
+
+_T = TypeVar("_T")
+
+
+def runs(
+    items: Iterable[_T], size: Callable[[_T], int], max_bytes: int, max_items: int | None = None
+) -> Iterable[list[_T]]:
+    """``items`` in consecutive runs whose ``size`` sums to at most ``max_bytes`` (and of at most
+    ``max_items``); never an empty run (an item larger than ``max_bytes`` is a run of its own).
+    How backends and the admin CLI batch records per round trip or transaction."""
+    run: list[_T] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if run and (total + n > max_bytes or (max_items is not None and len(run) >= max_items)):
+            yield run
+            run, total = [], 0
+        run.append(it)
+        total += n
+    if run:
+        yield run
 
 
 @dataclass(frozen=True, slots=True)

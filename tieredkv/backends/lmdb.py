@@ -698,19 +698,8 @@ class LMDBTier(Tier):
         group: list[tuple[int, bytes, bytes, memoryview]] = []
         group_bytes = 0
 
-        def flush(inline: bool) -> None:
-            nonlocal group, group_bytes
-            if group:
-                if inline:  # small: not worth a hand-over
-                    done: Future[list[tuple[int, Exception]]] = Future()
-                    done.set_result(_check_placed(group))
-                    checks.append(done)
-                else:
-                    checks.append(self._verifier().submit(_check_placed, group))
-                group, group_bytes = [], 0
-
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[bytes]]:
-            nonlocal group_bytes
+            nonlocal group, group_bytes
             for f in checks:  # a retried transaction: let checks of the first try finish first
                 f.result()
             checks.clear()
@@ -733,7 +722,8 @@ class LMDBTier(Tier):
                     group.append((i, key, bytes(rec[:HEADER_SIZE]), dst[:n]))
                     group_bytes += n
                     if group_bytes >= _VERIFY_GROUP_BYTES:
-                        flush(inline=False)
+                        checks.append(self._verifier().submit(_check_placed, group))
+                        group, group_bytes = [], 0
                     out.append(n)
                 else:
                     try:
@@ -751,11 +741,12 @@ class LMDBTier(Tier):
             return out, bad, gone
 
         out, bad, gone = self._txn(read, db=self._sh.rec, buffers=True)
-        flush(inline=not checks)
+        failed = _check_placed(group)  # the last group here: this thread would only wait meanwhile
         for f in checks:
-            for i, err in f.result():
-                out[i] = None
-                bad.append((keys[i], err))
+            failed += f.result()
+        for i, err in failed:
+            out[i] = None
+            bad.append((keys[i], err))
         self._forget(gone)  # deleted by another process
         if bad:
             self._delete_sync([k for k, _ in bad])

@@ -51,8 +51,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -74,7 +74,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tieredkv.backends._resp import Into, Placed, Record, RespPool, native_target
-from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats, runs
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import (
     ConfigError,
@@ -91,7 +91,6 @@ __all__ = ["RedisTier", "parse_redis_key", "redis_key"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 #: Keys per pipeline for commands whose replies are small (EXISTS, DEL, STRLEN).
 _SMALL_BATCH = 2048
@@ -163,21 +162,6 @@ def _each(method: str, keys: Sequence[bytes], *args: Any) -> Callable[[Any, int]
 
 def _glob_escape(raw: bytes) -> bytes:
     return b"".join(b"\\" + bytes([c]) if c in _GLOB_SPECIAL else bytes([c]) for c in raw)
-
-
-def _chunks(items: Sequence[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
-    """Split ``items`` into runs whose ``size`` sums to at most ``limit`` (never empty runs)."""
-    run: list[T] = []
-    total = 0
-    for it in items:
-        n = size(it)
-        if run and total + n > limit:
-            yield run
-            run, total = [], 0
-        run.append(it)
-        total += n
-    if run:
-        yield run
 
 
 # ---- the tier --------------------------------------------------------------------------
@@ -457,7 +441,7 @@ class RedisTier(Tier):
         ttl = self.config.ttl_s
         written: list[bytes] = []
         try:
-            for run in _chunks(items, lambda it: HEADER_SIZE + len(it[1]), self._run_bytes()):
+            for run in runs(items, lambda it: HEADER_SIZE + len(it[1]), self._run_bytes()):
                 rkeys = [self.redis_key(k) for k, _ in run]
 
                 def add(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
@@ -483,7 +467,7 @@ class RedisTier(Tier):
         if not rkeys:
             return
         try:
-            for run in _chunks(rkeys, lambda _: 1, _SMALL_BATCH):
+            for run in runs(rkeys, lambda _: 1, _SMALL_BATCH):
                 await self._per_key(run, _each("delete", run))
         except RedisError as e:  # best effort: the put's own error is what the caller sees
             log.warning("tier %s: could not roll back %d records of a failed put: %s", self.name, len(rkeys), e)
@@ -502,7 +486,7 @@ class RedisTier(Tier):
             dst = into[i]
             return self._record_guess if dst is None else HEADER_SIZE + len(dst)
 
-        for run in _chunks(range(len(keys)), size, self._run_bytes()):
+        for run in runs(range(len(keys)), size, self._run_bytes()):
             rkeys = [self.redis_key(keys[i]) for i in run]
             caps = [cap(i) for i in run]
 
@@ -632,7 +616,7 @@ class RedisTier(Tier):
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
-        for run in _chunks(keys, lambda _: self._record_guess, self._max_batch):
+        for run in runs(keys, lambda _: self._record_guess, self._max_batch):
             pipe = self._pipeline()
             for k in run:
                 pipe.get(self.redis_key(k))
@@ -641,7 +625,7 @@ class RedisTier(Tier):
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         ttl = self.config.ttl_s
-        for run in _chunks(items, lambda it: len(it[1]), self._max_batch):
+        for run in runs(items, lambda it: len(it[1]), self._max_batch):
             pipe = self._pipeline()
             for key, record in run:
                 pipe.set(self.redis_key(key), record, ex=ttl)
@@ -649,7 +633,7 @@ class RedisTier(Tier):
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
-        for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
+        for run in runs(keys, lambda _: 1, _SMALL_BATCH):
             rkeys = [self.redis_key(k) for k in run]
             replies = await self._per_key(rkeys, _each("exists", rkeys))
             out.extend(r is True or (isinstance(r, int) and r > 0) for r in replies)
@@ -657,7 +641,7 @@ class RedisTier(Tier):
 
     async def _delete_many(self, keys: list[bytes]) -> int:
         removed = 0
-        for run in _chunks(keys, lambda _: 1, _SMALL_BATCH):
+        for run in runs(keys, lambda _: 1, _SMALL_BATCH):
             rkeys = [self.redis_key(k) for k in run]
             replies = await self._per_key(rkeys, _each("delete", rkeys))
             failed = [r for r in replies if isinstance(r, BaseException)]
@@ -722,7 +706,7 @@ class RedisTier(Tier):
     async def _fill_stamps(self, infos: list[RecordInfo], todo: list[int]) -> list[RecordInfo]:
         out = list(infos)
         now = time.time()
-        for run in _chunks(todo, lambda _: 1, _SMALL_BATCH):
+        for run in runs(todo, lambda _: 1, _SMALL_BATCH):
             rks = [self.redis_key(infos[i].key) for i in run]
             idles = await self._per_key(rks, _each("object", rks, "idletime"))
             for i, idle in zip(run, idles, strict=True):

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities
+from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, runs
 from tieredkv.backends.registry import build_tier, get_tier_class
 from tieredkv.cli.exits import EXIT_BAD_INPUT, CLIError
 from tieredkv.config import TieredKVConfig
@@ -145,14 +145,4 @@ async def delete_keys(tier: Tier, keys: Sequence[bytes], progress: Callable[[int
 
 def batches(infos: Iterable[RecordInfo], max_bytes: int, max_records: int) -> Iterable[list[RecordInfo]]:
     """Runs of records of at most ``max_bytes`` / ``max_records`` each (never empty)."""
-    run: list[RecordInfo] = []
-    size = 0
-    for info in infos:
-        n = record_bytes(info)
-        if run and (size + n > max_bytes or len(run) >= max_records):
-            yield run
-            run, size = [], 0
-        run.append(info)
-        size += n
-    if run:
-        yield run
+    return runs(infos, record_bytes, max_bytes, max_records)

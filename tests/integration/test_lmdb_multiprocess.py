@@ -8,6 +8,7 @@ timing. Each drill prints its figures (``-s`` shows them).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
@@ -378,3 +379,44 @@ async def test_two_stores_on_one_directory_in_one_process_share_the_environment(
         f" used {s1.used_bytes} B in both, map {s2.extra['map_size']} B; after one close the other read 2"
         " records and the env stayed locked; after both, released"
     )
+
+
+def _open_put_close(path: Path, i: int, barrier: threading.Barrier, errors: list[Exception]) -> None:
+    """One engine's start: its own loop and tier, released with the others by ``barrier``."""
+
+    async def go() -> None:
+        tier = LMDBTier(cfg(path, map_size_bytes=8 * MiB, size_cap_bytes=4 * MiB))
+        barrier.wait(timeout=WAIT_S)
+        await tier.open()
+        try:
+            await tier.put_many([(k(i), payload(100, i))])
+        finally:
+            await tier.close()
+
+    try:
+        asyncio.run(go())
+    except Exception as e:  # noqa: BLE001 - collected, the test names them
+        errors.append(e)
+
+
+async def test_many_opens_of_one_fresh_directory_at_once_all_succeed(tmp_path: Path) -> None:
+    """Engines starting together open one directory at the same moment. Each open proves the
+    directory writable with a probe file of its own name (before: one fixed name, so one open's
+    unlink removed another's probe, and that open failed with 'cannot hold an LMDB environment').
+    Threads here, each with its own loop and tier, released by one barrier per round; the CI
+    failure this pins was two processes."""
+    rounds, width = 12, 6
+    for r in range(rounds):
+        path = tmp_path / f"round{r}"
+        barrier = threading.Barrier(width)
+        errors: list[Exception] = []
+        threads = [threading.Thread(target=_open_put_close, args=(path, i, barrier, errors)) for i in range(width)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not errors, f"round {r}: {errors!r}"
+        tier = LMDBTier(cfg(path, map_size_bytes=8 * MiB, size_cap_bytes=4 * MiB))
+        async with tier:
+            assert await tier.contains_many([k(i) for i in range(width)]) == [True] * width
+        assert not [p.name for p in path.iterdir() if p.name.startswith(".tieredkv-write-test")]

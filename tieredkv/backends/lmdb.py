@@ -57,6 +57,7 @@ import asyncio
 import errno
 import os
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
@@ -417,9 +418,9 @@ class LMDBTier(Tier):
     def _open_sync(self) -> None:
         try:
             os.makedirs(self.path, exist_ok=True)
-            probe = os.path.join(self.path, ".tieredkv-write-test")
-            with open(probe, "wb"):
-                pass
+            # A name of its own per open: several processes open one directory at once.
+            fd, probe = tempfile.mkstemp(prefix=".tieredkv-write-test-", dir=self.path)
+            os.close(fd)
             os.unlink(probe)
         except OSError as e:  # not a directory, no permission, read-only: a setup error, not an outage
             raise ConfigError(

@@ -47,7 +47,17 @@ from tieredkv.keys import (
     key_group,
 )
 from tieredkv.metrics import MetricsServer, TieredKVMetrics, start_metrics_server
-from tieredkv.pipeline import ChunkRef, JobResult, KeyState, LoadJob, Pipeline, PipelineStats, StoreJob
+from tieredkv.pipeline import (
+    ChunkRef,
+    GroupStats,
+    JobResult,
+    KeyState,
+    LaneStats,
+    LoadJob,
+    Pipeline,
+    PipelineStats,
+    StoreJob,
+)
 from tieredkv.policy import GroupRoute, TierPolicy
 from tieredkv.scheduler import OffloadScheduler
 from tieredkv.staging import KVGroupTensors
@@ -283,6 +293,11 @@ class TieredStore:
         """The pipeline's typed stats (what ``/metrics`` exports): counters, per-tier lanes,
         per-group hits/misses/stores/bytes, staging."""
         return self.pipeline.stats()
+
+    def live_counts(self) -> tuple[dict[str, LaneStats], dict[int, GroupStats]]:
+        """Per-tier lane stats and the *live* per-group counters (read, never write): the cheap
+        read for a caller polling every engine step; :meth:`stats` is the full snapshot."""
+        return self.pipeline.live_counts()
 
     # ---- raw records (callers that hold the bytes in host memory: vLLM's secondary tier) -------
 

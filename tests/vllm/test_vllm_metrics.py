@@ -280,3 +280,77 @@ def test_dashboard_queries_only_metrics_vllm_exports(samples: dict[Any, float]) 
     )
     assert all(p["datasource"]["uid"] == "prometheus" for p in dash["panels"])
     assert dash["uid"] != "tieredkv"  # the other dashboard's uid; both are provisioned from one folder
+
+
+def test_reporter_sends_what_moved_new_series_once_and_nothing_on_quiet_steps(tmp_path: Path) -> None:
+    """vLLM asks for stats on every step, so the reporter reads the live counters and compares:
+    a quiet step builds nothing (None), a busy one reports just the series that moved, by how
+    much; a new group's series appear once at 0; two stores with one tier name add up; a store
+    replaced by a fresh one (a reset) counts from its own zero, never negative."""
+    import torch
+
+    import tieredkv
+    from tieredkv.integrations.vllm.stats import PREFIX, StoreStatsReporter, values_by_metric
+
+    def cfg(name: str) -> dict[str, Any]:
+        return {
+            "namespace": {"model": name},
+            "tiers": [{"kind": "cpu", "capacity_bytes": "4MiB", "segment_bytes": "1MiB"}],
+        }
+
+    def put(store: Any, n: int, size: int) -> None:
+        keys = [store.key(bytes([i]) * 32, 0) for i in range(n)]
+        job = store.put_records([(k, bytes([i]) * size) for i, k in enumerate(keys)])
+        assert job is not None and store.wait([job])[job].ok
+
+    def moved(out: Any) -> dict[str, dict[tuple[str, ...], Any]]:
+        assert out is not None
+        return values_by_metric(out.data)
+
+    with tieredkv.open_store(cfg("a")) as a, tieredkv.open_store(cfg("b")) as b:
+        a.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
+        stores = [a]
+        rep = StoreStatsReporter(lambda: list(stores))
+        first = moved(rep.take())  # every series once, zeros included
+        assert first[PREFIX + "group_stored_chunks"] == {("0",): 0}
+        assert first[PREFIX + "tier_stored_bytes"] == {("cpu",): 0}
+        assert first[PREFIX + "breaker_open"] == {("cpu",): 0.0}
+        assert rep.take() is None and rep.take() is None  # quiet steps
+
+        put(a, 3, 100)
+        step = moved(rep.take())
+        assert step[PREFIX + "group_stored_chunks"] == {("0",): 3}
+        assert step[PREFIX + "group_stored_bytes"] == {("0",): 300}
+        assert step[PREFIX + "tier_stored_bytes"] == {("cpu",): 300}
+        assert PREFIX + "tier_hits" not in step and PREFIX + "breaker_open" not in step  # did not move
+        assert rep.take() is None
+
+        a.register_group(1, [torch.zeros(8, 32, dtype=torch.uint8)])
+        step = moved(rep.take())
+        assert step == {PREFIX + n: {("1",): 0} for n in (
+            "group_stored_chunks", "group_stored_bytes", "group_store_refused",
+            "group_loaded_chunks", "group_loaded_bytes", "group_load_misses",
+        )}  # fmt: skip
+
+        b.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
+        put(b, 2, 50)
+        stores.append(b)  # a second store: its tier "cpu" and group 0 add to a's
+        step = moved(rep.take())
+        assert step[PREFIX + "tier_stored_bytes"] == {("cpu",): 100}
+        assert step[PREFIX + "group_stored_chunks"] == {("0",): 2}
+
+        stores[:] = [b]  # a gone: b's counts go on from where they were
+        put(b, 1, 10)
+        step = moved(rep.take())
+        assert step[PREFIX + "tier_stored_bytes"] == {("cpu",): 10}
+        assert rep.take() is None
+
+    with tieredkv.open_store(cfg("c")) as c:  # b replaced by a fresh store (a reset): from its zero
+        c.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
+        put(c, 1, 20)
+        stores[:] = [c]
+        step = moved(rep.take())
+        assert step[PREFIX + "tier_stored_bytes"] == {("cpu",): 20}
+        assert step[PREFIX + "group_stored_chunks"] == {("0",): 1}
+        assert all(v >= 0 for series in step.values() for v in series.values())
+        assert rep.take() is None

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Coroutine, Sequence
-from typing import Any, Self
+from typing import Any, Self, cast
 
 from tieredkv.backends.base import Tier
 from tieredkv.config import PipelineConfig
@@ -19,7 +19,7 @@ from tieredkv.keys import key_group
 from tieredkv.pipeline.jobs import InFlight, JobResult, JobRun, KeyState, LoadJob, StoreJob, by_group
 from tieredkv.pipeline.lanes import Lanes, TierLane
 from tieredkv.pipeline.loop import LoopThread
-from tieredkv.pipeline.stats import GroupStats, PipelineStats, StagingStats
+from tieredkv.pipeline.stats import GroupStats, LaneStats, PipelineStats, StagingStats
 from tieredkv.pipeline.transfer import GroupBinding, Transfers, tiers_read
 from tieredkv.pipeline.writeback import WriteBack
 from tieredkv.policy import BreakerState, GroupRoute, TierPolicy
@@ -28,6 +28,10 @@ from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, StagingPool
 __all__ = ["Pipeline"]
 
 log = logging.getLogger(__name__)
+
+# Enum members as module constants: ``probe`` runs once per key per engine step.
+_HIT, _MISS, _PENDING = KeyState.HIT, KeyState.MISS, KeyState.PENDING
+_CLOSED = BreakerState.CLOSED
 
 
 class Pipeline:
@@ -58,6 +62,7 @@ class Pipeline:
         self.writeback = WriteBack(self._lanes, self.tiers, policy, self.inflight, self.counters)
         self.transfers = Transfers(self.copier, self._lanes, self.writeback)
         self._groups: dict[int, GroupBinding] = {}
+        self._probe_routes: dict[int, tuple[TierLane, ...]] = {}
         self._finished: collections.deque[JobResult] = collections.deque()
         self._closed = False
 
@@ -391,29 +396,44 @@ class Pipeline:
     def probe(self, key: bytes) -> KeyState | None:
         """Answer a lookup of ``key`` at once, from the calling thread, when every tier of its route
         can tell without waiting (:meth:`Tier.probe`: the CPU slab, a local LMDB); None when some
-        tier cannot (a Redis server) and no earlier tier holds it: ask :meth:`lookup_future`."""
-        state = self._probe(key)
-        if state is not None:
-            self._count_lookup(key, state)
-        return state
+        tier cannot (a Redis server) and no earlier tier holds it: ask :meth:`lookup_future`.
 
-    def _probe(self, key: bytes) -> KeyState | None:
+        vLLM's scheduler calls this once per key per step: the route's lanes are resolved once per
+        group, and a hit or miss is counted under the one lock the engine threads share."""
         if self.inflight.is_pending(key):
-            return KeyState.PENDING
+            return _PENDING
         if self._closed or not self.loop.running:
             return None
-        for name in self.policy.get(key_group(key)).tiers:
-            lane = self._lanes.get(name)
-            if lane is None:
-                return None
-            if lane.breaker.state is not BreakerState.CLOSED:
+        group = key_group(key)
+        route = self._probe_routes.get(group) or self._probe_route(group)
+        if route is None:
+            return None
+        state = _MISS
+        for lane in route:
+            if lane.breaker.state is not _CLOSED:
                 return None  # let the asynchronous path (and its breaker probes) decide
-            got = lane.tier.probe([key])
+            got = lane.tier.probe((key,))
             if got is None:
                 return None
             if got[0]:
-                return KeyState.HIT
-        return KeyState.MISS
+                state = _HIT
+                break
+        with self.inflight.lock:  # lookups come from the loop and from engine threads
+            gs = self.group_stats[group]
+            if state is _HIT:
+                gs.hits += 1
+            else:
+                gs.misses += 1
+        return state
+
+    def _probe_route(self, group: int) -> tuple[TierLane, ...] | None:
+        """The lanes of ``group``'s route, kept once every one of them exists (tiers opened)."""
+        lanes = tuple(self._lanes.get(name) for name in self.policy.get(group).tiers)
+        if any(lane is None for lane in lanes):
+            return None
+        route = cast("tuple[TierLane, ...]", lanes)
+        self._probe_routes[group] = route
+        return route
 
     def _count_lookup(self, key: bytes, state: KeyState) -> None:
         if state is KeyState.PENDING:
@@ -455,6 +475,16 @@ class Pipeline:
             ),
             jobs_in_flight=self.inflight.jobs,
         )
+
+    def live_counts(self) -> tuple[dict[str, LaneStats], dict[int, GroupStats]]:
+        """Each tier's lane stats and each group's *live* counters (the pipeline's own objects,
+        not copies: read, never write; ``pending`` is not filled), for callers that poll on every
+        engine step (vLLM's stats hook): a few µs where :meth:`stats` copies everything."""
+        groups = dict(self.group_stats)
+        for g in self._groups:  # registered groups are reported (as zeros) before their first job
+            if g not in groups:
+                groups[g] = GroupStats()
+        return {n: lane.stats() for n, lane in self._lanes.items()}, groups
 
     # ---- plumbing ----------------------------------------------------------------------------
 

@@ -48,18 +48,20 @@ class AsyncLookups:
     def answer(self, key: bytes, probe: Any = None) -> str | None:
         """``"hit"`` / ``"pending"`` / ``"miss"`` when known, else None (queued; ask again next step).
 
-        ``probe(key)`` (e.g. ``TieredStore.probe``) may answer an unknown key at once, where every
-        tier of its route can tell without waiting; its answer is used, not kept."""
-        self._poll()
+        ``probe(key)`` (e.g. ``TieredStore.probe``: a store in flight is pending, then each tier
+        of the key's route that can tell without waiting) is asked first: its answer is the
+        freshest, so it is used and not kept. Else an answer a batched lookup brought back."""
+        if probe is not None:
+            got = probe(key)
+            if got is not None:
+                self.probes += 1
+                return got  # a KeyState: a str ("hit" / "pending" / "miss")
+        if self._futures:
+            self._poll()
         state = self._answers.get(key)
         if state is not None:
             self._touch(key)
             return state
-        if probe is not None and key not in self._inflight:
-            got = probe(key)
-            if got is not None:
-                self.probes += 1
-                return str(got.value)
         if key not in self._inflight:
             self._queued[key] = None
         return None

@@ -85,20 +85,22 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 # ---- one store per engine and process, shared by manager and worker ---------------------------
 
 
-@dataclass
 class _Shared:
     """What the manager and the worker of one engine share (same process)."""
 
-    store: TieredStore
-    namespace: Namespace
-    refs: int = 0
-    unstored: set[bytes] = field(default_factory=set)
-    """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
-    (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
+        self.store = store
+        self.refs = 0
+        self.unstored: set[bytes] = set()
+        """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
+        (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+        self.set_namespace(namespace)
 
-    @property
-    def fingerprint(self) -> bytes:
-        return self.namespace.fingerprint  # computed once per Namespace
+    def set_namespace(self, namespace: Namespace) -> None:
+        """Adopt ``namespace`` (a new cache generation); its fingerprint is kept as a plain
+        attribute: every key conversion reads it."""
+        self.namespace = namespace
+        self.fingerprint: bytes = namespace.fingerprint
 
 
 _STORES: dict[tuple[Any, ...], _Shared] = {}
@@ -260,13 +262,18 @@ class TieredKVManager(OffloadingManager):
         return [skey] + [stored_key(self._fp, partial_chunk_key(bytes(key), v)) for v in range(1, self._bpc)]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        skey = self._skey(key)
+        skey = self._sh.fingerprint + key
         if skey in self._writing:
             return LookupResult.HIT_PENDING
-        store = self.store
+        store, lookups = self.store, self._lookups
+        if self._bpc == 1 or key_group(key) not in self._windowed:  # one candidate: the common case
+            state = lookups.answer(skey, store.probe)  # the probe answers "pending" first
+            if state == "hit":
+                return LookupResult.HIT
+            return self._not_hit(key, skey, (state,))
         states = []
-        for cand in self._candidates(key, skey):
-            state = "pending" if store.is_pending(cand) else self._lookups.answer(cand, store.probe)
+        for cand in self._candidates(key, skey):  # the whole record, else a partial one
+            state = lookups.answer(cand, store.probe)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:
@@ -274,6 +281,9 @@ class TieredKVManager(OffloadingManager):
                     self._chosen[skey] = cand
                 return LookupResult.HIT
             states.append(state)
+        return self._not_hit(key, skey, states)
+
+    def _not_hit(self, key: bytes, skey: bytes, states: Sequence[str | None]) -> LookupResult:
         if None in states:
             self.counters["lookup_retry"] += 1
             self._prefetch_other_groups(key)
@@ -387,7 +397,7 @@ class TieredKVManager(OffloadingManager):
         self._inflight = 0
         self._sh.unstored.clear()
         if not self.spec.keep_on_reset:
-            self._sh.namespace = new_generation(self._sh.namespace)
+            self._sh.set_namespace(new_generation(self._sh.namespace))
             self.counters["cache_generations"] += 1
             log.info(
                 "tieredkv: cache reset; new cache generation %s (fingerprint %s)",

@@ -18,8 +18,8 @@ connector metrics (``model_name``, ``engine``) plus ``tier`` or ``group``:
 Counters are reported as increments since the previous report (vLLM sums them per interval; the
 spec's manager reads them at most every ``stats_interval_s`` while transfers or lookups are in
 flight, and on every call once nothing is, so an idle engine has reported everything), read
-from the store's public API only: ``store.stats()`` (pipeline counters, dropped stores, breakers,
-per-group counters) and each ``store.tiers[i].counters`` (hits, bytes, corrupt records). A store
+from the store's public API only: ``store.live_counts()`` (dropped stores, breakers, per-group
+counters) and each ``store.tiers[i].counters`` (hits, bytes, corrupt records). A store
 that is replaced (a reset, a restart) starts again from its own counts; nothing goes negative.
 
 Where to add a metric: one entry in ``_TIER_COUNTERS`` / ``_GROUP_COUNTERS`` / ``_PER_TIER`` (the
@@ -29,6 +29,7 @@ definition and the report follow), and a panel in ``config/grafana/dashboards/vl
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -59,12 +60,12 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "evictions": ("tier_evictions", "Records a tieredkv tier evicted by its own capacity policy."),
     "errors": ("tier_errors", "tieredkv tier operations that failed."),
 }
-# store.stats().lanes[tier] (LaneStats) field -> (metric suffix, help); label "tier"
+# store.live_counts() lanes[tier] (LaneStats) field -> (metric suffix, help); label "tier"
 _PER_TIER: dict[str, tuple[str, str]] = {
     "dropped": ("dropped_stores", "Chunks tieredkv dropped for a tier (tier dead, full or too slow)."),
     "breaker_opens": ("breaker_opens", "Times a tieredkv tier's circuit breaker opened."),
 }
-# store.stats().groups[g] (GroupStats) field -> (metric suffix, help); label "group" (vLLM's KV group index)
+# store.live_counts() groups[g] (GroupStats) field -> (metric suffix, help); label "group" (vLLM's KV group index)
 _GROUP_COUNTERS: dict[str, tuple[str, str]] = {
     "stores": ("group_stored_chunks", "Chunks of a KV group tieredkv stored."),
     "stored_bytes": ("group_stored_bytes", "Bytes of a KV group tieredkv stored."),
@@ -101,68 +102,99 @@ def stores_of(manager: Any) -> list[TieredStore]:
     return found
 
 
-Snapshot = dict[tuple[str, tuple[str, ...]], float]
+Series = tuple[str, tuple[str, ...]]  # (metric name, label values)
+Snapshot = dict[Series, float]
+_TIER_KEYS = tuple(_TIER_COUNTERS)
+_LANE_KEYS = tuple(_PER_TIER)
+_GROUP_KEYS = tuple(_GROUP_COUNTERS)
+# One C call per tier / lane / group (a tier's ``counters`` is a Counter: absent keys read 0).
+_tier_values = operator.itemgetter(*_TIER_KEYS)
+_lane_values = operator.attrgetter(*_LANE_KEYS)
+_group_values = operator.attrgetter(*_GROUP_KEYS)
 
 
-def snapshot(stores: Iterable[TieredStore]) -> tuple[Snapshot, Snapshot]:
-    """Cumulative counters and current gauges of the stores, summed per metric and label."""
-    counters: Snapshot = {}
+def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], Snapshot]:
+    """What the stores report, cheaply: their shape (tier names, lanes, groups), every counter's
+    cumulative value in the order :func:`_series` names them, and the gauges. Reads the live
+    counters (``TieredStore.live_counts``, ``Tier.counters``), copies nothing."""
+    shape: list[tuple[Any, ...]] = []
+    values: list[int] = []
     gauges: Snapshot = {}
-
-    def add(name: str, labels: tuple[str, ...], value: Any) -> None:
-        counters[(name, labels)] = counters.get((name, labels), 0) + int(value or 0)
-
     for store in stores:
-        st = store.stats()
-        for tier in store.tiers:
-            tc = dict(tier.counters)
-            for key, (suffix, _) in _TIER_COUNTERS.items():
-                add(PREFIX + suffix, (tier.name,), tc.get(key, 0))
-        for tier_name, lane in st.lanes.items():
-            for key, (suffix, _) in _PER_TIER.items():
-                add(PREFIX + suffix, (str(tier_name),), getattr(lane, key))
-            gauges[(BREAKER_OPEN, (str(tier_name),))] = float(str(lane.breaker) != "closed")
-        for group, gs in st.groups.items():
-            for key, (suffix, _) in _GROUP_COUNTERS.items():
-                add(PREFIX + suffix, (str(group),), getattr(gs, key))
-    return counters, gauges
+        lanes, groups = store.live_counts()
+        tiers = store.tiers
+        shape.append((store, tuple(t.name for t in tiers), tuple(lanes), tuple(groups)))
+        for tier in tiers:
+            values.extend(_tier_values(tier.counters))
+        for name, lane in lanes.items():
+            values.extend(_lane_values(lane))
+            gauges[(BREAKER_OPEN, (str(name),))] = float(lane.breaker != "closed")
+        for gs in groups.values():
+            values.extend(_group_values(gs))
+    return tuple(shape), values, gauges
+
+
+def _series(shape: tuple[Any, ...]) -> list[tuple[Any, str, tuple[str, ...]]]:
+    """Per value of :func:`_layout`, in the same order: (its store, metric, label values)."""
+    out: list[tuple[Any, str, tuple[str, ...]]] = []
+    for i, tier_names, lane_names, group_ids in shape:
+        for name in tier_names:
+            out.extend((i, PREFIX + _TIER_COUNTERS[k][0], (name,)) for k in _TIER_KEYS)
+        for name in lane_names:
+            out.extend((i, PREFIX + _PER_TIER[k][0], (str(name),)) for k in _LANE_KEYS)
+        for g in group_ids:
+            out.extend((i, PREFIX + _GROUP_COUNTERS[k][0], (str(g),)) for k in _GROUP_KEYS)
+    return out
 
 
 class StoreStatsReporter:
     """Turns the stores' cumulative counters into the per-step increments vLLM's stats expect.
 
     ``stores`` is called at each :meth:`take` (the manager may open its store late, or replace
-    it at a reset)."""
+    it at a reset). vLLM calls this on every step: a step on which no counter moved costs one
+    read of the live counters and a list comparison (a few µs), and a step on which some did
+    reports just those."""
 
     def __init__(self, stores: Callable[[], list[TieredStore]]) -> None:
         self._stores = stores
-        self._last: Snapshot = {}
         self._gauges: Snapshot = {}
+        self._shape: tuple[Any, ...] = ()
+        self._values: list[int] = []
+        self._series: list[tuple[Any, str, tuple[str, ...]]] = []
 
     def take(self) -> OffloadingConnectorStats | None:
-        """The increments since the last call (every series once, even at 0, so it exists on
-        ``/metrics``) and the gauges that changed; ``None`` when nothing did."""
+        """The increments since the last call (a new series once, even at 0, so it exists on
+        ``/metrics``; several stores' counters of one series add up) and the gauges that changed;
+        ``None`` when nothing did."""
         try:
-            counters, gauges = self._read()
+            shape, values, gauges = self._read()
         except RuntimeError as e:  # a counter dict resized under us by the loop thread: next step
             log.debug("tieredkv stats skipped this step: %s", e)
             return None
+        if shape == self._shape:
+            if values == self._values and gauges == self._gauges:
+                return None
+            prev: list[int | None] = list(self._values)
+        else:  # a store, tier or group came or went: match the values by store and series
+            old = dict(zip(self._series, self._values))
+            self._series = _series(shape)
+            prev = [old.get(k) for k in self._series]
         out = OffloadingConnectorStats()
-        for (name, labels), value in counters.items():
-            before = self._last.get((name, labels), 0)
-            delta = value - before if value >= before else value  # a new store counts from 0
-            if delta or (name, labels) not in self._last:  # a series shows 0 rather than nothing
-                out.increase_counter(name, delta, labels)
-        for key, value in gauges.items():
-            if self._gauges.get(key) != value:
-                out.set_gauge(key[0], value, key[1])
-        self._last, self._gauges = counters, gauges
+        for (_, name, labels), count, before in zip(self._series, values, prev):
+            if before is None:  # a new series shows its count (0 too) rather than nothing
+                out.increase_counter(name, count, labels)
+            elif count != before:  # per store: counts only grow (a store replaced is a new series)
+                out.increase_counter(name, count - before if count > before else count, labels)
+        for key, gauge in gauges.items():
+            if self._gauges.get(key) != gauge:
+                out.set_gauge(key[0], gauge, key[1])
+        self._shape, self._values, self._gauges = shape, values, gauges
         return None if out.is_empty() else out
 
-    def _read(self) -> tuple[Snapshot, Snapshot]:
+    def _read(self) -> tuple[tuple[Any, ...], list[int], Snapshot]:
         for attempt in range(3):
             try:
-                return snapshot(self._stores())
+                return _layout(self._stores())
             except RuntimeError:
                 if attempt == 2:
                     raise

@@ -294,6 +294,12 @@ class TieredStore:
         per-group hits/misses/stores/bytes, staging."""
         return self.pipeline.stats()
 
+    def activity(self) -> int:
+        """A number that moves whenever a counter :meth:`stats` reports may have moved (a job,
+        write-back or batched lookup ended, a store was refused, a group registered): a caller
+        polling every engine step reads the counters only when it moved."""
+        return self.pipeline.activity()
+
     def live_counts(self) -> tuple[dict[str, LaneStats], dict[int, GroupStats]]:
         """Per-tier lane stats and the *live* per-group counters (read, never write): the cheap
         read for a caller polling every engine step; :meth:`stats` is the full snapshot."""

@@ -310,19 +310,29 @@ def test_reporter_sends_what_moved_new_series_once_and_nothing_on_quiet_steps(tm
     with tieredkv.open_store(cfg("a")) as a, tieredkv.open_store(cfg("b")) as b:
         a.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
         stores = [a]
-        rep = StoreStatsReporter(lambda: list(stores))
+        rep = StoreStatsReporter(lambda: list(stores), reread_s=3600.0)  # no time-based re-read here
         first = moved(rep.take())  # every series once, zeros included
         assert first[PREFIX + "group_stored_chunks"] == {("0",): 0}
         assert first[PREFIX + "tier_stored_bytes"] == {("cpu",): 0}
         assert first[PREFIX + "breaker_open"] == {("cpu",): 0.0}
         assert rep.take() is None and rep.take() is None  # quiet steps
+        assert not rep.moved()  # nothing finished: not even read
 
         put(a, 3, 100)
+        assert rep.moved()
         step = moved(rep.take())
         assert step[PREFIX + "group_stored_chunks"] == {("0",): 3}
         assert step[PREFIX + "group_stored_bytes"] == {("0",): 300}
         assert step[PREFIX + "tier_stored_bytes"] == {("cpu",): 300}
         assert PREFIX + "tier_hits" not in step and PREFIX + "breaker_open" not in step  # did not move
+        assert rep.take() is None
+
+        # A tier call made outside the pipeline moves no activity: it shows at the next re-read.
+        a.run(a.tiers[0].put_many([(a.key(b"z" * 32, 0), b"z" * 7)]))
+        assert not rep.moved() and rep.take() is None
+        rep.reread_s = 0.0
+        assert moved(rep.take())[PREFIX + "tier_stored_bytes"] == {("cpu",): 7}
+        rep.reread_s = 3600.0
         assert rep.take() is None
 
         a.register_group(1, [torch.zeros(8, 32, dtype=torch.uint8)])

@@ -63,6 +63,7 @@ class Pipeline:
         self.transfers = Transfers(self.copier, self._lanes, self.writeback)
         self._groups: dict[int, GroupBinding] = {}
         self._probe_routes: dict[int, tuple[TierLane, ...]] = {}
+        self._events = 0  # see activity()
         self._finished: collections.deque[JobResult] = collections.deque()
         self._closed = False
 
@@ -171,6 +172,7 @@ class Pipeline:
         if unknown:
             raise TieredKVError(f"group {spec.index} routes to unknown tiers {unknown}")
         self._groups[spec.index] = GroupBinding(spec, kv, route)
+        self._events += 1  # its series exist from now on
         return route
 
     # ---- engine-block jobs: submit (engine thread) ---------------------------------------------
@@ -182,6 +184,7 @@ class Pipeline:
         admitted = self._admit(job, "store")
         if admitted is None:
             self.group_stats[job.group].dropped_stores += len(job.chunks)
+            self._events += 1
             return False
         grp, buf = admitted
         ready = self.copier.record_ready(grp.tensors)
@@ -371,6 +374,12 @@ class Pipeline:
         return self.loop.submit(self._lookup(list(keys)))
 
     async def _lookup(self, keys: list[bytes]) -> list[tuple[KeyState, str | None]]:
+        try:
+            return await self._lookup_keys(keys)
+        finally:
+            self._events += 1  # its tier calls may have counted (errors, a breaker)
+
+    async def _lookup_keys(self, keys: list[bytes]) -> list[tuple[KeyState, str | None]]:
         out: list[tuple[KeyState, str | None]] = [(KeyState.MISS, None)] * len(keys)
         todo: list[int] = []
         for i, k in enumerate(keys):
@@ -400,7 +409,7 @@ class Pipeline:
 
         vLLM's scheduler calls this once per key per step: the route's lanes are resolved once per
         group, and a hit or miss is counted under the one lock the engine threads share."""
-        if self.inflight.is_pending(key):
+        if key in self.inflight.pending:
             return _PENDING
         if self._closed or not self.loop.running:
             return None
@@ -475,6 +484,14 @@ class Pipeline:
             ),
             jobs_in_flight=self.inflight.jobs,
         )
+
+    def activity(self) -> int:
+        """A number that moves whenever something :meth:`stats` reports may have moved: a job or
+        write-back ended (their tier calls, drops and breaker changes happen before), a batched
+        lookup ended, a store was refused at submit, a group was registered. Equal numbers: no
+        counter of those moved in between (tier calls made outside the pipeline, e.g. through
+        ``TieredStore.run``, are not seen). Cheap: for callers that poll every engine step."""
+        return self.inflight.ended + self._events
 
     def live_counts(self) -> tuple[dict[str, LaneStats], dict[int, GroupStats]]:
         """Each tier's lane stats and each group's *live* counters (the pipeline's own objects,

@@ -161,36 +161,40 @@ class InFlight:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._idle = threading.Condition(self.lock)
-        self._pending: collections.Counter[bytes] = collections.Counter()
+        #: key -> stores of it in flight (read it anywhere, e.g. ``key in inflight.pending``;
+        #: only :meth:`begin` / :meth:`unpend` write it, under the lock).
+        self.pending: collections.Counter[bytes] = collections.Counter()
         self.jobs = 0
+        self.ended = 0  # jobs ever ended (Pipeline.activity)
 
     def begin(self, keys: Sequence[bytes] = ()) -> None:
         with self.lock:
             self.jobs += 1
             for k in keys:
-                self._pending[k] += 1
+                self.pending[k] += 1
 
     def unpend(self, keys: Sequence[bytes]) -> None:
         with self.lock:
             for k in keys:
-                n = self._pending[k] - 1
+                n = self.pending[k] - 1
                 if n > 0:
-                    self._pending[k] = n
+                    self.pending[k] = n
                 else:
-                    self._pending.pop(k, None)
+                    self.pending.pop(k, None)
 
     def end(self) -> None:
         with self._idle:
             self.jobs -= 1
+            self.ended += 1
             if not self.jobs:
                 self._idle.notify_all()
 
     def is_pending(self, key: bytes) -> bool:
-        return key in self._pending
+        return key in self.pending
 
     def pending_per_group(self) -> dict[int, int]:
         with self.lock:
-            keys = list(self._pending)
+            keys = list(self.pending)
         return dict(collections.Counter(key_group(k) for k in keys))
 
     def wait_idle(self, timeout: float | None) -> bool:

@@ -43,19 +43,13 @@ class AsyncLookups:
         self._answers: dict[bytes, str] = {}
         self.queries = 0
         self.keys_sent = 0
-        self.probes = 0
 
-    def answer(self, key: bytes, probe: Any = None) -> str | None:
+    def answer(self, key: bytes) -> str | None:
         """``"hit"`` / ``"pending"`` / ``"miss"`` when known, else None (queued; ask again next step).
 
-        ``probe(key)`` (e.g. ``TieredStore.probe``: a store in flight is pending, then each tier
-        of the key's route that can tell without waiting) is asked first: its answer is the
-        freshest, so it is used and not kept. Else an answer a batched lookup brought back."""
-        if probe is not None:
-            got = probe(key)
-            if got is not None:
-                self.probes += 1
-                return got  # a KeyState: a str ("hit" / "pending" / "miss")
+        Callers ask ``TieredStore.probe`` first (``store.probe(key) or lookups.answer(key)``): a
+        store in flight is pending, then each tier of the key's route that can tell without
+        waiting answers at once; its answer is the freshest and is not kept here."""
         if self._futures:
             self._poll()
         state = self._answers.get(key)

@@ -140,7 +140,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         if skey in self._present:
             return LookupResult.HIT  # written or read here; a stale answer fails the promotion, not the engine
         self._collect()
-        state = self._lookups.answer(skey, self.store.probe)
+        state = self.store.probe(skey) or self._lookups.answer(skey)
         if state is None:
             return LookupResult.RETRY
         if state == "hit":

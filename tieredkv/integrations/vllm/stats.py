@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -151,26 +152,43 @@ class StoreStatsReporter:
     """Turns the stores' cumulative counters into the per-step increments vLLM's stats expect.
 
     ``stores`` is called at each :meth:`take` (the manager may open its store late, or replace
-    it at a reset). vLLM calls this on every step: a step on which no counter moved costs one
-    read of the live counters and a list comparison (a few µs), and a step on which some did
-    reports just those."""
+    it at a reset). vLLM calls this on every step, so it is cheap when nothing happened: while
+    the stores' :meth:`~tieredkv.store.TieredStore.activity` stands still the counters are not
+    read at all (but at least every ``reread_s``, for tier calls made outside the pipeline); when
+    they are read, one pass over the live counters and a list comparison finds what moved."""
 
-    def __init__(self, stores: Callable[[], list[TieredStore]]) -> None:
+    def __init__(self, stores: Callable[[], list[TieredStore]], *, reread_s: float = 1.0) -> None:
         self._stores = stores
+        self.reread_s = reread_s
         self._gauges: Snapshot = {}
         self._shape: tuple[Any, ...] = ()
         self._values: list[int] = []
         self._series: list[tuple[Any, str, tuple[str, ...]]] = []
+        self._seen: tuple[Any, ...] | None = None  # (store, activity) pairs at the last read
+        self._read_at = float("-inf")
+
+    def moved(self) -> bool:
+        """May a counter have moved since the last :meth:`take` read them? (A few attribute reads.)"""
+        return self._moved(self._stores())[0]
+
+    def _moved(self, stores: list[TieredStore]) -> tuple[bool, tuple[Any, ...]]:
+        seen = tuple((s, s.activity()) for s in stores)
+        return seen != self._seen or time.monotonic() - self._read_at >= self.reread_s, seen
 
     def take(self) -> OffloadingConnectorStats | None:
         """The increments since the last call (a new series once, even at 0, so it exists on
         ``/metrics``; several stores' counters of one series add up) and the gauges that changed;
         ``None`` when nothing did."""
+        stores = self._stores()
+        moved, seen = self._moved(stores)  # taken before the read: a move during it reads again
+        if not moved:
+            return None
         try:
-            shape, values, gauges = self._read()
+            shape, values, gauges = self._read(stores)
         except RuntimeError as e:  # a counter dict resized under us by the loop thread: next step
             log.debug("tieredkv stats skipped this step: %s", e)
             return None
+        self._seen, self._read_at = seen, time.monotonic()
         if shape == self._shape:
             if values == self._values and gauges == self._gauges:
                 return None
@@ -191,10 +209,10 @@ class StoreStatsReporter:
         self._shape, self._values, self._gauges = shape, values, gauges
         return None if out.is_empty() else out
 
-    def _read(self) -> tuple[tuple[Any, ...], list[int], Snapshot]:
+    def _read(self, stores: list[TieredStore]) -> tuple[tuple[Any, ...], list[int], Snapshot]:
         for attempt in range(3):
             try:
-                return _layout(self._stores())
+                return _layout(stores)
             except RuntimeError:
                 if attempt == 2:
                     raise

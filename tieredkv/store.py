@@ -27,7 +27,7 @@ import itertools
 import operator
 import os
 import time
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -105,6 +105,11 @@ class TieredStore:
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
         self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])
         self.pipeline = Pipeline(self.tiers, self.policy, config.pipeline)
+        #: ``probe(key)``: answer a lookup of ``key`` at once from the calling thread when every
+        #: tier of its route can tell without waiting (CPU slab, local LMDB): pending, hit or miss;
+        #: None: ask :meth:`lookup_async`. The pipeline's own method (vLLM's scheduler calls it
+        #: once per key per step).
+        self.probe: Callable[[bytes], KeyState | None] = self.pipeline.probe
         self.metrics = TieredKVMetrics(self.tiers, pipeline=self.pipeline)
         self.metrics_server: MetricsServer | None = None
         self._ids = itertools.count(1)
@@ -332,11 +337,6 @@ class TieredStore:
         """Like :meth:`lookup` but a ``concurrent.futures.Future`` at once (never blocks); raises
         :class:`~tieredkv.errors.TierClosedError` when the store is not running."""
         return self.pipeline.lookup_future(keys)
-
-    def probe(self, key: bytes) -> KeyState | None:
-        """Answer a lookup of ``key`` at once from the calling thread when every tier of its route
-        can tell without waiting (CPU slab, local LMDB); None: ask :meth:`lookup_async`."""
-        return self.pipeline.probe(key)
 
     def is_pending(self, key: bytes) -> bool:
         """Is a store of ``key`` in flight (submitted, not yet written)?"""

@@ -164,15 +164,15 @@ class StoreStatsReporter:
         self._shape: tuple[Any, ...] = ()
         self._values: list[int] = []
         self._series: list[tuple[Any, str, tuple[str, ...]]] = []
-        self._seen: tuple[Any, ...] | None = None  # (store, activity) pairs at the last read
+        self._seen: list[tuple[TieredStore, int]] | None = None  # (store, activity) at the last read
         self._read_at = float("-inf")
 
     def moved(self) -> bool:
         """May a counter have moved since the last :meth:`take` read them? (A few attribute reads.)"""
         return self._moved(self._stores())[0]
 
-    def _moved(self, stores: list[TieredStore]) -> tuple[bool, tuple[Any, ...]]:
-        seen = tuple((s, s.activity()) for s in stores)
+    def _moved(self, stores: list[TieredStore]) -> tuple[bool, list[tuple[TieredStore, int]]]:
+        seen = [(s, s.activity()) for s in stores]
         return seen != self._seen or time.monotonic() - self._read_at >= self.reread_s, seen
 
     def take(self) -> OffloadingConnectorStats | None:

@@ -115,8 +115,7 @@ def _torch_bytes(t: Any) -> Any:
 
 
 def _checksum(key: bytes, prefix: memoryview | bytes, payload: memoryview) -> int:
-    h = xxhash.xxh3_64()
-    h.update(key)
+    h = xxhash.xxh3_64(key)
     h.update(prefix)
     h.update(payload)
     return h.intdigest()
@@ -183,14 +182,24 @@ def verify_parts(header: memoryview | bytes, payload: memoryview, key: bytes) ->
     Raises:
         CorruptRecordError: any header field, the namespace, the group or the checksum is wrong.
     """
-    hdr = decode_header(header[:HEADER_SIZE], len(payload))
+    if len(header) >= HEADER_SIZE:  # the common case in one unpack; any doubt takes the long way
+        magic, version, hsize, fp, group, _, n, csum = HEADER.unpack_from(header, 0)
+        if (
+            magic == MAGIC
+            and version == FORMAT_VERSION
+            and hsize == HEADER_SIZE
+            and n == len(payload)
+            and fp == key_fingerprint(key)
+            and group == key_group(key)
+            and header[48:HEADER_SIZE] == _ZERO_RESERVED
+        ):
+            if _checksum(key, memoryview(header)[:_PREFIX], payload) != csum:
+                raise CorruptRecordError("payload checksum mismatch")
+            return payload
+    hdr = decode_header(header[:HEADER_SIZE], len(payload))  # raises, naming what is wrong
     if hdr.fingerprint != key_fingerprint(key):
         raise CorruptRecordError("record belongs to another namespace")
-    if hdr.group != key_group(key):
-        raise CorruptRecordError(f"record is for group {hdr.group}, key says another")
-    if _checksum(key, memoryview(header)[:_PREFIX], payload) != hdr.checksum:
-        raise CorruptRecordError("payload checksum mismatch")
-    return payload
+    raise CorruptRecordError(f"record is for group {hdr.group}, key says another")
 
 
 def verify_record(record: memoryview | bytes, key: bytes) -> memoryview:

@@ -16,6 +16,7 @@ from tieredkv.format import (
     as_writable,
     decode_header,
     encode_record,
+    make_header,
     verify_record,
 )
 from tieredkv.keys import (
@@ -158,3 +159,21 @@ def test_partial_chunk_keys() -> None:
         assert partial_valid_from(ns.fingerprint + p, len(ns.fingerprint + k)) == v
     with pytest.raises(ValueError):
         partial_chunk_key(k, 256)
+
+
+def test_record_header_bytes_are_pinned() -> None:
+    """The on-disk / on-wire header of one record, byte for byte: a change to the layout or the
+    checksum (even a faster way to compute it) that alters these bytes makes every record
+    already stored in LMDB or Redis a miss, so it must come with a FORMAT_VERSION bump."""
+    key = bytes(range(16)) + b"\x07" * 32 + (3).to_bytes(4, "big")
+    payload = memoryview(bytes(range(256)) * 4)
+    header = make_header(key, payload)
+    assert header.hex() == (
+        "544b565201004000"  # magic TKVR, version 1, header size 64
+        "000102030405060708090a0b0c0d0e0f"  # namespace fingerprint
+        "0300000000000000"  # group 3, flags 0
+        "0004000000000000"  # payload length 1024
+        "c26d280a458f004b"  # xxh3-64 of key + header[:32] + payload
+        "00000000000000000000000000000000"  # reserved
+    )
+    assert bytes(verify_record(header + bytes(payload), key)) == bytes(payload)

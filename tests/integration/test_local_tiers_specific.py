@@ -349,9 +349,9 @@ async def test_missing_says_where_no_lmdb_environment_is_yet_without_creating_on
     assert moved.path == str(tmp_path / "elsewhere") and LMDBTier.missing(moved) is not None
 
 
-async def test_lmdb_large_reads_verified_beside_the_copy_serve_no_wrong_bytes(tmp_path: Path) -> None:
-    """Records of 128 KiB and more are copied into their buffers first and verified on the verify
-    thread: a corrupt one among them (or among small ones, verified inline) is a miss, counted and
+async def test_lmdb_large_reads_verified_after_the_copy_serve_no_wrong_bytes(tmp_path: Path) -> None:
+    """Records of 128 KiB and more are copied into their buffers first and verified there: a
+    corrupt one among them (or among small ones, verified inline) is a miss, counted and
     deleted; every other buffer holds exactly its record; a buffer too small is a miss."""
     tier = LMDBTier(lmdb_cfg(tmp_path, map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB))
     async with tier:
@@ -376,7 +376,7 @@ async def test_lmdb_large_reads_verified_beside_the_copy_serve_no_wrong_bytes(tm
         assert await tier.get_many([keys[4]]) == [data[4]]
 
 
-_LARGE = 256 * KiB  # above the size the LMDB tier verifies on its verify thread
+_LARGE = 256 * KiB  # above the size the LMDB tier copies first and verifies in the buffer
 _WRITER = """
 import asyncio, sys
 from tieredkv.backends.lmdb import LMDBTier
@@ -403,7 +403,7 @@ def _version_of(kid: int, buf: bytes | bytearray) -> int | None:
 
 
 def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path) -> None:
-    """Large records (copied, then verified on the verify thread) read while they are overwritten:
+    """Large records (copied, then verified in the buffer) read while they are overwritten:
     two threads, each with its own loop and tier on one directory (one shared environment), run
     writer and reader tasks on the same keys while another process writes new versions of them
     too. Every read is a miss or exactly one written version of its own key; nothing is corrupt."""

@@ -384,20 +384,23 @@ class TieredStore:
         n_blocks = self._num_blocks[group]
         fp = self.namespace.fingerprint
         refs = []
-        for i, item in enumerate(chunks):
+        own = self._own_namespace
+        shortest = FINGERPRINT_BYTES + GROUP_BYTES + 1
+        index = operator.index
+        for i, item in enumerate(chunks):  # once per chunk on the engine thread: C calls where possible
             try:
                 key, ids = item
             except (TypeError, ValueError):
                 raise TypeError(f"{op}: chunk {i} is {item!r}; expected (key: bytes, block_ids)") from None
-            if not isinstance(key, (bytes, bytearray, memoryview)):
-                raise TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
-            key = bytes(key)
-            if len(key) < FINGERPRINT_BYTES + GROUP_BYTES + 1 or len(key) > MAX_KEY_BYTES:
+            if type(key) is not bytes:
+                if not isinstance(key, (bytes, bytearray, memoryview)):
+                    raise TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
+                key = bytes(key)
+            if not shortest <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(
-                    f"{op}: chunk {i} key is {len(key)} bytes; expected "
-                    f"{FINGERPRINT_BYTES + GROUP_BYTES + 1}..{MAX_KEY_BYTES} bytes from store.key()"
+                    f"{op}: chunk {i} key is {len(key)} bytes; expected {shortest}..{MAX_KEY_BYTES} bytes from store.key()"
                 )
-            if self._own_namespace and key_fingerprint(key) != fp:
+            if own and not key.startswith(fp):
                 raise ValueError(
                     f"{op}: chunk {i} key belongs to another namespace (fingerprint "
                     f"{key_fingerprint(key).hex()}, this store's is {fp.hex()}); build keys "
@@ -406,7 +409,7 @@ class TieredStore:
             if key_group(key) != group:
                 raise ValueError(f"{op}: chunk {i} key is of group {key_group(key)}, not of group {group}")
             try:
-                block_ids = tuple(operator.index(b) for b in ids)
+                block_ids = tuple(map(index, ids))
             except TypeError:
                 raise TypeError(f"{op}: chunk {i} block ids {ids!r} are not integers") from None
             if len(block_ids) != bpc:
@@ -414,8 +417,8 @@ class TieredStore:
                     f"{op}: chunk {i} has {len(block_ids)} block ids; group {group} chunks are "
                     f"{bpc} blocks (blocks_per_chunk)"
                 )
-            bad = [b for b in block_ids if not 0 <= b < n_blocks]
-            if bad:
+            if block_ids and (min(block_ids) < 0 or max(block_ids) >= n_blocks):
+                bad = [b for b in block_ids if not 0 <= b < n_blocks]
                 raise ValueError(
                     f"{op}: chunk {i} block ids {bad} are out of range 0..{n_blocks - 1} of group {group}'s tensors"
                 )

@@ -177,7 +177,7 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
     """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first)."""
     import torch
 
-    from tieredkv.bench import make_tier, pipeline_store_load
+    from tieredkv.bench import bench_blocks, make_tier, pipeline_store_load
     from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig
     from tieredkv.keys import Namespace
 
@@ -196,12 +196,13 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
         g = torch.Generator().manual_seed(i)
         src = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=g)
         dst = torch.zeros_like(src)
+        blocks = bench_blocks(src)  # one engine block tensor for every round of this size
         samples = []
         for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
             dst.zero_()
             tier = make_tier(cfg, size, n, workdir)
             try:
-                ts, tl = pipeline_store_load(tier, src, dst, ns)  # raises if a byte differs
+                ts, tl = pipeline_store_load(tier, src, dst, ns, blocks)  # raises if a byte differs
             finally:
                 if kind == "lmdb":
                     shutil.rmtree(tier.config.path, ignore_errors=True)
@@ -212,7 +213,7 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
         log(
             f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s"
         )
-        del src, dst
+        del src, dst, blocks
     return out
 
 

@@ -27,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
     ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and figure")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--tiers", default="cpu,lmdb,redis", help="tier kinds, each with its defaults")
+    ap.add_argument(
+        "--tiers",
+        default="cpu,lmdb,lmdb:sync_mode=durable,redis",
+        help="tier kinds, each with its defaults; kind:field=value[:field=value] sets fields (and names it)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--quick", action="store_true", help="tiny run (smoke test): 2 sizes, 16 MiB, 1 rep")
     a = ap.parse_args(argv)
@@ -71,10 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def tier_config(kind: str, url: str) -> TierConfigBase:
-    """``kind``'s defaults; a tier with a server ``url`` field points at this run's redis-server."""
+def tier_config(spec: str, url: str) -> TierConfigBase:
+    """``kind`` or ``kind:field=value[:field=value]``: the kind's defaults with those fields set
+    (named ``kind-value-...``); a tier with a server ``url`` field points at this run's redis-server."""
+    kind, *sets = spec.split(":")
     model = config_model(kind)
-    return model.model_validate({"kind": kind, **({"url": url} if "url" in model.model_fields else {})})
+    fields = dict(item.split("=", 1) for item in sets)
+    if fields:
+        fields.setdefault("name", "-".join([kind, *fields.values()]))
+    return model.model_validate({"kind": kind, **({"url": url} if "url" in model.model_fields else {}), **fields})
 
 
 def print_table(results: list[BenchResult]) -> None:

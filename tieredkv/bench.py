@@ -21,6 +21,7 @@ run removes its file), as does each raw run (first-touch costs are paid by both)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -224,18 +225,20 @@ def _bench_size(
     # same machine (this box's disk and neighbours swing by 2x over a minute).
     media = _by_class(tiers, size, n, work)
     for rep in range(reps + 1):  # rep 0 warms up every figure (first-run costs of the process) and is not kept
-        for raw_cfg, tier_cfgs in media:
+        for raw_cfg, tier_cfgs, suffix in media:
             raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
             if raw is None:
                 continue
             for name, value in raw.gbps.items():
                 if rep:
-                    samples.setdefault(name, []).append(value)
+                    samples.setdefault(_suffixed(name, suffix), []).append(value)
             for note in set(raw.notes) - notes:
                 notes.add(note)
                 log(f"note: {note}")
             for label in tier_cfgs:
-                res.baselines.update({f"{label}.{op}": raw.baseline[op] for op in OPS if op in raw.baseline})
+                res.baselines.update(
+                    {f"{label}.{op}": _suffixed(raw.baseline[op], suffix) for op in OPS if op in raw.baseline}
+                )
         for tcfg in tiers:
             # Its own directory, removed right after (as each raw run removes its file): dirty
             # pages of one run are never written back on the next run's time.
@@ -251,15 +254,31 @@ def _bench_size(
         res.add(name, xs)
 
 
-def _by_class(tiers: Sequence[TierConfigBase], size: int, n: int, work: str) -> list[tuple[TierConfigBase, list[str]]]:
-    """(bench config of the first tier of each class, labels of that class's tiers), in order."""
-    groups: dict[type[Tier], tuple[TierConfigBase, list[str]]] = {}
+def _by_class(
+    tiers: Sequence[TierConfigBase], size: int, n: int, work: str
+) -> list[tuple[TierConfigBase, list[str], str]]:
+    """Per raw baseline, in order: the bench config it is measured with, the labels of the tiers
+    judged against it, and the suffix its figures carry. Tiers of one class share a baseline while
+    their configs agree beyond name and directory; one that differs (an LMDB tier in durable mode
+    beside a fast one: its raw put syncs too) gets its own, named ``<figure>[<its label>]``."""
+    groups: dict[tuple[type[Tier], str], tuple[TierConfigBase, list[str], str]] = {}
     for tcfg in tiers:
         cls = get_tier_class(tcfg.kind)
-        if cls not in groups:
-            groups[cls] = (bench_config(tcfg, size, n, work), [])
-        groups[cls][1].append(tcfg.label)
+        skip = {"name", tcfg.local_dir_field}
+        settings = json.dumps({k: v for k, v in tcfg.model_dump(mode="json").items() if k not in skip}, sort_keys=True)
+        if (cls, settings) not in groups:
+            suffix = f"[{tcfg.label}]" if any(c is cls for c, _ in groups) else ""
+            groups[(cls, settings)] = (bench_config(tcfg, size, n, work), [], suffix)
+        groups[(cls, settings)][1].append(tcfg.label)
     return list(groups.values())
+
+
+def _suffixed(figure: str, suffix: str) -> str:
+    """``"lmdb_raw.store"`` with suffix ``"[lmdb-durable]"``: ``"lmdb_raw[lmdb-durable].store"``."""
+    if not suffix:
+        return figure
+    base, _, op = figure.rpartition(".")
+    return f"{base}{suffix}.{op}"
 
 
 def ratios(res: BenchResult) -> dict[str, float]:

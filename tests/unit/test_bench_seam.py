@@ -188,3 +188,37 @@ def test_peers_bench_tieredkv_side_runs_every_kind(tmp_path: Path, redis_server:
         fig = out[64 * KiB]
         assert fig["verified"] and fig["chunks"] == 32 and fig["bytes"] == 2 << 20
         assert len(fig["store_gbps"]) == len(fig["load_gbps"]) == 2 and min(fig["load_gbps"]) > 0
+
+
+def test_an_lmdb_tier_in_durable_mode_is_judged_against_a_durable_raw_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable LMDB tier beside a fast one: each is judged against py-lmdb put/get with its own
+    flags (the durable raw put syncs every transaction too), under figures that name which is which;
+    ``--tiers lmdb:sync_mode=durable`` builds that config."""
+    from tieredkv.backends import _rawbench
+
+    syncs: list[bool] = []
+    real = _rawbench.raw_lmdb
+
+    def spy(*args: object, sync: bool = False) -> tuple[float, float]:
+        syncs.append(sync)
+        return real(*args, sync=sync)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_rawbench, "raw_lmdb", spy)
+    spec = importlib.util.spec_from_file_location("bench_tiers", ROOT / "benchmarks" / "bench_tiers.py")
+    assert spec is not None and spec.loader is not None
+    bench_tiers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_tiers)
+    durable = bench_tiers.tier_config("lmdb:sync_mode=durable", "redis://unused")
+    assert (durable.name, durable.sync_mode) == ("lmdb-durable", "durable")
+
+    (res,) = bench.run_tier_bench(
+        [LMDBTierConfig(), durable], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None
+    )
+    assert syncs == [False, True, False, True]  # warm-up rep and one kept rep, each raw run once
+    assert res.baselines["lmdb.store"] == "lmdb_raw.store"
+    assert res.baselines["lmdb-durable.store"] == "lmdb_raw[lmdb-durable].store"
+    assert res.baselines["lmdb-durable.load"] == "lmdb_raw[lmdb-durable].load"
+    for figure in ("lmdb_raw.store", "lmdb_raw[lmdb-durable].store", "lmdb.store", "lmdb-durable.store"):
+        assert res.gbps[figure] > 0, figure

@@ -63,7 +63,9 @@ class Pipeline:
         self.transfers = Transfers(self.copier, self._lanes, self.writeback)
         self._groups: dict[int, GroupBinding] = {}
         self._probe_routes: dict[int, tuple[TierLane, ...]] = {}
-        self._events = 0  # see activity()
+        # See activity(). Bumped from engine threads and the loop without a lock: a lost bump
+        # still leaves a value the reader has not seen, or one read after the change it covers.
+        self._events = 0
         self._finished: collections.deque[JobResult] = collections.deque()
         self._closed = False
 
@@ -399,7 +401,8 @@ class Pipeline:
                 out[i] = (KeyState.HIT, name)
             todo = [i for i in todo if i not in hit]
         for k, (state, _) in zip(keys, out):
-            self._count_lookup(k, state)
+            if state is not _PENDING:
+                self._count_lookup(key_group(k), state is _HIT)
         return out
 
     def probe(self, key: bytes) -> KeyState | None:
@@ -408,7 +411,7 @@ class Pipeline:
         tier cannot (a Redis server) and no earlier tier holds it: ask :meth:`lookup_future`.
 
         vLLM's scheduler calls this once per key per step: the route's lanes are resolved once per
-        group, and a hit or miss is counted under the one lock the engine threads share."""
+        group."""
         if key in self.inflight.pending:
             return _PENDING
         if self._closed or not self.loop.running:
@@ -427,12 +430,7 @@ class Pipeline:
             if got[0]:
                 state = _HIT
                 break
-        with self.inflight.lock:  # lookups come from the loop and from engine threads
-            gs = self.group_stats[group]
-            if state is _HIT:
-                gs.hits += 1
-            else:
-                gs.misses += 1
+        self._count_lookup(group, state is _HIT)
         return state
 
     def _probe_route(self, group: int) -> tuple[TierLane, ...] | None:
@@ -444,12 +442,10 @@ class Pipeline:
         self._probe_routes[group] = route
         return route
 
-    def _count_lookup(self, key: bytes, state: KeyState) -> None:
-        if state is KeyState.PENDING:
-            return
+    def _count_lookup(self, group: int, hit: bool) -> None:
         with self.inflight.lock:  # lookups come from the loop and from engine threads
-            gs = self.group_stats[key_group(key)]
-            if state is KeyState.HIT:
+            gs = self.group_stats[group]
+            if hit:
                 gs.hits += 1
             else:
                 gs.misses += 1

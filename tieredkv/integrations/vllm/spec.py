@@ -85,22 +85,20 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 # ---- one store per engine and process, shared by manager and worker ---------------------------
 
 
+@dataclass
 class _Shared:
     """What the manager and the worker of one engine share (same process)."""
 
-    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
-        self.store = store
-        self.refs = 0
-        self.unstored: set[bytes] = set()
-        """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
-        (refused, dropped, or only a partial record): the manager must not treat them as stored."""
-        self.set_namespace(namespace)
+    store: TieredStore
+    namespace: Namespace
+    refs: int = 0
+    unstored: set[bytes] = field(default_factory=set)
+    """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
+    (refused, dropped, or only a partial record): the manager must not treat them as stored."""
 
-    def set_namespace(self, namespace: Namespace) -> None:
-        """Adopt ``namespace`` (a new cache generation); its fingerprint is kept as a plain
-        attribute: every key conversion reads it."""
-        self.namespace = namespace
-        self.fingerprint: bytes = namespace.fingerprint
+    @property
+    def fingerprint(self) -> bytes:
+        return self.namespace.fingerprint  # computed once per Namespace
 
 
 _STORES: dict[tuple[Any, ...], _Shared] = {}
@@ -401,7 +399,7 @@ class TieredKVManager(OffloadingManager):
         self._inflight = 0
         self._sh.unstored.clear()
         if not self.spec.keep_on_reset:
-            self._sh.set_namespace(new_generation(self._sh.namespace))
+            self._sh.namespace = new_generation(self._sh.namespace)
             self.counters["cache_generations"] += 1
             log.info(
                 "tieredkv: cache reset; new cache generation %s (fingerprint %s)",

@@ -138,13 +138,13 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
 def _series(shape: tuple[Any, ...]) -> list[tuple[Any, str, tuple[str, ...]]]:
     """Per value of :func:`_layout`, in the same order: (its store, metric, label values)."""
     out: list[tuple[Any, str, tuple[str, ...]]] = []
-    for i, tier_names, lane_names, group_ids in shape:
+    for store, tier_names, lane_names, group_ids in shape:
         for name in tier_names:
-            out.extend((i, PREFIX + _TIER_COUNTERS[k][0], (name,)) for k in _TIER_KEYS)
+            out.extend((store, PREFIX + _TIER_COUNTERS[k][0], (name,)) for k in _TIER_KEYS)
         for name in lane_names:
-            out.extend((i, PREFIX + _PER_TIER[k][0], (str(name),)) for k in _LANE_KEYS)
+            out.extend((store, PREFIX + _PER_TIER[k][0], (str(name),)) for k in _LANE_KEYS)
         for g in group_ids:
-            out.extend((i, PREFIX + _GROUP_COUNTERS[k][0], (str(g),)) for k in _GROUP_KEYS)
+            out.extend((store, PREFIX + _GROUP_COUNTERS[k][0], (str(g),)) for k in _GROUP_KEYS)
     return out
 
 

@@ -376,7 +376,58 @@ async def test_lmdb_large_reads_verified_after_the_copy_serve_no_wrong_bytes(tmp
         assert await tier.get_many([keys[4]]) == [data[4]]
 
 
-_LARGE = 256 * KiB  # above the size the LMDB tier copies first and verifies in the buffer
+async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_path: Path) -> None:
+    """A batch of large records is read in two halves on two threads: corrupt records in either
+    half are misses (counted, deleted), a record deleted meanwhile is a miss and leaves the LRU,
+    a buffer too small is a miss, every other buffer holds exactly its record, and the records
+    read are touched in the LRU (the oldest is now one not read)."""
+    threads: list[str] = []
+
+    class Recording(LMDBTier):
+        def _read_part(self, keys, into):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return super()._read_part(keys, into)
+
+    tier = Recording(lmdb_cfg(tmp_path, map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB))
+    async with tier:
+        n = 8
+        keys = [k(i) for i in range(n + 1)]
+        data = [payload(MiB, i).numpy().tobytes() for i in range(n + 1)]
+        await tier.put_many([(keys[n], data[n])])  # the oldest record, not read below
+        await tier.put_many(list(zip(keys[:n], data[:n])))
+        for i in (1, 6):  # one corrupt record in each half
+            (rec,) = await tier.raw_get_many([keys[i]])
+            assert rec is not None
+            bad = bytearray(rec)
+            bad[len(bad) // 2] ^= 0x01
+            await tier.raw_put_many([(keys[i], bytes(bad))])
+        delete = (  # another process deletes a record this one holds in its LRU
+            "import lmdb, sys\n"
+            "env = lmdb.open(sys.argv[1], max_dbs=2)\n"
+            "with env.begin(write=True) as txn:\n"
+            "    assert txn.delete(bytes.fromhex(sys.argv[2]), db=env.open_db(b'records', txn=txn))\n"
+        )
+        await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", delete, str(tmp_path), keys[3].hex()], check=True
+        )
+        bufs = [bytearray(MiB) for _ in range(n)]
+        bufs[5] = bytearray(MiB - 1)
+        threads.clear()
+        got = await tier.get_many(keys[:n], into=bufs)
+        assert len(set(threads)) == 2, threads  # the batch was read by two threads
+        assert got == [MiB, None, MiB, None, MiB, None, None, MiB]
+        for i in (0, 2, 4, 7):
+            assert bytes(bufs[i]) == data[i]
+        assert tier.counters["corrupt"] == 2
+        assert keys[3] not in tier._policy and keys[1] not in tier._policy
+        assert await tier.contains_many(keys) == [True, False, True, False, True, True, False, True, True]
+        assert next(iter(tier._policy.victims())) == keys[n]  # the records read were touched, the unread one is oldest
+        threads.clear()
+        one = await tier.get_many([keys[0], keys[2]])
+        assert one == [data[0], data[2]] and len(threads) == 1  # read into new bytes: one thread
+
+
+_LARGE = 512 * KiB  # copied first and verified in the buffer, in batches read by two threads
 _WRITER = """
 import asyncio, sys
 from tieredkv.backends.lmdb import LMDBTier

@@ -221,35 +221,51 @@ def _bench_size(
     dst = torch.zeros_like(src)
     blocks = bench_blocks(src)  # one engine block tensor for every tier run of this size
     samples: dict[str, list[float]] = {}
-    # Each rep measures every figure once, raw limits and tiers interleaved, so both see the
-    # same machine (this box's disk and neighbours swing by 2x over a minute).
+    # Each rep measures every figure once, and each medium's raw limits right beside the tiers
+    # judged against them, in turn first and second (raw, tiers on even reps; tiers, raw on odd):
+    # this box's disk, memory and neighbours swing by 2x over a minute, and what ran just before
+    # sets the state a run starts in (a page-cache write here runs at 0.25 or 1 GB/s by it).
+    by_label = {t.label: t for t in tiers}
     media = _by_class(tiers, size, n, work)
     for rep in range(reps + 1):  # rep 0 warms up every figure (first-run costs of the process) and is not kept
-        for raw_cfg, tier_cfgs, suffix in media:
-            raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
-            if raw is None:
-                continue
-            for name, value in raw.gbps.items():
+        for raw_cfg, labels, suffix in media:
+
+            def measure_raw(
+                raw_cfg: TierConfigBase = raw_cfg,
+                labels: list[str] = labels,
+                suffix: str = suffix,
+                keep: bool = rep > 0,
+            ) -> None:
+                raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
+                if raw is None:
+                    return
+                for name, value in raw.gbps.items():
+                    if keep:
+                        samples.setdefault(_suffixed(name, suffix), []).append(value)
+                for note in set(raw.notes) - notes:
+                    notes.add(note)
+                    log(f"note: {note}")
+                for label in labels:
+                    res.baselines.update(
+                        {f"{label}.{op}": _suffixed(raw.baseline[op], suffix) for op in OPS if op in raw.baseline}
+                    )
+
+            if rep % 2 == 0:
+                measure_raw()
+            for label in labels:
+                tcfg = by_label[label]
+                # Its own directory, removed right after (as each raw run removes its file): dirty
+                # pages of one run are never written back on the next run's time.
+                own = tempfile.mkdtemp(dir=work)
+                try:
+                    ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns, blocks)
+                finally:
+                    shutil.rmtree(own, ignore_errors=True)
                 if rep:
-                    samples.setdefault(_suffixed(name, suffix), []).append(value)
-            for note in set(raw.notes) - notes:
-                notes.add(note)
-                log(f"note: {note}")
-            for label in tier_cfgs:
-                res.baselines.update(
-                    {f"{label}.{op}": _suffixed(raw.baseline[op], suffix) for op in OPS if op in raw.baseline}
-                )
-        for tcfg in tiers:
-            # Its own directory, removed right after (as each raw run removes its file): dirty
-            # pages of one run are never written back on the next run's time.
-            own = tempfile.mkdtemp(dir=work)
-            try:
-                ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns, blocks)
-            finally:
-                shutil.rmtree(own, ignore_errors=True)
-            if rep:
-                samples.setdefault(f"{tcfg.label}.store", []).append(n * size / ts / 1e9)
-                samples.setdefault(f"{tcfg.label}.load", []).append(n * size / tl / 1e9)
+                    samples.setdefault(f"{label}.store", []).append(n * size / ts / 1e9)
+                    samples.setdefault(f"{label}.load", []).append(n * size / tl / 1e9)
+            if rep % 2 == 1:
+                measure_raw()
     for name, xs in samples.items():
         res.add(name, xs)
 

@@ -222,3 +222,33 @@ def test_an_lmdb_tier_in_durable_mode_is_judged_against_a_durable_raw_put(
     assert res.baselines["lmdb-durable.load"] == "lmdb_raw[lmdb-durable].load"
     for figure in ("lmdb_raw.store", "lmdb_raw[lmdb-durable].store", "lmdb.store", "lmdb-durable.store"):
         assert res.gbps[figure] > 0, figure
+
+
+def test_each_medium_runs_beside_its_raw_baseline_first_and_second_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier runs right before or right after the raw run it is judged against, never with
+    another medium between them, and the order flips every rep (what ran just before sets the
+    state of this box's page cache, so neither side always gets the better one)."""
+    from tieredkv.backends import _rawbench
+
+    events: list[str] = []
+    real_raw, real_run = _rawbench.raw_lmdb, bench.pipeline_store_load
+
+    def raw(*args: object, sync: bool = False) -> tuple[float, float]:
+        events.append("raw-durable" if sync else "raw")
+        return real_raw(*args, sync=sync)  # type: ignore[arg-type]
+
+    def run(tier: Tier, *args: object, **kw: object) -> tuple[float, float]:
+        events.append(tier.name)
+        return real_run(tier, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_rawbench, "raw_lmdb", raw)
+    monkeypatch.setattr(bench, "pipeline_store_load", run)
+    durable = LMDBTierConfig(name="lmdb-durable", sync_mode="durable")
+    bench.run_tier_bench([LMDBTierConfig(), durable], [64 * KiB], 1 << 20, 2, workdir=str(tmp_path), log=lambda m: None)
+    assert events == [
+        *("raw", "lmdb", "raw-durable", "lmdb-durable"),  # warm-up rep: raw first
+        *("lmdb", "raw", "lmdb-durable", "raw-durable"),  # rep 1: tiers first
+        *("raw", "lmdb", "raw-durable", "lmdb-durable"),  # rep 2: raw first again
+    ]

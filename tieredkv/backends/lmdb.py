@@ -13,10 +13,12 @@ Below, "LRU" stands for that policy's order.
 * ``put_many`` is one write transaction: it evicts the least-recently-used unpinned records
   until the batch fits under ``size_cap_bytes`` (or raises TierFullError having stored
   nothing), then writes every record.
-* ``get_many`` is one read transaction with ``buffers=True``: each record's payload is copied
+* ``get_many`` reads in a read transaction with ``buffers=True``: each record's payload is copied
   straight from the memory map into the caller's buffer (one copy) and verified — a small one
   first, a large one (128 KiB and more) right after the copy, in the buffer, while the bytes are
-  still in cache (a record that fails is a miss either way).
+  still in cache (a record that fails is a miss either way). A batch of large records (512 KiB
+  and more each, 2 MiB in all) is read in two halves on two threads, each in its own read
+  transaction; the tier's own thread updates the LRU and stamps once both are back.
   Access stamps are bumped in memory and written with the next write transaction.
 * ``MapFullError`` first clears stale reader slots (a killed reader pins old pages), then grows
   the map (doubling, up to ``max_map_size_bytes``) and retries; at the limit it evicts further;

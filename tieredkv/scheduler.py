@@ -314,6 +314,10 @@ class ChunkLedger:
     def _set(self, k: int, value: int) -> None:
         if k >= len(self.status):
             self.status.extend(bytes(k + 1 - len(self.status)))
+        if value == _DEAD and (self.first_dead is None or k < self.first_dead):
+            # Also when k is already dead: a rewind cleared first_dead but kept the status, and
+            # a chunk passed as dead again must be reconsidered by the next rewind too.
+            self.first_dead = k
         old = self.status[k]
         if old == value:
             return
@@ -323,8 +327,6 @@ class ChunkLedger:
         self.status[k] = value
         if value == _WAITING:
             bisect.insort(self.waiting, k)
-        elif value == _DEAD and (self.first_dead is None or k < self.first_dead):
-            self.first_dead = k
 
     def mark_waiting(self, k: int) -> None:
         """Chunk ``k`` was offered (or cannot be offered yet): offer it again later."""

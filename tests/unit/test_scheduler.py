@@ -339,6 +339,28 @@ def test_preemption_resets_blocks_and_reconsiders_dead_chunks() -> None:
     assert s.cursor("r", 1) == 4
 
 
+def test_a_chunk_passed_as_dead_again_after_a_preemption_is_reconsidered_after_the_next() -> None:
+    """Shrunk from the stateful test: a Mamba checkpoint skipped (null blocks) in two runs in a
+    row was never offered in the third, where it was whole -- the second pass did not re-arm
+    the rewind, since the chunk was still marked dead from the first."""
+    mamba = GroupSpec(1, "mamba", tokens_per_block=2, blocks_per_chunk=2)  # 4-token chunks
+    s = OffloadScheduler(layout(mamba), offload_prompt_only=False)
+    s.add_request("r", 16, block_hashes=hashes(2))
+    for run in range(3):
+        s.update_request("r", block_ids=[[0, 0, 0, 0, 0, 0]])  # this run skips every checkpoint
+        plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=12)
+        assert not plan and s.cursor("r", 0) == 2, run  # chunks 0 and 1: out of reach, dead
+        s.preempt("r")
+        assert s.cursor("r", 0) == 0, run  # reconsidered after every preemption, not only the first
+    s.update_request("r", block_ids=[[5, 6, 0, 0, 0, 0]])
+    plan = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=12)
+    assert chunk_indices(plan, 0) == [0] and plan.groups[0].chunks[0].block_ids == (5, 6)
+    s.complete_store("r", accept_all(plan))
+    assert s.cursor("r", 0) == 2  # chunk 1 passed again (null block, out of reach)
+    s.preempt("r")
+    assert s.cursor("r", 0) == 1  # ... and reconsidered; chunk 0 stays stored
+
+
 def test_refused_chunk_survives_preemption() -> None:
     s = OffloadScheduler(layout(FULL))
     s.add_request("r", 8, block_hashes=hashes(2))

@@ -23,7 +23,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -407,5 +407,8 @@ SchedulerMachine.TestCase.settings = settings(
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    # No explain phase: tracing a long failing sequence ran past pytest's timeout once, which hid
+    # the shrunk example it would have printed.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
 )
 TestScheduler = SchedulerMachine.TestCase

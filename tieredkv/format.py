@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from tieredkv.errors import CorruptRecordError
-from tieredkv.keys import key_fingerprint, key_group
+from tieredkv.keys import key_fingerprint, key_group, key_header_ids
 
 __all__ = [
     "FORMAT_VERSION",
@@ -55,6 +55,8 @@ HEADER = struct.Struct("<4sHH16sIIQQ16x")
 HEADER_SIZE = HEADER.size
 _PREFIX = 32  # header bytes covered by the checksum (magic .. flags)
 _ZERO_RESERVED = bytes(16)  # bytes 48..63: must read back as zeros
+_LEAD = struct.pack("<4sHH", MAGIC, FORMAT_VERSION, HEADER_SIZE)  # bytes 0..7
+_LEN_SUM = struct.Struct("<QQ")  # bytes 32..47: payload length, checksum
 assert HEADER_SIZE == 64
 
 
@@ -182,18 +184,16 @@ def verify_parts(header: memoryview | bytes, payload: memoryview, key: bytes) ->
     Raises:
         CorruptRecordError: any header field, the namespace, the group or the checksum is wrong.
     """
-    if len(header) >= HEADER_SIZE:  # the common case in one unpack; any doubt takes the long way
-        magic, version, hsize, fp, group, _, n, csum = HEADER.unpack_from(header, 0)
+    head = bytes(header[:HEADER_SIZE])  # the common case on 64 bytes of bytes; any doubt takes the long way
+    if len(head) == HEADER_SIZE:
+        n, csum = _LEN_SUM.unpack_from(head, 32)
         if (
-            magic == MAGIC
-            and version == FORMAT_VERSION
-            and hsize == HEADER_SIZE
+            head.startswith(_LEAD)
             and n == len(payload)
-            and fp == key_fingerprint(key)
-            and group == key_group(key)
-            and header[48:HEADER_SIZE] == _ZERO_RESERVED
+            and head[8:28] == key_header_ids(key)
+            and head.endswith(_ZERO_RESERVED)
         ):
-            if _checksum(key, memoryview(header)[:_PREFIX], payload) != csum:
+            if _checksum(key, head[:_PREFIX], payload) != csum:
                 raise CorruptRecordError("payload checksum mismatch")
             return payload
     hdr = decode_header(header[:HEADER_SIZE], len(payload))  # raises, naming what is wrong

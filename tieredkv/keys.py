@@ -116,6 +116,12 @@ def key_fingerprint(key: bytes) -> bytes:
     return bytes(key[:FINGERPRINT_BYTES])
 
 
+def key_header_ids(key: bytes) -> bytes:
+    """The 20 bytes a record header holds for stored key ``key`` (header bytes 8..27): the
+    namespace fingerprint, then the group little-endian (big-endian in the key)."""
+    return key[:FINGERPRINT_BYTES] + key[-GROUP_BYTES:][::-1]
+
+
 def chunk_key_of(key: bytes) -> bytes:
     """The chunk key (``hash + group``) inside a stored key: :func:`stored_key` undone."""
     return bytes(key[FINGERPRINT_BYTES:])

@@ -361,6 +361,28 @@ def test_a_chunk_passed_as_dead_again_after_a_preemption_is_reconsidered_after_t
     assert s.cursor("r", 0) == 1  # ... and reconsidered; chunk 0 stays stored
 
 
+def test_ledger_rewinds_to_every_chunk_passed_as_dead_since_the_last_rewind() -> None:
+    """The rule both planners share (OffloadScheduler and the vLLM connector's ledgers)."""
+    from tieredkv.scheduler import ChunkLedger
+
+    led = ChunkLedger()
+    for k in range(3):
+        led.mark_dead(k)
+    led.settle_scan()
+    led.candidates(3)
+    assert led.cursor == 3
+    for _ in range(3):  # each resume reconsiders them, and each pass marks them dead again
+        led.rewind_dead()
+        assert led.cursor == 0
+        assert led.candidates(3) == [0, 1, 2]
+        for k in (2, 0, 1):
+            led.mark_dead(k)
+        assert led.cursor == 3
+    led.mark_done(0)
+    led.rewind_dead()
+    assert led.candidates(3) == [1, 2]  # a done chunk stays done
+
+
 def test_refused_chunk_survives_preemption() -> None:
     s = OffloadScheduler(layout(FULL))
     s.add_request("r", 8, block_hashes=hashes(2))

@@ -285,12 +285,10 @@ def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEn
     return shared
 
 
-#: Payloads at least this large are copied with numpy (one memcpy, the GIL released), smaller ones
-#: by a slice assignment (two numpy views cost more than they save there); either way the payload
-#: is verified where it landed, while the bytes are still in cache (per 64 KiB record from a warm
-#: map: 16.0 against 17.4 us verifying in the map first). (A verify thread beside the copies was
-#: measured slower on a 2-vCPU box: the copy and the checksum share the memory bus, and each
-#: hand-over costs a thread wake-up.)
+#: Payloads at least this large are copied with numpy (one memcpy, the GIL released) and then
+#: verified where they landed, while the bytes are still in cache; smaller ones are verified in the
+#: map, then copied. (A verify thread beside the copies was measured slower on a 2-vCPU box: the
+#: copy and the checksum share the memory bus, and each hand-over costs a thread wake-up.)
 _GIL_FREE_COPY = 128 << 10
 #: A read batch of records this large each, and this large in all, is read by two threads.
 _SPLIT_RECORD_BYTES = 512 << 10
@@ -733,10 +731,10 @@ class LMDBTier(Tier):
         """One read transaction over ``keys`` (safe on any thread: it touches no LRU state).
 
         Returns what each key delivered, the records that failed, and per key the stored
-        record's size (None: not there; -1: failed). A record that fits its buffer is copied
-        there first and then verified in place (what is checked is what was delivered); one that
-        fails leaves bytes in its buffer that nobody is told about. One asked for as ``bytes``
-        (no buffer) is verified in the map, then copied."""
+        record's size (None: not there; -1: failed). A large record (:data:`_GIL_FREE_COPY`)
+        that fits its buffer is copied there first and then verified in place (what is checked
+        is what was delivered); smaller ones are verified in the map, then copied. A large one
+        that fails leaves bytes in its buffer that nobody is told about."""
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[int | None]]:
             out: list[int | bytes | None] = []
@@ -750,11 +748,8 @@ class LMDBTier(Tier):
                     continue
                 n = len(rec) - HEADER_SIZE
                 try:
-                    if dst is not None and 0 <= n <= len(dst):
-                        if n >= _GIL_FREE_COPY:
-                            np.copyto(np.frombuffer(dst, np.uint8, n), np.frombuffer(rec, np.uint8, n, HEADER_SIZE))
-                        else:
-                            dst[:n] = rec[HEADER_SIZE:]
+                    if dst is not None and _GIL_FREE_COPY <= n <= len(dst):
+                        np.copyto(np.frombuffer(dst, np.uint8, n), np.frombuffer(rec, np.uint8, n, HEADER_SIZE))
                         verify_parts(rec[:HEADER_SIZE], dst[:n], key)
                         out.append(n)
                     else:

@@ -378,9 +378,10 @@ async def test_lmdb_large_reads_verified_after_the_copy_serve_no_wrong_bytes(tmp
 
 async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_path: Path) -> None:
     """A batch of large records is read in two halves on two threads: corrupt records in either
-    half are misses (counted, deleted), a record deleted meanwhile is a miss and leaves the LRU,
-    a buffer too small is a miss, every other buffer holds exactly its record, and the records
-    read are touched in the LRU (the oldest is now one not read)."""
+    half are misses (counted, deleted, zeroed where they landed), a record deleted meanwhile is a
+    miss and leaves the LRU, a buffer too small is a miss (never written to), every other buffer
+    holds exactly its record, and the records read are touched in the LRU (the oldest is now one
+    not read)."""
     threads: list[str] = []
 
     class Recording(LMDBTier):
@@ -410,14 +411,17 @@ async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_p
         await asyncio.to_thread(
             subprocess.run, [sys.executable, "-c", delete, str(tmp_path), keys[3].hex()], check=True
         )
-        bufs = [bytearray(MiB) for _ in range(n)]
-        bufs[5] = bytearray(MiB - 1)
+        bufs = [bytearray(b"\xab" * MiB) for _ in range(n)]
+        bufs[5] = bytearray(b"\xab" * (MiB - 1))
         threads.clear()
         got = await tier.get_many(keys[:n], into=bufs)
         assert len(set(threads)) == 2, threads  # the batch was read by two threads
         assert got == [MiB, None, MiB, None, MiB, None, None, MiB]
         for i in (0, 2, 4, 7):
             assert bytes(bufs[i]) == data[i]
+        for i in (1, 6):  # a damaged record landed before it was verified: zeroed, none of it stays
+            assert not any(bufs[i]), i
+        assert bufs[3] == b"\xab" * MiB and bufs[5] == b"\xab" * (MiB - 1)  # never written to
         assert tier.counters["corrupt"] == 2
         assert keys[3] not in tier._policy and keys[1] not in tier._policy
         assert await tier.contains_many(keys) == [True, False, True, False, True, True, False, True, True]

@@ -690,6 +690,30 @@ async def test_native_io_url_credentials_db_and_records_shared_with_redis_py() -
 
 
 @pytest.mark.asyncio
+async def test_native_io_damaged_records_read_into_buffers_leave_none_of_their_bytes(
+    server: RedisServer, raw_single: aioredis.Redis
+) -> None:
+    """A record received straight into its buffer is verified there: a damaged one is a miss,
+    counted and deleted, and what landed is zeroed; the records around it arrive byte for byte."""
+    ns = _ns()
+    keys = _keys(ns, 4)
+    payloads = [os.urandom(n) for n in (4096, 70_000, 300_000, 1 << 20)]
+    async with _tier(server.url) as tier:
+        assert tier._native is not None
+        await tier.put_many(list(zip(keys, payloads)))
+        for i in (1, 3):  # a flipped payload byte: header and length still say "ours"
+            rec = bytearray(await raw_single.get(tier.redis_key(keys[i])))
+            rec[len(rec) // 2] ^= 0x01
+            await raw_single.set(tier.redis_key(keys[i]), bytes(rec))
+        dst = [bytearray(b"\xab" * len(p)) for p in payloads]
+        assert await tier.get_many(keys, into=dst) == [len(payloads[0]), None, len(payloads[2]), None]
+        assert bytes(dst[0]) == payloads[0] and bytes(dst[2]) == payloads[2]
+        assert not any(dst[1]) and not any(dst[3])  # received, failed, zeroed
+        assert tier.counters["corrupt"] == 2
+        assert await raw_single.exists(tier.redis_key(keys[1]), tier.redis_key(keys[3])) == 0
+
+
+@pytest.mark.asyncio
 async def test_native_io_concurrent_tasks_on_the_same_keys_never_see_wrong_bytes(server: RedisServer) -> None:
     """Many tasks store new versions of the same keys and read them into their own buffers at
     once, over several connections: every read is a miss or exactly one version written for that

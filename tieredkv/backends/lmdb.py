@@ -734,7 +734,7 @@ class LMDBTier(Tier):
         record's size (None: not there; -1: failed). A large record (:data:`_GIL_FREE_COPY`)
         that fits its buffer is copied there first and then verified in place (what is checked
         is what was delivered); smaller ones are verified in the map, then copied. A large one
-        that fails leaves bytes in its buffer that nobody is told about."""
+        that fails is zeroed where it landed: no damaged byte stays in a destination."""
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[int | None]]:
             out: list[int | bytes | None] = []
@@ -749,8 +749,13 @@ class LMDBTier(Tier):
                 n = len(rec) - HEADER_SIZE
                 try:
                     if dst is not None and _GIL_FREE_COPY <= n <= len(dst):
-                        np.copyto(np.frombuffer(dst, np.uint8, n), np.frombuffer(rec, np.uint8, n, HEADER_SIZE))
-                        verify_parts(rec[:HEADER_SIZE], dst[:n], key)
+                        landed = np.frombuffer(dst, np.uint8, n)
+                        np.copyto(landed, np.frombuffer(rec, np.uint8, n, HEADER_SIZE))
+                        try:
+                            verify_parts(rec[:HEADER_SIZE], dst[:n], key)
+                        except CorruptRecordError:
+                            landed.fill(0)  # a damaged record's bytes never stay in the destination
+                            raise
                         out.append(n)
                     else:
                         out.append(self._deliver(key, verify_record(rec, key), dst))

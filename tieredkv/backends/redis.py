@@ -590,13 +590,15 @@ class RedisTier(Tier):
         corrupt: list[tuple[bytes, bytes, bool]],
     ) -> int | None:
         """Verify a record read in place (header apart, payload in ``dst``); the payload's length,
-        or None (a miss: the bytes in ``dst`` are then not the record's and nobody is told they are)."""
+        or None (a miss: what landed in ``dst`` is zeroed, so no damaged byte stays there)."""
         n = length - HEADER_SIZE
         try:
             verify_parts(memoryview(head), dst[:n], key)
         except CorruptRecordError as e:
             self._on_corrupt(key, e)
-            corrupt.append((rk, bytes(head) + bytes(dst[:n]), True))
+            landed = dst[: max(0, min(n, len(dst)))]
+            corrupt.append((rk, bytes(head) + bytes(landed), True))
+            landed[:] = bytes(len(landed))
             return None
         self._note_size(length)
         return n

@@ -107,3 +107,34 @@ def test_copier_gather_scatter_layout_and_skip() -> None:
     assert not k2[:7].any()
     with pytest.raises(ValueError, match="smaller"):
         Copier().gather(group, [1, 2, 3], buf)
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_direct_view_only_for_a_whole_chunk_of_consecutive_blocks_in_order(bpc: int) -> None:
+    """A CPU group's chunk is moved with no staging copy exactly when its placements are the
+    chunk's positions 0..bpc-1 on consecutive blocks; the view is those blocks' bytes."""
+    from tieredkv.groups import GroupSpec
+    from tieredkv.pipeline.transfer import GroupBinding
+    from tieredkv.policy import GroupRoute
+
+    kv = torch.arange(16 * 8, dtype=torch.uint8).view(16, 8)
+    grp = GroupBinding(
+        GroupSpec(0, "full", tokens_per_block=16, blocks_per_chunk=bpc),
+        KVGroupTensors([kv]),
+        GroupRoute(0, ("x",), "through", True),
+    )
+    run = [(p, 5 + p) for p in range(bpc)]
+    view = grp.direct_view(run)
+    assert view is not None and bytes(view) == kv[5 : 5 + bpc].numpy().tobytes()
+    assert grp.direct_view(run[:-1]) is None  # not the whole chunk
+    assert grp.direct_view([(p + 1, b) for p, b in run]) is None  # positions shifted (a skipped block)
+    if bpc > 1:
+        assert grp.direct_view(run[::-1]) is None  # blocks out of order
+        assert grp.direct_view([*run[:-1], (bpc - 1, 14)]) is None  # not consecutive
+        assert grp.direct_view([(p, 5) for p in range(bpc)]) is None  # one block repeated
+    two = GroupBinding(
+        GroupSpec(0, "full", tokens_per_block=16, blocks_per_chunk=bpc),
+        KVGroupTensors([kv, kv.clone()]),
+        GroupRoute(0, ("x",), "through", True),
+    )
+    assert two.direct_view(run) is None  # several tensors: a chunk's bytes are not one range

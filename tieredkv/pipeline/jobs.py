@@ -74,6 +74,8 @@ class LoadJob:
         """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i``."""
         ids = self.chunks[i].block_ids
         if len(ids) == blocks_per_chunk:
+            if NULL_BLOCK not in ids:  # the common case, once per chunk: C calls only
+                return list(enumerate(ids))
             return [(p, b) for p, b in enumerate(ids) if b != NULL_BLOCK]
         skip = self.skip_blocks if i == 0 else 0
         if skip + len(ids) != blocks_per_chunk:

@@ -67,7 +67,7 @@ class GroupBinding:
     def chunk_bytes(self) -> int:
         return self.tensors.chunk_bytes(self.spec.blocks_per_chunk)
 
-    def direct_view(self, placements: Sequence[tuple[int, int]]) -> memoryview | None:
+    def direct_view(self, placements: list[tuple[int, int]]) -> memoryview | None:
         """The device bytes of a whole chunk when they already are its payload — one CPU tensor and
         consecutive blocks — so tiers can read and write them with no staging copy; else None."""
         host = self.tensors.host_bytes
@@ -75,10 +75,8 @@ class GroupBinding:
         if host is None or len(placements) != bpc:
             return None
         first = placements[0][1]
-        if placements[-1] != (bpc - 1, first + bpc - 1) or any(
-            pos != j or b != first + j for j, (pos, b) in enumerate(placements)
-        ):
-            return None
+        if placements[0][0] != 0 or (bpc > 1 and placements != list(zip(range(bpc), range(first, first + bpc)))):
+            return None  # not the chunk's blocks in order, consecutive from ``first``
         bb = self.tensors.bytes_per_block
         return host[first * bb : (first + bpc) * bb]
 

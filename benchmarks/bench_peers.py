@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import shutil
@@ -198,6 +199,8 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
         dst = torch.zeros_like(src)
         blocks = bench_blocks(src)  # one engine block tensor for every round of this size
         samples = []
+        gc.collect()  # the set-up heap leaves the collector's view, as in vLLM's engine (and LMCache's child)
+        gc.freeze()
         for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
             dst.zero_()
             tier = make_tier(cfg, size, n, workdir)
@@ -208,6 +211,7 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
                     shutil.rmtree(tier.config.path, ignore_errors=True)
             if r:
                 samples.append((ts, tl))
+        gc.unfreeze()
         nbytes = n * size
         out[size] = side_figures(n, nbytes, samples)
         log(

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import os
 import shutil
@@ -178,7 +177,7 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
     """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first)."""
     import torch
 
-    from tieredkv.bench import bench_blocks, make_tier, pipeline_store_load
+    from tieredkv.bench import bench_blocks, frozen_heap, make_tier, pipeline_store_load
     from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig
     from tieredkv.keys import Namespace
 
@@ -199,19 +198,17 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
         dst = torch.zeros_like(src)
         blocks = bench_blocks(src)  # one engine block tensor for every round of this size
         samples = []
-        gc.collect()  # the set-up heap leaves the collector's view, as in vLLM's engine (and LMCache's child)
-        gc.freeze()
-        for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
-            dst.zero_()
-            tier = make_tier(cfg, size, n, workdir)
-            try:
-                ts, tl = pipeline_store_load(tier, src, dst, ns, blocks)  # raises if a byte differs
-            finally:
-                if kind == "lmdb":
-                    shutil.rmtree(tier.config.path, ignore_errors=True)
-            if r:
-                samples.append((ts, tl))
-        gc.unfreeze()
+        with frozen_heap():  # as in vLLM's engine (and in LMCache's child, for its side)
+            for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
+                dst.zero_()
+                tier = make_tier(cfg, size, n, workdir)
+                try:
+                    ts, tl = pipeline_store_load(tier, src, dst, ns, blocks)  # raises if a byte differs
+                finally:
+                    if kind == "lmdb":
+                        shutil.rmtree(tier.config.path, ignore_errors=True)
+                if r:
+                    samples.append((ts, tl))
         nbytes = n * size
         out[size] = side_figures(n, nbytes, samples)
         log(

@@ -21,6 +21,7 @@ run removes its file), as does each raw run (first-touch costs are paid by both)
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -30,7 +31,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +208,20 @@ def run_tier_bench(
     return out
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Runs with the heap set up so far out of the garbage collector's view, as vLLM's engine
+    does after start-up (``gc.collect(); gc.freeze()``). Otherwise a full collection set off by
+    a tier run's per-chunk objects walks torch's whole heap: ~100 ms here, as long as a whole
+    256 MiB load, in every other run (64 KiB LMDB loads read 1.2 and 2.0-2.4 GB/s in turn)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _bench_size(
     res: BenchResult,
     tiers: Sequence[TierConfigBase],
@@ -222,80 +237,55 @@ def _bench_size(
     dst = torch.zeros_like(src)
     blocks = bench_blocks(src)  # one engine block tensor for every tier run of this size
     samples: dict[str, list[float]] = {}
-    # As vLLM's engine does after start-up (gc.collect(); gc.freeze()): the heap set up so far
-    # (torch and all) leaves the collector's view. Otherwise a full collection set off by a tier
-    # run's per-chunk objects walks it: ~100 ms here, as long as a whole 256 MiB load, in every
-    # other run (64 KiB LMDB loads read 1.2 and 2.0-2.4 GB/s in turn).
-    gc.collect()
-    gc.freeze()
-    try:
-        _bench_reps(res, tiers, reps, work, notes, log, src, dst, blocks, samples, ns)
-    finally:
-        gc.unfreeze()
-    for name, xs in samples.items():
-        res.add(name, xs)
-
-
-def _bench_reps(
-    res: BenchResult,
-    tiers: Sequence[TierConfigBase],
-    reps: int,
-    work: str,
-    notes: set[str],
-    log: Callable[[str], None],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    blocks: torch.Tensor,
-    samples: dict[str, list[float]],
-    ns: Namespace,
-) -> None:
-    """The reps of :func:`_bench_size`: every figure once per rep, into ``samples``."""
-    n, size = res.chunks, res.size
     # Each rep measures every figure once, and each medium's raw limits right beside the tiers
     # judged against them, in turn first and second (raw, tiers on even reps; tiers, raw on odd):
     # this box's disk, memory and neighbours swing by 2x over a minute, and what ran just before
     # sets the state a run starts in (a page-cache write here runs at 0.25 or 1 GB/s by it).
     by_label = {t.label: t for t in tiers}
     media = _by_class(tiers, size, n, work)
-    for rep in range(reps + 1):  # rep 0 warms up every figure (first-run costs of the process) and is not kept
-        for raw_cfg, labels, suffix in media:
+    with frozen_heap():
+        for rep in range(reps + 1):  # rep 0 warms up every figure (first-run costs of the process) and is not kept
+            for raw_cfg, labels, suffix in media:
 
-            def measure_raw(
-                raw_cfg: TierConfigBase = raw_cfg,
-                labels: list[str] = labels,
-                suffix: str = suffix,
-                keep: bool = rep > 0,
-            ) -> None:
-                raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
-                if raw is None:
-                    return
-                for name, value in raw.gbps.items():
-                    if keep:
-                        samples.setdefault(_suffixed(name, suffix), []).append(value)
-                for note in set(raw.notes) - notes:
-                    notes.add(note)
-                    log(f"note: {note}")
+                def measure_raw(
+                    raw_cfg: TierConfigBase = raw_cfg,
+                    labels: list[str] = labels,
+                    suffix: str = suffix,
+                    keep: bool = rep > 0,
+                ) -> None:
+                    raw = get_tier_class(raw_cfg.kind).raw_limits(raw_cfg, src, dst, workdir=work)
+                    if raw is None:
+                        return
+                    for name, value in raw.gbps.items():
+                        if keep:
+                            samples.setdefault(_suffixed(name, suffix), []).append(value)
+                    for note in set(raw.notes) - notes:
+                        notes.add(note)
+                        log(f"note: {note}")
+                    for label in labels:
+                        res.baselines.update(
+                            {f"{label}.{op}": _suffixed(raw.baseline[op], suffix) for op in OPS if op in raw.baseline}
+                        )
+
+                if rep % 2 == 0:
+                    measure_raw()
                 for label in labels:
-                    res.baselines.update(
-                        {f"{label}.{op}": _suffixed(raw.baseline[op], suffix) for op in OPS if op in raw.baseline}
-                    )
+                    tcfg = by_label[label]
+                    # Its own directory, removed right after (as each raw run removes its file): dirty
+                    # pages of one run are never written back on the next run's time.
+                    own = tempfile.mkdtemp(dir=work)
+                    try:
+                        ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns, blocks)
+                    finally:
+                        shutil.rmtree(own, ignore_errors=True)
+                    if rep:
+                        samples.setdefault(f"{label}.store", []).append(n * size / ts / 1e9)
+                        samples.setdefault(f"{label}.load", []).append(n * size / tl / 1e9)
+                if rep % 2 == 1:
+                    measure_raw()
 
-            if rep % 2 == 0:
-                measure_raw()
-            for label in labels:
-                tcfg = by_label[label]
-                # Its own directory, removed right after (as each raw run removes its file): dirty
-                # pages of one run are never written back on the next run's time.
-                own = tempfile.mkdtemp(dir=work)
-                try:
-                    ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns, blocks)
-                finally:
-                    shutil.rmtree(own, ignore_errors=True)
-                if rep:
-                    samples.setdefault(f"{label}.store", []).append(n * size / ts / 1e9)
-                    samples.setdefault(f"{label}.load", []).append(n * size / tl / 1e9)
-            if rep % 2 == 1:
-                measure_raw()
+    for name, xs in samples.items():
+        res.add(name, xs)
 
 
 def _by_class(

@@ -252,3 +252,19 @@ def test_each_medium_runs_beside_its_raw_baseline_first_and_second_in_turn(
         *("lmdb", "raw", "lmdb-durable", "raw-durable"),  # rep 1: tiers first
         *("raw", "lmdb", "raw-durable", "lmdb-durable"),  # rep 2: raw first again
     ]
+
+
+def test_frozen_heap_freezes_for_the_runs_and_always_thaws() -> None:
+    """The bench freezes its set-up heap out of the collector's view (as vLLM's engine does) only
+    while it measures: a caller of run_tier_bench never gets a frozen heap back, even on error."""
+    import gc
+
+    from tieredkv.bench import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), frozen_heap():
+        raise RuntimeError("a failed run")
+    assert gc.get_freeze_count() == 0

@@ -685,8 +685,9 @@ class LMDBTier(Tier):
         4 MiB on a 2-vCPU box; below 512 KiB the GIL-held per-record work makes it slower). The
         second half is read by the helper thread while this (the tier's) thread reads the first;
         this thread alone updates the LRU and stamps, after both halves are back."""
-        h, reader = self._split_at(into), self._reader
-        later = None if h is None or reader is None else reader.submit(self._read_part, keys[h:], into[h:])
+        reader = self._reader
+        h = None if reader is None else self._split_at(into)
+        later = None if reader is None or h is None else reader.submit(self._read_part, keys[h:], into[h:])
         try:
             out, bad, seen = self._read_part(keys[:h], into[:h])
         finally:
@@ -716,7 +717,7 @@ class LMDBTier(Tier):
 
     def _split_at(self, into: list[memoryview | None]) -> int | None:
         """Where a batch is cut in two for :meth:`_get_sync` (None: read by one thread)."""
-        if self._reader is None or len(into) < 2:
+        if len(into) < 2:
             return None
         total = 0
         for dst in into:

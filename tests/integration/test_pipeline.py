@@ -478,3 +478,42 @@ def test_write_back_flush_at_close_with_the_lower_tier_down_counts_the_loss_and_
         assert c["write_back_lost"] == 20 and c.get("write_back_flushed", 0) == 0, c
         names = [t.name for t in threading.enumerate()]
         assert not any(n.startswith("tieredkv-pipeline") for n in names), names
+
+
+async def test_a_tier_writer_batches_whole_slices_of_jobs_within_its_limits(tmp_path: Path) -> None:
+    """Jobs reach a tier's writer as slices (no future per chunk): a slice never exceeds
+    max_batch_items, slices of several jobs share a batch while they fit, every key gets its own
+    batch's outcome, and the bytes land. A dead tier drops every item of the batch, counted."""
+    from tieredkv.pipeline.lanes import Outcome, TierLane
+
+    tier = FaultyTier(lmdb(tmp_path), delay_s=0.05, ops={"put_many"})
+    async with tier:
+        lane = TierLane(tier, PipelineConfig(max_batch_items=8, max_batch_bytes=1 << 20))
+        lane.task = asyncio.get_running_loop().create_task(lane.run())
+        try:
+            jobs = [[NS.key(f"{j}:{i}".encode(), 0) for i in range(n)] for j, n in enumerate((5, 3, 9))]
+            data = {k: bytes([len(k) % 251, i % 251]) * 512 for ks in jobs for i, k in enumerate(ks)}
+            queued = [lane.write_many(ks, [data[k] for k in ks]) for ks in jobs]
+            assert [[c for c, _ in parts] for parts in queued] == [[5], [3], [8, 1]]
+            for parts in queued:
+                assert [await f for _, f in parts] == [Outcome.OK] * len(parts)
+            assert tier.put_sizes == [8, 8, 1]  # 5 + 3 together, the 9 as 8 + 1: never above 8
+            keys = list(data)
+            got = await tier.get_many(keys)
+            assert [bytes(g) for g in got] == [data[k] for k in keys]
+
+            # By bytes: 1 KiB items under a 3 KiB batch limit go three to a slice.
+            lane.max_bytes = 3 * 1024
+            ks = [NS.key(f"b:{i}".encode(), 0) for i in range(7)]
+            parts = lane.write_many(ks, [data[keys[0]]] * 7)
+            assert [c for c, _ in parts] == [3, 3, 1]
+            assert [await f for _, f in parts] == [Outcome.OK] * 3
+
+            tier.fail_with = OSError("disk gone")
+            ks = [NS.key(f"dead:{i}".encode(), 0) for i in range(10)]
+            parts = lane.write_many(ks, [data[keys[0]]] * 10)
+            assert [await f for _, f in parts] == [Outcome.DROPPED] * len(parts)
+            assert lane.dropped == 10
+        finally:
+            lane.task.cancel()
+            await asyncio.gather(lane.task, return_exceptions=True)

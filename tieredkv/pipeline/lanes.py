@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -36,8 +37,11 @@ class Outcome(Enum):
 
 @dataclass(slots=True)
 class _WriteItem:
-    key: bytes
-    payload: Any
+    """Consecutive items of one caller, written in one batch and sharing its outcome."""
+
+    keys: list[bytes]
+    payloads: list[Any]
+    nbytes: int
     fut: asyncio.Future[Outcome]
 
 
@@ -47,7 +51,8 @@ class TierLane:
     def __init__(self, tier: Tier, cfg: PipelineConfig) -> None:
         self.tier = tier
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_s)
-        self.queue: asyncio.Queue[_WriteItem] = asyncio.Queue()
+        self.queue: deque[_WriteItem] = deque()
+        self._wake = asyncio.Event()
         self.max_bytes = int(cfg.max_batch_bytes)
         self.max_items = cfg.max_batch_items
         self.dropped = 0
@@ -58,18 +63,43 @@ class TierLane:
         return LaneStats(self.breaker.state.value, self.breaker.opens, self.dropped, self.batches)
 
     def write(self, key: bytes, payload: Any) -> asyncio.Future[Outcome]:
+        """Queue one item; its outcome once its batch is written."""
+        return self._queue([key], [payload], len(payload))
+
+    def write_many(self, keys: list[bytes], payloads: list[Any]) -> list[tuple[int, asyncio.Future[Outcome]]]:
+        """Queue items as slices of at most one batch each (``max_batch_items``, and bytes until
+        ``max_batch_bytes`` is reached); per slice, its length and its outcome. The per-item work
+        on the loop is a size sum: a job's chunks travel together (no future or queue entry each)."""
+        parts: list[tuple[int, asyncio.Future[Outcome]]] = []
+        n, start = len(keys), 0
+        while start < n:
+            end, nbytes = start + 1, len(payloads[start])
+            while end < n and end - start < self.max_items and nbytes < self.max_bytes:
+                nbytes += len(payloads[end])
+                end += 1
+            parts.append((end - start, self._queue(keys[start:end], payloads[start:end], nbytes)))
+            start = end
+        return parts
+
+    def _queue(self, keys: list[bytes], payloads: list[Any], nbytes: int) -> asyncio.Future[Outcome]:
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(_WriteItem(key, payload, fut))
+        self.queue.append(_WriteItem(keys, payloads, nbytes, fut))
+        self._wake.set()
         return fut
 
     async def run(self) -> None:
+        queue = self.queue
         while True:
-            batch = [await self.queue.get()]
-            nbytes = len(batch[0].payload)
-            while not self.queue.empty() and len(batch) < self.max_items and nbytes < self.max_bytes:
-                item = self.queue.get_nowait()
+            while not queue:
+                self._wake.clear()
+                await self._wake.wait()
+            first = queue.popleft()
+            batch, items, nbytes = [first], len(first.keys), first.nbytes
+            while queue and items + len(queue[0].keys) <= self.max_items and nbytes < self.max_bytes:
+                item = queue.popleft()
                 batch.append(item)
-                nbytes += len(item.payload)
+                items += len(item.keys)
+                nbytes += item.nbytes
             await self._write_batch(batch)
 
     async def _write_batch(self, batch: list[_WriteItem]) -> None:
@@ -78,7 +108,10 @@ class TierLane:
             outcome = Outcome.DROPPED
         else:
             try:
-                await self.tier.put_many([(it.key, it.payload) for it in batch])
+                if len(batch) == 1:
+                    await self.tier.put_many(list(zip(batch[0].keys, batch[0].payloads)))
+                else:
+                    await self.tier.put_many([kv for it in batch for kv in zip(it.keys, it.payloads)])
                 self.breaker.success()
                 self.batches += 1
             except TierFullError:
@@ -89,7 +122,7 @@ class TierLane:
                 log.warning("tier %s: store of %d chunks dropped: %s", self.tier.name, len(batch), e)
                 outcome = Outcome.DROPPED
         if outcome is Outcome.DROPPED:
-            self.dropped += len(batch)
+            self.dropped += sum(len(it.keys) for it in batch)
         for it in batch:
             if not it.fut.done():
                 it.fut.set_result(outcome)
@@ -127,9 +160,16 @@ class Lanes(dict[str, TierLane]):
     ) -> tuple[list[bytes], dict[str, int]]:
         """Write every item to each of ``tiers``; keys held by at least one tier, and per-tier counts."""
         lanes = [self[n] for n in tiers]
-        futs = [[lane.write(k, v) for k, v in zip(keys, views)] for lane in lanes]
-        results = [await asyncio.gather(*f) for f in futs]
-        written = {lane.tier.name: sum(r is Outcome.OK for r in res) for lane, res in zip(lanes, results)}
+        queued = [lane.write_many(keys, views) for lane in lanes]  # every tier's writer gets them at once
+        results: list[list[Outcome]] = []
+        for parts in queued:
+            res: list[Outcome] = []
+            for count, fut in parts:
+                res += [await fut] * count
+            results.append(res)
+        written = {lane.tier.name: res.count(Outcome.OK) for lane, res in zip(lanes, results)}
+        if len(results) == 1 and written[lanes[0].tier.name] == len(keys):
+            return list(keys), written
         done = [k for i, k in enumerate(keys) if any(res[i] is Outcome.OK for res in results)]
         return done, written
 

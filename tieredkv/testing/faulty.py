@@ -44,6 +44,7 @@ class FaultyTier(Tier):
         self.ops = ops or set()
         self.op_timeout = op_timeout_s if op_timeout_s is not None else inner.op_timeout
         self.calls: dict[str, int] = {}
+        self.put_sizes: list[int] = []  # items per put_many call, in call order
 
     async def _fault(self, op: str) -> None:
         self.calls[op] = self.calls.get(op, 0) + 1
@@ -61,6 +62,7 @@ class FaultyTier(Tier):
         await self.inner.close()
 
     async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        self.put_sizes.append(len(items))
         await self._fault("put_many")
         await self.inner._put_many(items)
 

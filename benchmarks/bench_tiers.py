@@ -15,7 +15,19 @@ import os
 import sys
 
 from tieredkv.backends.registry import config_model
-from tieredkv.bench import SIZES, BenchResult, KiB, MiB, cell, machine_info, plot, ratios, run_tier_bench, tier_figures
+from tieredkv.bench import (
+    SIZES,
+    BenchResult,
+    KiB,
+    MiB,
+    cell,
+    machine_info,
+    plot,
+    ratios,
+    run_tier_bench,
+    steady_malloc,
+    tier_figures,
+)
 from tieredkv.config import TierConfigBase
 from tieredkv.testing.servers import RedisServer
 
@@ -39,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     total, reps = a.total_mib * MiB, a.reps
     if a.quick:
         sizes, total, reps = [64 * KiB, 1 * MiB], 16 * MiB, 1
+    steady_malloc()  # this process is a bench: raw baselines at the medium's limit
     with RedisServer() as srv:
         tiers = [tier_config(kind, srv.url) for kind in a.tiers.split(",")]
         results = run_tier_bench(tiers, sizes, total, reps, log=lambda m: print(m, file=sys.stderr))

@@ -45,6 +45,7 @@ from tieredkv.backends._rawbench import (  # re-exported: their old home
     raw_memcpy,
     raw_redis,
     redis_benchmark,
+    warm_free_pages,
 )
 from tieredkv.backends.base import Tier
 from tieredkv.backends.registry import build_tier, get_tier_class
@@ -145,6 +146,7 @@ def pipeline_store_load(
             return dt
 
         try:
+            warm_free_pages(src)  # as every raw baseline does before it writes
             ts = run(lambda chunks: store.store(0, chunks), 1)
             tl = run(lambda chunks: store.load(0, chunks), n + 1)
         finally:
@@ -206,6 +208,43 @@ def run_tier_bench(
     if workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+#: glibc ``mallopt`` parameters (see ``mallopt(3)``) and what :func:`steady_malloc` sets them to.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+STEADY_MALLOC = {"M_TRIM_THRESHOLD": 1 << 30, "M_TOP_PAD": 64 * MiB, "M_MMAP_THRESHOLD": 32 * MiB}
+
+
+def steady_malloc() -> bool:
+    """Keep freed heap memory in this process (glibc only; False elsewhere). For a bench
+    process's entry point, never for an engine's: it is process-wide, and for good.
+
+    py-lmdb's write path mallocs every dirty page of a transaction and frees it at commit. In a
+    process that holds torch and a few 256 MiB tensors, glibc then returns the top of the heap to
+    the kernel after each commit and faults it in again in the next transaction's puts: the raw
+    py-lmdb put of 4 MiB values spent 200-320 ms per 256 MiB in its puts instead of 35-50, and
+    read 0.3-0.85 GB/s against 2.1-2.2 run alone. The raw baselines are meant to be the medium's
+    limit, so the bench keeps the heap (the tiers, whose writes run on their own threads, measured
+    the same with and without)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    codes = {"M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD, "M_TOP_PAD": _M_TOP_PAD, "M_MMAP_THRESHOLD": _M_MMAP_THRESHOLD}
+    ok = all(mallopt(codes[k], v) == 1 for k, v in STEADY_MALLOC.items())
+    if ok:
+        _SETUP["malloc"] = dict(STEADY_MALLOC)
+    return ok
+
+
+#: How this process was set up for the bench, reported by :func:`machine_info`.
+_SETUP: dict[str, Any] = {"malloc": "glibc defaults"}
 
 
 @contextlib.contextmanager
@@ -369,7 +408,19 @@ def machine_info() -> dict[str, Any]:
         "tieredkv": tieredkv.__version__,
         "redis_server": redis_v,
         "loadavg": os.getloadavg(),
+        "malloc": _SETUP["malloc"],
+        "page_reporting": _page_reporting(),
     }
+
+
+def _page_reporting() -> str:
+    """The kernel's free page reporting setting (``page_reporting.*`` on its command line; see
+    :func:`~tieredkv.backends._rawbench.warm_free_pages`), or "" when none is given."""
+    try:
+        with open("/proc/cmdline") as f:
+            return " ".join(w for w in f.read().split() if w.startswith("page_reporting"))
+    except OSError:
+        return ""
 
 
 def plot(results: list[BenchResult], path: str) -> None:

@@ -214,6 +214,7 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
         parent = Path(local).parent
         parent.mkdir(parents=True, exist_ok=True)
         workdir = tempfile.mkdtemp(prefix="tieredkv-bench-", dir=parent)
+    b.steady_malloc()  # this process is a bench: raw baselines at the medium's limit
     try:
         results = b.run_tier_bench(
             cfg.tiers,

@@ -263,14 +263,21 @@ def test_redis_benchmark_baseline_deletes_every_key_it_creates(redis_server: Red
         before = set(client.keys("*"))
         got = redis_benchmark(redis_server.port, 4096, 200)
         assert got is not None and got[0] > 0 and got[1] > 0
-        assert set(client.keys("*")) == before  # key:__rand_int__ and friends are gone
+        assert set(client.keys("*")) == before  # key:__rand_int__ and the -r keys are gone
         assert client.get("user:key") == b"keep me"
         # A key of the same name that was there before is the user's: never touched, nothing run.
         client.set(REDIS_BENCHMARK_KEYS[0], b"users")
         assert redis_benchmark(redis_server.port, 4096, 200) is None
         assert client.get(REDIS_BENCHMARK_KEYS[0]) == b"users"
+        client.delete(REDIS_BENCHMARK_KEYS[0])
+        # So is one of the keys its -r store run would write (key:<12 digits> below n).
+        client.set("key:000000000199", b"users too")
+        assert redis_benchmark(redis_server.port, 4096, 200) is None
+        assert client.get("key:000000000199") == b"users too"
+        assert redis_benchmark(redis_server.port, 4096, 199) is not None  # 199 requests: keys 0..198
+        assert set(client.keys("*")) == before | {b"key:000000000199"}
     finally:
-        client.delete("user:key", *REDIS_BENCHMARK_KEYS)
+        client.delete("user:key", "key:000000000199", *REDIS_BENCHMARK_KEYS)
         client.close()
 
 

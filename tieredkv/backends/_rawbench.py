@@ -32,6 +32,7 @@ __all__ = [
     "raw_memcpy",
     "raw_redis",
     "redis_benchmark",
+    "redis_benchmark_keys",
     "run_loop",
     "warm_free_pages",
 ]
@@ -210,14 +211,25 @@ def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str, **client_kwargs: A
     return result
 
 
-#: The keys ``redis-benchmark -t set,get`` writes (without ``-r`` the placeholder stays literal).
+#: The key ``redis-benchmark -t set,get`` writes without ``-r`` (the placeholder stays literal).
 REDIS_BENCHMARK_KEYS = ("key:__rand_int__",)
+
+
+def redis_benchmark_keys(n: int) -> list[str]:
+    """Every key :func:`redis_benchmark` may write for ``n`` requests: the literal one, and the
+    ``-r n`` keys (``key:`` and a 12-digit number below ``n``)."""
+    return [*REDIS_BENCHMARK_KEYS, *(f"key:{i:012d}" for i in range(n))]
 
 
 def redis_benchmark(port: int, size: int, n: int, host: str = "127.0.0.1") -> tuple[float, float] | None:
     """GB/s of SET and GET from ``redis-benchmark`` (-P1 -c1: the best setting for big values here).
 
-    It writes :data:`REDIS_BENCHMARK_KEYS` into database 0 of the user's server: when one of them
+    SET is timed with ``-r n``: random keys among ``n``, so the server allocates new values as
+    the tiers' stores make it do (without ``-r`` every SET overwrites one key and the server
+    reuses its memory: 1.5-2x the figure at 1-4 MiB here). GET reads the one literal key, so every
+    reply carries a full value (with ``-r`` a third of the GETs would miss and look fast).
+
+    It writes :func:`redis_benchmark_keys` into database 0 of the user's server: when one of them
     already exists there (someone's data) nothing is run (None); otherwise they are deleted after
     the run, whatever happens, so the server is left as it was found. None too when the
     ``redis-benchmark`` executable is not installed."""
@@ -226,25 +238,30 @@ def redis_benchmark(port: int, size: int, n: int, host: str = "127.0.0.1") -> tu
         return None
     import redis
 
+    keys = redis_benchmark_keys(n)
     client = redis.Redis(host=host, port=port, db=0, socket_timeout=30)
     try:
-        if client.exists(*REDIS_BENCHMARK_KEYS):
+        if any(client.exists(*keys[b : b + 1000]) for b in range(0, len(keys), 1000)):
             return None  # never overwrite (and then delete) a key that is not ours
         try:
             return _run_redis_benchmark(exe, host, port, size, n)
         finally:
-            client.delete(*REDIS_BENCHMARK_KEYS)
+            for b in range(0, len(keys), 1000):
+                client.delete(*keys[b : b + 1000])
     finally:
         client.close()
 
 
 def _run_redis_benchmark(exe: str, host: str, port: int, size: int, n: int) -> tuple[float, float] | None:
-    # One key: every GET hits a value of the full size.
-    argv = [exe, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n)]
-    out = subprocess.run(
-        [*argv, "-P", "1", "-c", "1", "-q"], capture_output=True, text=True, timeout=300, check=False
-    ).stdout
-    rps = {m.group(1).lower(): float(m.group(2)) for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)}
-    if "set" not in rps or "get" not in rps:
+    argv = [exe, "-h", host, "-p", str(port), "-d", str(size), "-n", str(n), "-P", "1", "-c", "1", "-q"]
+    store = _rps(argv + ["-t", "set", "-r", str(n)], "SET")  # new keys
+    load = _rps(argv + ["-t", "set,get"], "GET")  # the literal key, read back at full size
+    if store is None or load is None:
         return None
-    return rps["set"] * size / 1e9, rps["get"] * size / 1e9
+    return store * size / 1e9, load * size / 1e9
+
+
+def _rps(argv: list[str], test: str) -> float | None:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False).stdout
+    m = re.search(rf"{test}: ([\d.]+) requests per second", out)
+    return float(m.group(1)) if m else None

@@ -489,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         tb.BATCH_BYTES = batch_bytes  # the pipeline side reads it per call
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    from tieredkv.bench import STEADY_MALLOC, steady_malloc
+
+    # The same heap settings on both sides: this process (tieredkv.bench.steady_malloc) and
+    # LMCache's child, through glibc's environment variables for them.
+    steady_malloc()
+    for name, value in STEADY_MALLOC.items():
+        os.environ[f"MALLOC_{name.removeprefix('M_')}_"] = str(value)
 
     py, install = ensure_lmcache_venv(Path(a.venv))
 
@@ -500,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.workdir or tempfile.mkdtemp(prefix="tieredkv-peers-")
     os.makedirs(work, exist_ok=True)
     info = machine(work)
+    info["malloc_lmcache_child"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     t_start = time.perf_counter()
     tkv: dict[str, dict[int, Any]] = {}
     lmc: dict[str, dict[str, Any]] = {}

@@ -119,7 +119,9 @@ class TierLane:
                 outcome = Outcome.FULL
             except TieredKVError as e:
                 self.breaker.failure()
-                log.warning("tier %s: store of %d chunks dropped: %s", self.tier.name, len(batch), e)
+                log.warning(
+                    "tier %s: store of %d chunks dropped: %s", self.tier.name, sum(len(it.keys) for it in batch), e
+                )
                 outcome = Outcome.DROPPED
         if outcome is Outcome.DROPPED:
             self.dropped += sum(len(it.keys) for it in batch)

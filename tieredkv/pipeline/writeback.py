@@ -86,11 +86,11 @@ class WriteBack:
         first = route.tiers[0]
         if not route.promote:
             return
-        lane = self.lanes[first]
-        futs = [lane.write(keys[i], views[i]) for i, n in found_in.items() if n != first]
-        if futs:
-            await asyncio.gather(*futs)
-            self.counters["promotions"] += len(futs)
+        up = [i for i, n in found_in.items() if n != first]
+        if up:
+            for _, fut in self.lanes[first].write_many([keys[i] for i in up], [views[i] for i in up]):
+                await fut
+            self.counters["promotions"] += len(up)
 
     async def flush(self, timeout: float) -> None:
         """Write every dirty chunk to its route's next tier, in writer-sized batches, and wait for
@@ -116,14 +116,15 @@ class WriteBack:
                     log.error("close: cannot read %d write-back chunks from tier %s: %s", len(batch), top, e)
                     lost += len(batch)
                     continue
-                futs = [lane.write(k, v) for k, v in zip(batch, payloads) if v is not None]
-                gone += len(batch) - len(futs)  # deleted from the first tier meanwhile: nothing to keep
-                if not futs:
+                held = [(k, v) for k, v in zip(batch, payloads) if v is not None]
+                gone += len(batch) - len(held)  # deleted from the first tier meanwhile: nothing to keep
+                if not held:
                     continue
-                done, pending = await asyncio.wait(futs, timeout=left)
-                ok = sum(1 for f in done if f.result() is Outcome.OK)
+                parts = {fut: count for count, fut in lane.write_many([k for k, _ in held], [v for _, v in held])}
+                done, pending = await asyncio.wait(list(parts), timeout=left)
+                ok = sum(parts[f] for f in done if f.result() is Outcome.OK)
                 flushed += ok
-                lost += len(futs) - ok
+                lost += len(held) - ok
         queued = [f for f in self._queued if not f.done()]
         if queued:
             left = max(0.0, deadline - loop.time())

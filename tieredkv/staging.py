@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["Copier", "KVGroupTensors", "StagingBuffer", "StagingPool"]
@@ -157,6 +158,11 @@ class KVGroupTensors:
         self.host_bytes: memoryview | None = None
         if len(self.tensors) == 1 and self.device.type == "cpu":
             self.host_bytes = memoryview(self.tensors[0].reshape(-1).numpy())  # type: ignore[arg-type]
+        #: In host memory: each tensor as a (blocks, block bytes) NumPy array over the same memory,
+        #: for :class:`Copier` (a NumPy copy costs a third of a torch ``copy_``'s fixed cost).
+        self.host_arrays: list[np.ndarray] | None = None
+        if self.device.type == "cpu":
+            self.host_arrays = [t.numpy() for t in self.tensors]
 
     @staticmethod
     def _as_blocks(t: torch.Tensor) -> torch.Tensor:
@@ -212,6 +218,8 @@ class Copier:
     ) -> Any:
         if buf.numel() < group.chunk_bytes(n):
             raise ValueError(f"staging view of {buf.numel()} bytes is smaller than {n} blocks ({group.chunk_bytes(n)})")
+        if group.host_arrays is not None and buf.device.type == "cpu":
+            return _move_host(group.host_arrays, group.block_bytes, _runs(placements), n, buf.numpy(), to_staging)
         on_cuda = group.device.type == "cuda"
         if on_cuda:
             stream = self._stream(group.device)
@@ -237,6 +245,29 @@ class Copier:
                 ev.record(stream)
                 return ev
         return None
+
+
+def _move_host(
+    arrays: list[np.ndarray],
+    block_bytes: list[int],
+    runs: list[tuple[int, int, int]],
+    n: int,
+    buf: np.ndarray,
+    to_staging: bool,
+) -> None:
+    """:meth:`Copier._move` in host memory, with NumPy: one ``copyto`` per run of consecutive
+    blocks and tensor (it releases the GIL, as torch's ``copy_`` does, at a third of its fixed
+    cost per call: 256 KiB chunks 8.0-8.3 against 5.6-6.4 GB/s)."""
+    off = 0
+    for arr, bb in zip(arrays, block_bytes):
+        for pos, b, k in runs:
+            view = buf[off + pos * bb : off + (pos + k) * bb]
+            dev = arr[b] if k == 1 else arr[b : b + k].reshape(-1)
+            if to_staging:
+                np.copyto(view, dev)
+            else:
+                np.copyto(dev, view)
+        off += n * bb
 
 
 def _runs(placements: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

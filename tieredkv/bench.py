@@ -224,8 +224,8 @@ def steady_malloc() -> bool:
     the kernel after each commit and faults it in again in the next transaction's puts: the raw
     py-lmdb put of 4 MiB values spent 200-320 ms per 256 MiB in its puts instead of 35-50, and
     read 0.3-0.85 GB/s against 2.1-2.2 run alone. The raw baselines are meant to be the medium's
-    limit, so the bench keeps the heap (the tiers, whose writes run on their own threads, measured
-    the same with and without)."""
+    limit, so the bench keeps the heap; it applies to the tier runs in the same process alike
+    (the CPU tier measured the same with and without, interleaved in one process)."""
     import ctypes
     import ctypes.util
 

@@ -213,6 +213,8 @@ def run_tier_bench(
 #: glibc ``mallopt`` parameters (see ``mallopt(3)``) and what :func:`steady_malloc` sets them to.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 STEADY_MALLOC = {"M_TRIM_THRESHOLD": 1 << 30, "M_TOP_PAD": 64 * MiB, "M_MMAP_THRESHOLD": 32 * MiB}
+#: How this process was set up for the bench, reported by :func:`machine_info`.
+_SETUP: dict[str, Any] = {"malloc": "glibc defaults"}
 
 
 def steady_malloc() -> bool:
@@ -241,10 +243,6 @@ def steady_malloc() -> bool:
     if ok:
         _SETUP["malloc"] = dict(STEADY_MALLOC)
     return ok
-
-
-#: How this process was set up for the bench, reported by :func:`machine_info`.
-_SETUP: dict[str, Any] = {"malloc": "glibc defaults"}
 
 
 @contextlib.contextmanager

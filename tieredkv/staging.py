@@ -153,16 +153,16 @@ class KVGroupTensors:
         self.device = self.tensors[0].device
         self.block_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.bytes_per_block = sum(self.block_bytes)
-        #: The bytes of the only tensor, block after block, when the group is one tensor in host
-        #: memory (a chunk of consecutive blocks is then a slice of it: no staging copy).
-        self.host_bytes: memoryview | None = None
-        if len(self.tensors) == 1 and self.device.type == "cpu":
-            self.host_bytes = memoryview(self.tensors[0].reshape(-1).numpy())  # type: ignore[arg-type]
         #: In host memory: each tensor as a (blocks, block bytes) NumPy array over the same memory,
         #: for :class:`Copier` (a NumPy copy costs a third of a torch ``copy_``'s fixed cost).
         self.host_arrays: list[np.ndarray] | None = None
+        #: The bytes of the only tensor, block after block, when the group is one tensor in host
+        #: memory (a chunk of consecutive blocks is then a slice of it: no staging copy).
+        self.host_bytes: memoryview | None = None
         if self.device.type == "cpu":
             self.host_arrays = [t.numpy() for t in self.tensors]
+            if len(self.host_arrays) == 1:
+                self.host_bytes = memoryview(self.host_arrays[0].reshape(-1))  # type: ignore[arg-type]
 
     @staticmethod
     def _as_blocks(t: torch.Tensor) -> torch.Tensor:

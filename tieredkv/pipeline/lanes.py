@@ -104,14 +104,12 @@ class TierLane:
 
     async def _write_batch(self, batch: list[_WriteItem]) -> None:
         outcome = Outcome.OK
+        items = sum(len(it.keys) for it in batch)
         if not self.breaker.allow():
             outcome = Outcome.DROPPED
         else:
             try:
-                if len(batch) == 1:
-                    await self.tier.put_many(list(zip(batch[0].keys, batch[0].payloads)))
-                else:
-                    await self.tier.put_many([kv for it in batch for kv in zip(it.keys, it.payloads)])
+                await self.tier.put_many([kv for it in batch for kv in zip(it.keys, it.payloads)])
                 self.breaker.success()
                 self.batches += 1
             except TierFullError:
@@ -119,12 +117,10 @@ class TierLane:
                 outcome = Outcome.FULL
             except TieredKVError as e:
                 self.breaker.failure()
-                log.warning(
-                    "tier %s: store of %d chunks dropped: %s", self.tier.name, sum(len(it.keys) for it in batch), e
-                )
+                log.warning("tier %s: store of %d chunks dropped: %s", self.tier.name, items, e)
                 outcome = Outcome.DROPPED
         if outcome is Outcome.DROPPED:
-            self.dropped += sum(len(it.keys) for it in batch)
+            self.dropped += items
         for it in batch:
             if not it.fut.done():
                 it.fut.set_result(outcome)

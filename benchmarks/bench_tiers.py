@@ -23,7 +23,7 @@ from tieredkv.bench import (
     cell,
     machine_info,
     plot,
-    ratios,
+    result_row,
     run_tier_bench,
     steady_malloc,
     tier_figures,
@@ -65,17 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": machine_info(),
                 "total_bytes_per_figure": total,
                 "reps": reps,
-                "results": [
-                    {
-                        "size": r.size,
-                        "chunks": r.chunks,
-                        "gbps": r.gbps,
-                        "reps": r.reps,
-                        "ratios": ratios(r),
-                        "baselines": r.baselines,
-                    }
-                    for r in results
-                ],
+                "results": [result_row(r) for r in results],
             },
             f,
             indent=1,
@@ -110,6 +100,13 @@ def print_table(results: list[BenchResult]) -> None:
         print(f"{label:>8} | " + " | ".join(cell(r, k).rjust(22) for k in keys))
     judged = {k: v for r in results for k, v in r.baselines.items()}
     print("baselines: " + ", ".join(f"{k} vs {v}" for k, v in judged.items()))
+    floored = [k for k in keys if any(k in r.floors for r in results)]
+    if floored:
+        print("tieredkv GB/s / integrity floor GB/s (ratio): the medium's raw work plus a checksum of every payload")
+        print(f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in floored))
+        for r in results:
+            label = f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB"
+            print(f"{label:>8} | " + " | ".join(cell(r, k, r.floors).rjust(22) for k in floored))
 
 
 if __name__ == "__main__":

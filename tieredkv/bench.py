@@ -8,9 +8,11 @@ Used by ``benchmarks/bench_tiers.py`` and ``tieredkv bench``. For each chunk siz
   ``<tier label>.load`` GB/s (tier → device blocks);
 * the raw limit of each tier's medium on the same bytes, from the tier class's
   :meth:`~tieredkv.backends.base.Tier.raw_limits` (built-ins: ``memcpy``; ``file_pagecache.store``,
-  ``file_durable.store``, ``file.load``, ``lmdb_raw.store|load``; ``redis_py.store|load``,
-  ``redis_benchmark.store|load``), which also names the figure the tier is judged against
-  (:attr:`BenchResult.baselines`, :func:`ratios`). A tier class without the hook gets its
+  ``file_durable.store``, ``file.load``, ``lmdb_raw.store|load``, ``lmdb_checked.store|load``;
+  ``redis_py.store|load``, ``redis_benchmark.store|load``), which also names the figure the tier
+  is judged against (:attr:`BenchResult.baselines`, :func:`ratios`) and, where records leave the
+  process, the medium's integrity floor (:attr:`BenchResult.floors`, :func:`floor_ratios`: the
+  same raw work plus a checksum over every payload). A tier class without the hook gets its
   figures and no ratio. Nothing here knows a tier kind: a tier's bench copy comes from its config
   model (:func:`make_tier`), its raw limit from its class.
 
@@ -88,6 +90,9 @@ class BenchResult:
     #: ``"<label>.store|load"`` → the raw figure that tier is judged against (its class's
     #: :attr:`~tieredkv.backends.base.RawLimits.baseline`); absent when it declares none.
     baselines: dict[str, str] = field(default_factory=dict)
+    #: ``"<label>.store|load"`` → the raw figure of the same medium with the integrity work alone
+    #: (:attr:`~tieredkv.backends.base.RawLimits.floor`): the most a checked tier could do there.
+    floors: dict[str, str] = field(default_factory=dict)
 
     def add(self, name: str, samples: list[float]) -> None:
         self.reps[name] = [round(x, 3) for x in samples]
@@ -300,9 +305,11 @@ def _bench_size(
                         notes.add(note)
                         log(f"note: {note}")
                     for label in labels:
-                        res.baselines.update(
-                            {f"{label}.{op}": _suffixed(raw.baseline[op], suffix) for op in OPS if op in raw.baseline}
-                        )
+                        for op in OPS:
+                            if op in raw.baseline:
+                                res.baselines[f"{label}.{op}"] = _suffixed(raw.baseline[op], suffix)
+                            if op in raw.floor:
+                                res.floors[f"{label}.{op}"] = _suffixed(raw.floor[op], suffix)
 
                 if rep % 2 == 0:
                     measure_raw()
@@ -354,7 +361,30 @@ def _suffixed(figure: str, suffix: str) -> str:
 
 def ratios(res: BenchResult) -> dict[str, float]:
     """``"<label>.store|load"`` → tier GB/s / its baseline's GB/s, for tiers that declare one."""
-    return {k: round(res.gbps[k] / res.gbps[b], 2) for k, b in res.baselines.items() if k in res.gbps and b in res.gbps}
+    return _over(res, res.baselines)
+
+
+def floor_ratios(res: BenchResult) -> dict[str, float]:
+    """``"<label>.store|load"`` → tier GB/s / its medium's integrity floor, for tiers that have one."""
+    return _over(res, res.floors)
+
+
+def _over(res: BenchResult, against: dict[str, str]) -> dict[str, float]:
+    return {k: round(res.gbps[k] / res.gbps[b], 2) for k, b in against.items() if k in res.gbps and b in res.gbps}
+
+
+def result_row(res: BenchResult) -> dict[str, Any]:
+    """One size's results as the JSON files hold them."""
+    return {
+        "size": res.size,
+        "chunks": res.chunks,
+        "gbps": res.gbps,
+        "reps": res.reps,
+        "ratios": ratios(res),
+        "baselines": res.baselines,
+        "floor_ratios": floor_ratios(res),
+        "floors": res.floors,
+    }
 
 
 def tier_figures(results: Sequence[BenchResult]) -> list[str]:
@@ -363,11 +393,12 @@ def tier_figures(results: Sequence[BenchResult]) -> list[str]:
     return [f"{label}.{op}" for label in labels for op in OPS]
 
 
-def cell(res: BenchResult, key: str) -> str:
-    """``tier/raw (ratio x)`` for a figure with a baseline, ``tier`` without, ``""`` when absent."""
+def cell(res: BenchResult, key: str, against: dict[str, str] | None = None) -> str:
+    """``tier/raw (ratio x)`` for a figure with a baseline (or with an entry in ``against``, e.g.
+    :attr:`BenchResult.floors`), ``tier`` without, ``""`` when absent."""
     if key not in res.gbps:
         return ""
-    base = res.baselines.get(key)
+    base = (res.baselines if against is None else against).get(key)
     if base is None or base not in res.gbps:
         return f"{res.gbps[key]:.2f}"
     return f"{res.gbps[key]:.2f}/{res.gbps[base]:.2f} ({res.gbps[key] / res.gbps[base]:.2f}x)"

@@ -315,7 +315,14 @@ def test_bench_command_labels_figures_by_tier_and_judges_each_against_its_medium
         "shared.store": "redis_py.store", "shared.load": "redis_py.load",
     }  # fmt: skip
     assert set(row["ratios"]) == set(row["baselines"]) and all(v > 0 for v in row["ratios"].values())
+    assert row["floors"] == {
+        "nvme.store": "lmdb_checked.store", "nvme.load": "lmdb_checked.load",
+        "shared.store": "redis_checked.store", "shared.load": "redis_checked.load",
+    }  # fmt: skip
+    assert set(row["floor_ratios"]) == set(row["floors"]) and all(v > 0 for v in row["floor_ratios"].values())
     for key in ("file_pagecache.store", "file_durable.store", "file.load", *row["baselines"].values()):
+        assert row["gbps"][key] > 0, key
+    for key in row["floors"].values():
         assert row["gbps"][key] > 0, key
     assert set(client.keys("*")) == before and client.get("user:key") == b"keep me"
     client.delete("user:key")

@@ -72,14 +72,43 @@ def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp
     dst.zero_()
     disk = LMDBTier.raw_limits(LMDBTierConfig(sync_mode="durable"), src, dst, workdir=str(tmp_path))
     assert disk.baseline == {"store": "lmdb_raw.store", "load": "lmdb_raw.load"}
+    assert disk.floor == {"store": "lmdb_checked.store", "load": "lmdb_checked.load"}
     assert set(disk.gbps) == {
         "file_pagecache.store",
         "file.load",
         "file_durable.store",
         "lmdb_raw.store",
         "lmdb_raw.load",
+        "lmdb_checked.store",
+        "lmdb_checked.load",
     }
+    assert all(v > 0 for v in disk.gbps.values())
+    assert cpu.floor == {}  # the slab's records never leave the process: no checksum, no floor
     assert torch.equal(dst, src) and list(tmp_path.iterdir()) == []  # read back; scratch removed
+
+
+def test_the_integrity_floor_checks_what_it_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checked raw run does the verification it stands for: bytes that differ from what was
+    written fail it (here the digest of the read-back copies is made to disagree)."""
+    from tieredkv.backends import _rawbench
+
+    src = torch.randint(0, 256, (4, 64 * KiB), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    _rawbench.raw_lmdb(src, dst, str(tmp_path), checked=True)
+    assert torch.equal(dst, src)
+    import xxhash
+
+    calls = []
+    real = xxhash.xxh3_64_intdigest
+
+    def digest(buf: object) -> int:
+        calls.append(1)
+        return real(buf) + (len(calls) > 4)  # stores (4 calls) see the truth, loads do not
+
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", digest)
+    with pytest.raises(ValueError, match="read back other bytes"):
+        _rawbench.raw_lmdb(src, dst, str(tmp_path), checked=True)
+    assert len(calls) == 5
 
 
 def test_redis_raw_limits_leave_the_server_as_found(redis_server: RedisServer) -> None:
@@ -93,7 +122,9 @@ def test_redis_raw_limits_leave_the_server_as_found(redis_server: RedisServer) -
             RedisTierConfig(url=redis_server.url, cluster=True), src, dst, workdir="/nonexistent"
         )
         assert raw.baseline == {"store": "redis_py.store", "load": "redis_py.load"}
-        assert raw.gbps["redis_py.store"] > 0 and raw.gbps["redis_py.load"] > 0
+        assert raw.floor == {"store": "redis_checked.store", "load": "redis_checked.load"}
+        for figure in ("redis_py.store", "redis_py.load", "redis_checked.store", "redis_checked.load"):
+            assert raw.gbps[figure] > 0, figure
         assert raw.notes == ("the raw Redis figures use one node of the cluster",)
         assert torch.equal(dst, src)
         assert (
@@ -198,12 +229,12 @@ def test_an_lmdb_tier_in_durable_mode_is_judged_against_a_durable_raw_put(
     ``--tiers lmdb:sync_mode=durable`` builds that config."""
     from tieredkv.backends import _rawbench
 
-    syncs: list[bool] = []
+    syncs: list[tuple[bool, bool]] = []
     real = _rawbench.raw_lmdb
 
-    def spy(*args: object, sync: bool = False) -> tuple[float, float]:
-        syncs.append(sync)
-        return real(*args, sync=sync)  # type: ignore[arg-type]
+    def spy(*args: object, sync: bool = False, checked: bool = False) -> tuple[float, float]:
+        syncs.append((sync, checked))
+        return real(*args, sync=sync, checked=checked)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_rawbench, "raw_lmdb", spy)
     spec = importlib.util.spec_from_file_location("bench_tiers", ROOT / "benchmarks" / "bench_tiers.py")
@@ -216,12 +247,16 @@ def test_an_lmdb_tier_in_durable_mode_is_judged_against_a_durable_raw_put(
     (res,) = bench.run_tier_bench(
         [LMDBTierConfig(), durable], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None
     )
-    assert syncs == [False, True, False, True]  # warm-up rep and one kept rep, each raw run once
+    # warm-up rep and one kept rep, each raw run once plain and once checked, with its tier's flags
+    assert syncs == [(False, False), (False, True), (True, False), (True, True)] * 2
     assert res.baselines["lmdb.store"] == "lmdb_raw.store"
     assert res.baselines["lmdb-durable.store"] == "lmdb_raw[lmdb-durable].store"
     assert res.baselines["lmdb-durable.load"] == "lmdb_raw[lmdb-durable].load"
+    assert res.floors["lmdb-durable.store"] == "lmdb_checked[lmdb-durable].store"
+    assert res.floors["lmdb.load"] == "lmdb_checked.load"
     for figure in ("lmdb_raw.store", "lmdb_raw[lmdb-durable].store", "lmdb.store", "lmdb-durable.store"):
         assert res.gbps[figure] > 0, figure
+    assert set(bench.floor_ratios(res)) == set(res.floors) == set(res.baselines)
 
 
 def test_each_medium_runs_beside_its_raw_baseline_first_and_second_in_turn(
@@ -235,9 +270,10 @@ def test_each_medium_runs_beside_its_raw_baseline_first_and_second_in_turn(
     events: list[str] = []
     real_raw, real_run = _rawbench.raw_lmdb, bench.pipeline_store_load
 
-    def raw(*args: object, sync: bool = False) -> tuple[float, float]:
-        events.append("raw-durable" if sync else "raw")
-        return real_raw(*args, sync=sync)  # type: ignore[arg-type]
+    def raw(*args: object, sync: bool = False, checked: bool = False) -> tuple[float, float]:
+        if not checked:  # the checked run follows its plain one inside the same raw_limits call
+            events.append("raw-durable" if sync else "raw")
+        return real_raw(*args, sync=sync, checked=checked)  # type: ignore[arg-type]
 
     def run(tier: Tier, *args: object, **kw: object) -> tuple[float, float]:
         events.append(tier.name)
@@ -284,8 +320,9 @@ def test_every_timed_write_starts_on_freshly_backed_free_pages(tmp_path: Path, m
     monkeypatch.setattr(_rawbench, "warm_free_pages", warm)
     monkeypatch.setattr(bench, "warm_free_pages", warm)
     bench.run_tier_bench([LMDBTierConfig()], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None)
-    # Warm-up rep and one timed rep, each: raw file (page cache), raw file (durable), raw py-lmdb, the tier.
-    assert warmed == [1 << 20] * 8
+    # Warm-up rep and one timed rep, each: raw file (page cache), raw file (durable), raw py-lmdb,
+    # raw py-lmdb checked, the tier.
+    assert warmed == [1 << 20] * 10
 
 
 def test_steady_malloc_is_reported_with_the_results() -> None:

@@ -127,10 +127,18 @@ def raw_file(src: torch.Tensor, dst: torch.Tensor, workdir: str, durable: bool) 
     return tw, tr
 
 
-def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str, *, sync: bool = False) -> tuple[float, float]:
+def raw_lmdb(
+    src: torch.Tensor, dst: torch.Tensor, workdir: str, *, sync: bool = False, checked: bool = False
+) -> tuple[float, float]:
     """(write seconds, read seconds) of py-lmdb put/get in transactions of about BATCH_BYTES,
-    with the LMDB tier's map flags (``sync``/``metasync`` as its ``sync_mode`` sets them)."""
+    with the LMDB tier's map flags (``sync``/``metasync`` as its ``sync_mode`` sets them).
+
+    ``checked``: the same, plus the integrity work alone — an xxh3-64 of every payload before its
+    put (kept in a list, as a header would carry it), and of every delivered copy after its get,
+    compared (a mismatch raises). No header, no key in the hash, no second write: the floor a
+    verified record format cannot go below on this medium."""
     import lmdb
+    import xxhash
 
     path = tempfile.mkdtemp(dir=workdir)
     n, size = src.shape
@@ -148,12 +156,17 @@ def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str, *, sync: bool =
     per = max(1, BATCH_BYTES // size)
     keys = [i.to_bytes(8, "big") for i in range(n)]
     warm_free_pages(src)
+    sums: list[int] = []
+    digest = xxhash.xxh3_64_intdigest
     try:
         t0 = time.perf_counter()
         for b in range(0, n, per):
             with env.begin(write=True, db=db) as txn:
                 for i in range(b, min(n, b + per)):
-                    txn.put(keys[i], _view(src[i]))
+                    payload = _view(src[i])
+                    if checked:
+                        sums.append(digest(payload))
+                    txn.put(keys[i], payload)
         tw = time.perf_counter() - t0
         t0 = time.perf_counter()
         with env.begin(db=db, buffers=True) as txn:
@@ -161,7 +174,10 @@ def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str, *, sync: bool =
                 got = txn.get(keys[i])
                 if got is None:
                     raise KeyError(f"raw lmdb bench: key {i} vanished")
-                _view(dst[i])[:] = got
+                out = _view(dst[i])
+                out[:] = got
+                if checked and digest(out) != sums[i]:
+                    raise ValueError(f"raw lmdb bench: key {i} read back other bytes than were written")
         tr = time.perf_counter() - t0
     finally:
         env.close()
@@ -172,15 +188,22 @@ def raw_lmdb(src: torch.Tensor, dst: torch.Tensor, workdir: str, *, sync: bool =
 # ---- Redis ---------------------------------------------------------------------------------------
 
 
-def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str, **client_kwargs: Any) -> tuple[float, float]:
+def raw_redis(
+    src: torch.Tensor, dst: torch.Tensor, url: str, *, checked: bool = False, **client_kwargs: Any
+) -> tuple[float, float]:
     """(SET seconds, GET seconds) of redis-py (uvloop when installed) pipelines of at most 64
-    values and about 8 MiB (``client_kwargs``: e.g. the tier's ``username``/``password``). Its keys carry a fresh random token (a user's key is never
-    overwritten) and are deleted again; nothing else is touched."""
+    values and about 8 MiB (``client_kwargs``: e.g. the tier's ``username``/``password``). Its
+    keys carry a fresh random token (a user's key is never overwritten) and are deleted again;
+    nothing else is touched. ``checked``: plus an xxh3-64 of every payload before its SET and of
+    every delivered copy after its GET, compared, as :func:`raw_lmdb` does."""
     import redis.asyncio as aioredis
+    import xxhash
 
     n, size = src.shape
     per = max(1, min(64, (8 * MiB) // size))
     names = [f"tieredkv-raw:{uuid.uuid4().hex}:{i}" for i in range(n)]
+    sums: list[int] = []
+    digest = xxhash.xxh3_64_intdigest
 
     async def run() -> tuple[float, float]:
         r = aioredis.Redis.from_url(url, **client_kwargs)
@@ -190,7 +213,10 @@ def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str, **client_kwargs: A
             for b in range(0, n, per):
                 p = r.pipeline(transaction=False)
                 for i in range(b, min(n, b + per)):
-                    p.set(names[i], _view(src[i]))
+                    payload = _view(src[i])
+                    if checked:
+                        sums.append(digest(payload))
+                    p.set(names[i], payload)
                 await p.execute()
             tw = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -199,7 +225,10 @@ def raw_redis(src: torch.Tensor, dst: torch.Tensor, url: str, **client_kwargs: A
                 for i in range(b, min(n, b + per)):
                     p.get(names[i])
                 for i, v in zip(range(b, min(n, b + per)), await p.execute()):
-                    _view(dst[i])[:] = v
+                    out = _view(dst[i])
+                    out[:] = v
+                    if checked and digest(out) != sums[i]:
+                        raise ValueError(f"raw redis bench: key {i} read back other bytes than were written")
             tr = time.perf_counter() - t0
             for b in range(0, n, 1000):  # only the keys this run wrote, never the whole database
                 await r.delete(*names[b : b + 1000])

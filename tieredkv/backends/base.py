@@ -133,6 +133,12 @@ class RawLimits:
     baseline: dict[str, str] = field(default_factory=dict)
     #: Caveats printed once with the results ("the raw Redis figures use one node of the cluster").
     notes: tuple[str, ...] = ()
+    #: ``"store"`` / ``"load"`` → the figure in :attr:`gbps` of the same medium doing the integrity
+    #: work every record that leaves the process must get (a checksum computed over each payload
+    #: on store, the delivered bytes checked against it on load), and nothing else: the most a tier
+    #: that keeps integrity could do here. Reported beside the baseline (:func:`tieredkv.bench.
+    #: floor_ratios`), never instead of it; empty for a medium whose records never leave the process.
+    floor: dict[str, str] = field(default_factory=dict)
 
 
 class Tier(ABC):

@@ -339,17 +339,26 @@ class LMDBTier(Tier):
     @classmethod
     def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits:
         """The disk under ``workdir``: one file written with ``pwrite`` (page cache, then with
-        ``fdatasync``) and read warm with ``preadv``; and py-lmdb put/get with this tier's map
-        flags (``sync_mode``), the baseline: what LMDB itself does with these records."""
+        ``fdatasync``) and read warm with ``preadv``; py-lmdb put/get with this tier's map flags
+        (``sync_mode``), the baseline: what LMDB itself does with these records; and the same with
+        an xxh3 of every payload on both paths, the floor: what LMDB does with records whose
+        integrity is checked, as this tier's are."""
         from tieredkv.backends._rawbench import gbps, raw_file, raw_lmdb
 
         nbytes = src.numel()
+        sync = config.sync_mode == "durable"
         w, r = raw_file(src, dst, workdir, durable=False)
         figures = {"file_pagecache.store": gbps(nbytes, w), "file.load": gbps(nbytes, r)}
         figures["file_durable.store"] = gbps(nbytes, raw_file(src, dst, workdir, durable=True)[0])
-        w, r = raw_lmdb(src, dst, workdir, sync=config.sync_mode == "durable")
+        w, r = raw_lmdb(src, dst, workdir, sync=sync)
         figures |= {"lmdb_raw.store": gbps(nbytes, w), "lmdb_raw.load": gbps(nbytes, r)}
-        return RawLimits(figures, {"store": "lmdb_raw.store", "load": "lmdb_raw.load"})
+        w, r = raw_lmdb(src, dst, workdir, sync=sync, checked=True)
+        figures |= {"lmdb_checked.store": gbps(nbytes, w), "lmdb_checked.load": gbps(nbytes, r)}
+        return RawLimits(
+            figures,
+            baseline={"store": "lmdb_raw.store", "load": "lmdb_raw.load"},
+            floor={"store": "lmdb_checked.store", "load": "lmdb_checked.load"},
+        )
 
     @property
     def _sh(self) -> _SharedEnv:

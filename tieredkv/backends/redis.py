@@ -212,21 +212,30 @@ class RedisTier(Tier):
         """The server at ``config.url``: redis-py pipelined SET/GET of the chunks (the baseline:
         the same client library and loop as the tier, without records or hash tags) and, for a
         plain ``redis://`` URL without a password, ``redis-benchmark`` (the server's own limit
-        over one connection). Both delete every key they wrote; see
-        :func:`~tieredkv.backends._rawbench.redis_benchmark` for how a user's key is spared."""
+        over one connection); and the redis-py run with an xxh3 of every payload on both paths,
+        the floor: what that client does with records whose integrity is checked. All delete every
+        key they wrote; see :func:`~tieredkv.backends._rawbench.redis_benchmark` for how a user's
+        key is spared."""
         from tieredkv.backends._rawbench import gbps, raw_redis, redis_benchmark
 
         nbytes, (n, size) = src.numel(), src.shape
         auth = {k: v for k, v in (("username", config.username), ("password", config.password)) if v is not None}
         w, r = raw_redis(src, dst, config.url, **auth)
         figures = {"redis_py.store": gbps(nbytes, w), "redis_py.load": gbps(nbytes, r)}
+        w, r = raw_redis(src, dst, config.url, checked=True, **auth)
+        figures |= {"redis_checked.store": gbps(nbytes, w), "redis_checked.load": gbps(nbytes, r)}
         parts = urlsplit(config.url)
         if parts.scheme == "redis" and parts.password is None and config.password is None:
             rb = redis_benchmark(parts.port or 6379, size, min(n, 2000), host=parts.hostname or "127.0.0.1")
             if rb:
                 figures |= {"redis_benchmark.store": rb[0], "redis_benchmark.load": rb[1]}
         notes = ("the raw Redis figures use one node of the cluster",) if config.cluster else ()
-        return RawLimits(figures, {"store": "redis_py.store", "load": "redis_py.load"}, notes)
+        return RawLimits(
+            figures,
+            {"store": "redis_py.store", "load": "redis_py.load"},
+            notes,
+            floor={"store": "redis_checked.store", "load": "redis_checked.load"},
+        )
 
     # ---- helpers ----------------------------------------------------------------------
 

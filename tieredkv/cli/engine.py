@@ -227,7 +227,7 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
     finally:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    rows = [{"size": r.size, "gbps": r.gbps, "ratios": b.ratios(r), "baselines": r.baselines} for r in results]
+    rows = [b.result_row(r) for r in results]
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"tiers-{stamp}.json"
@@ -245,4 +245,13 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
     render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), cells, right=("size", *keys))
     judged = {k: v for r in results for k, v in r.baselines.items()}
     render.say("baselines: " + (", ".join(f"{k} vs {v}" for k, v in judged.items()) or "none declared"))
+    floored = [k for k in keys if any(k in r.floors for r in results)]
+    if floored:
+        cells = [[f"{r.size // 1024} KiB", *(b.cell(r, k, r.floors) for k in floored)] for r in results]
+        render.table(
+            "tier GB/s vs integrity floor GB/s (ratio): the raw work plus a checksum of every payload",
+            ("size", *floored),
+            cells,
+            right=("size", *floored),
+        )
     render.say(f"wrote {path}" + (f" and {png}" if png else " (pip install 'tieredkv[bench]' for the PNG plot)"))

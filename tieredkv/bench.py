@@ -470,6 +470,13 @@ def plot(results: list[BenchResult], path: str) -> None:
             if base is not None:
                 raw = [r.gbps.get(base, 0) for r in results]
                 ax.bar([x + width for x in xs], raw, width, alpha=0.45, label=f"raw {base.split('.')[0]}")
+            floor = next((r.floors[key] for r in results if key in r.floors), None)
+            if floor is not None:  # the raw work plus a checksum of every payload: a tick on the raw bar
+                ticks = [(x + width, r.gbps[floor]) for x, r in zip(xs, results) if floor in r.gbps]
+                named = any(c.get_label() == "integrity floor" for c in ax.collections)
+                ax.scatter(
+                    *zip(*ticks), marker="_", s=90, color="black", zorder=3, label=None if named else "integrity floor"
+                )
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
         ax.set_xticklabels([f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB" for r in results])
         ax.set_title(f"{op} GB/s (median of reps)")

@@ -21,6 +21,7 @@ from tieredkv.bench import (
     KiB,
     MiB,
     cell,
+    floored_figures,
     machine_info,
     plot,
     result_row,
@@ -100,7 +101,7 @@ def print_table(results: list[BenchResult]) -> None:
         print(f"{label:>8} | " + " | ".join(cell(r, k).rjust(22) for k in keys))
     judged = {k: v for r in results for k, v in r.baselines.items()}
     print("baselines: " + ", ".join(f"{k} vs {v}" for k, v in judged.items()))
-    floored = [k for k in keys if any(k in r.floors for r in results)]
+    floored = floored_figures(results)
     if floored:
         print("tieredkv GB/s / integrity floor GB/s (ratio): the medium's raw work plus a checksum of every payload")
         print(f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in floored))

@@ -393,6 +393,11 @@ def tier_figures(results: Sequence[BenchResult]) -> list[str]:
     return [f"{label}.{op}" for label in labels for op in OPS]
 
 
+def floored_figures(results: Sequence[BenchResult]) -> list[str]:
+    """The :func:`tier_figures` that have an integrity floor (:attr:`BenchResult.floors`)."""
+    return [k for k in tier_figures(results) if any(k in r.floors for r in results)]
+
+
 def cell(res: BenchResult, key: str, against: dict[str, str] | None = None) -> str:
     """``tier/raw (ratio x)`` for a figure with a baseline (or with an entry in ``against``, e.g.
     :attr:`BenchResult.floors`), ``tier`` without, ``""`` when absent."""
@@ -463,6 +468,7 @@ def plot(results: list[BenchResult], path: str) -> None:
     for ax, op in zip(axes, OPS):
         keys = [k for k in tier_figures(results) if k.endswith(f".{op}")]
         width = 0.8 / (2 * max(1, len(keys)))
+        floor_label: str | None = "integrity floor"
         for j, key in enumerate(keys):
             xs = [i + (2 * j) * width for i in range(len(results))]
             ax.bar(xs, [r.gbps.get(key, 0) for r in results], width, label=f"tieredkv {key.rsplit('.', 1)[0]}")
@@ -473,10 +479,8 @@ def plot(results: list[BenchResult], path: str) -> None:
             floor = next((r.floors[key] for r in results if key in r.floors), None)
             if floor is not None:  # the raw work plus a checksum of every payload: a tick on the raw bar
                 ticks = [(x + width, r.gbps[floor]) for x, r in zip(xs, results) if floor in r.gbps]
-                named = any(c.get_label() == "integrity floor" for c in ax.collections)
-                ax.scatter(
-                    *zip(*ticks), marker="_", s=90, color="black", zorder=3, label=None if named else "integrity floor"
-                )
+                ax.scatter(*zip(*ticks), marker="_", s=90, color="black", zorder=3, label=floor_label)
+                floor_label = None  # one legend entry per axis
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
         ax.set_xticklabels([f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB" for r in results])
         ax.set_title(f"{op} GB/s (median of reps)")

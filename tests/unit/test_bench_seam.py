@@ -61,6 +61,10 @@ def test_a_tier_class_without_the_hook_gets_figures_and_no_ratio(tmp_path: Path,
     assert re.fullmatch(r"[\d.]+", bench.cell(res, "files.store"))
     assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.load"))
     assert bench.tier_figures([res]) == [f"{t}.{op}" for t in ("slab", "files", "nvme") for op in ("store", "load")]
+    # only the LMDB tier's records leave the process: only it has an integrity floor
+    assert bench.floored_figures([res]) == ["nvme.store", "nvme.load"]
+    assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.store", res.floors))
+    assert bench.cell(res, "slab.store", res.floors) == f"{res.gbps['slab.store']:.2f}"
 
 
 def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp_path: Path) -> None:

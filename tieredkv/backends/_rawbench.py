@@ -57,6 +57,28 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs lack __buffer__
 
 
+class _Digests:
+    """The integrity work alone, for a ``checked`` raw run (or nothing, unchecked): an xxh3-64 of
+    every payload as it is written (kept, as a header would carry it), and of every delivered
+    copy, compared with it (a mismatch raises)."""
+
+    def __init__(self, checked: bool, what: str) -> None:
+        import xxhash
+
+        self.checked = checked
+        self.what = what
+        self.sums: list[int] = []
+        self._digest = xxhash.xxh3_64_intdigest
+
+    def seal(self, payload: memoryview) -> None:
+        if self.checked:
+            self.sums.append(self._digest(payload))
+
+    def check(self, i: int, delivered: memoryview) -> None:
+        if self.checked and self._digest(delivered) != self.sums[i]:
+            raise ValueError(f"{self.what}: key {i} read back other bytes than were written")
+
+
 def warm_free_pages(src: torch.Tensor) -> None:
     """Fault in fresh anonymous memory for writing ``src`` (its bytes, a quarter more for B-tree
     pages and allocator slack, and one batch) and free it again, just before a timed write.
@@ -133,12 +155,9 @@ def raw_lmdb(
     """(write seconds, read seconds) of py-lmdb put/get in transactions of about BATCH_BYTES,
     with the LMDB tier's map flags (``sync``/``metasync`` as its ``sync_mode`` sets them).
 
-    ``checked``: the same, plus the integrity work alone — an xxh3-64 of every payload before its
-    put (kept in a list, as a header would carry it), and of every delivered copy after its get,
-    compared (a mismatch raises). No header, no key in the hash, no second write: the floor a
-    verified record format cannot go below on this medium."""
+    ``checked``: the same, plus the integrity work alone (:class:`_Digests`): no header, no key in
+    the hash, no second write: the floor a verified record format cannot go below on this medium."""
     import lmdb
-    import xxhash
 
     path = tempfile.mkdtemp(dir=workdir)
     n, size = src.shape
@@ -156,16 +175,14 @@ def raw_lmdb(
     per = max(1, BATCH_BYTES // size)
     keys = [i.to_bytes(8, "big") for i in range(n)]
     warm_free_pages(src)
-    sums: list[int] = []
-    digest = xxhash.xxh3_64_intdigest
+    sums = _Digests(checked, "raw lmdb bench")
     try:
         t0 = time.perf_counter()
         for b in range(0, n, per):
             with env.begin(write=True, db=db) as txn:
                 for i in range(b, min(n, b + per)):
                     payload = _view(src[i])
-                    if checked:
-                        sums.append(digest(payload))
+                    sums.seal(payload)
                     txn.put(keys[i], payload)
         tw = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -176,8 +193,7 @@ def raw_lmdb(
                     raise KeyError(f"raw lmdb bench: key {i} vanished")
                 out = _view(dst[i])
                 out[:] = got
-                if checked and digest(out) != sums[i]:
-                    raise ValueError(f"raw lmdb bench: key {i} read back other bytes than were written")
+                sums.check(i, out)
         tr = time.perf_counter() - t0
     finally:
         env.close()
@@ -194,16 +210,14 @@ def raw_redis(
     """(SET seconds, GET seconds) of redis-py (uvloop when installed) pipelines of at most 64
     values and about 8 MiB (``client_kwargs``: e.g. the tier's ``username``/``password``). Its
     keys carry a fresh random token (a user's key is never overwritten) and are deleted again;
-    nothing else is touched. ``checked``: plus an xxh3-64 of every payload before its SET and of
-    every delivered copy after its GET, compared, as :func:`raw_lmdb` does."""
+    nothing else is touched. ``checked``: plus the integrity work alone (:class:`_Digests`), as
+    :func:`raw_lmdb` does."""
     import redis.asyncio as aioredis
-    import xxhash
 
     n, size = src.shape
     per = max(1, min(64, (8 * MiB) // size))
     names = [f"tieredkv-raw:{uuid.uuid4().hex}:{i}" for i in range(n)]
-    sums: list[int] = []
-    digest = xxhash.xxh3_64_intdigest
+    sums = _Digests(checked, "raw redis bench")
 
     async def run() -> tuple[float, float]:
         r = aioredis.Redis.from_url(url, **client_kwargs)
@@ -214,8 +228,7 @@ def raw_redis(
                 p = r.pipeline(transaction=False)
                 for i in range(b, min(n, b + per)):
                     payload = _view(src[i])
-                    if checked:
-                        sums.append(digest(payload))
+                    sums.seal(payload)
                     p.set(names[i], payload)
                 await p.execute()
             tw = time.perf_counter() - t0
@@ -227,8 +240,7 @@ def raw_redis(
                 for i, v in zip(range(b, min(n, b + per)), await p.execute()):
                     out = _view(dst[i])
                     out[:] = v
-                    if checked and digest(out) != sums[i]:
-                        raise ValueError(f"raw redis bench: key {i} read back other bytes than were written")
+                    sums.check(i, out)
             tr = time.perf_counter() - t0
             for b in range(0, n, 1000):  # only the keys this run wrote, never the whole database
                 await r.delete(*names[b : b + 1000])

@@ -245,7 +245,7 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
     render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), cells, right=("size", *keys))
     judged = {k: v for r in results for k, v in r.baselines.items()}
     render.say("baselines: " + (", ".join(f"{k} vs {v}" for k, v in judged.items()) or "none declared"))
-    floored = [k for k in keys if any(k in r.floors for r in results)]
+    floored = b.floored_figures(results)
     if floored:
         cells = [[f"{r.size // 1024} KiB", *(b.cell(r, k, r.floors) for k in floored)] for r in results]
         render.table(

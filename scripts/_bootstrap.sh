@@ -20,8 +20,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
-# Re-install only when pyproject.toml or the extras change.
-stamp="$VENV/.tieredkv-$(cat pyproject.toml scripts/_bootstrap.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+# Re-install only when pyproject.toml, setup.py, the C helper or the extras change.
+stamp="$VENV/.tieredkv-$(cat pyproject.toml setup.py tieredkv/_native/*.c scripts/_bootstrap.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
 if [ ! -f "$stamp" ]; then
   if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

@@ -33,11 +33,17 @@ import xxhash
 from tieredkv.errors import CorruptRecordError
 from tieredkv.keys import key_fingerprint, key_group, key_header_ids
 
+try:  # the optional C helper (setup.py); the pure-Python path below computes the same bytes
+    from tieredkv import _fastrec
+except ImportError:  # not built here (no compiler or no libxxhash): pure Python
+    _fastrec = None
+
 __all__ = [
     "FORMAT_VERSION",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
+    "NATIVE",
     "RecordHeader",
     "as_readable",
     "as_writable",
@@ -45,6 +51,7 @@ __all__ = [
     "encode_record",
     "encode_record_into",
     "make_header",
+    "verify_into",
     "verify_parts",
     "verify_record",
 ]
@@ -58,6 +65,13 @@ _ZERO_RESERVED = bytes(16)  # bytes 48..63: must read back as zeros
 _LEAD = struct.pack("<4sHH", MAGIC, FORMAT_VERSION, HEADER_SIZE)  # bytes 0..7
 _LEN_SUM = struct.Struct("<QQ")  # bytes 32..47: payload length, checksum
 assert HEADER_SIZE == 64
+#: Whether records are encoded and checked by the C helper ``tieredkv._fastrec`` (one call per
+#: record, the GIL released for the copy and the checksum of a payload of 16 KiB or more).
+NATIVE = _fastrec is not None
+#: Payloads at least this large are copied first (NumPy: one memcpy, the GIL released) and then
+#: verified where they landed, while the bytes are still in cache; smaller ones are verified where
+#: they are, then copied. Pure-Python path only.
+_COPY_FIRST = 128 << 10
 
 
 class RecordHeader(tuple):  # type: ignore[type-arg]
@@ -138,6 +152,8 @@ def make_header(key: bytes, payload: memoryview, *, flags: int = 0) -> bytes:
 
 def encode_record_into(dst: memoryview, key: bytes, payload: memoryview, *, flags: int = 0) -> int:
     """Write header + payload for ``key`` into ``dst``; return the record length."""
+    if _fastrec is not None and type(key) is bytes:
+        return _fastrec.encode_into(dst, key, payload, flags)
     total = HEADER_SIZE + len(payload)
     if len(dst) < total:
         raise ValueError(f"destination of {len(dst)} bytes is smaller than the record ({total})")
@@ -208,3 +224,40 @@ def verify_record(record: memoryview | bytes, key: bytes) -> memoryview:
     if len(mv) < HEADER_SIZE:
         raise CorruptRecordError(f"record of {len(mv)} bytes is shorter than the {HEADER_SIZE}-byte header")
     return verify_parts(mv[:HEADER_SIZE], mv[HEADER_SIZE:], key)
+
+
+def verify_into(record: memoryview | bytes, key: bytes, dst: memoryview) -> int:
+    """Deliver ``record``'s payload into the start of ``dst`` if it was written for stored key
+    ``key``; return the payload's length, or -1 when it does not fit ``dst`` (nothing copied).
+
+    Raises:
+        CorruptRecordError: as :func:`verify_record`. A payload found damaged after its copy is
+            zeroed where it landed: no damaged byte stays in a destination.
+    """
+    if _fastrec is not None and type(key) is bytes:
+        n = _fastrec.verify_copy(record, key, dst)
+        if n >= 0:
+            return n
+        if n == -2:  # too large for dst: a damaged record is still corrupt, not merely too large
+            verify_record(record, key)
+            return -1
+        verify_record(record, key)  # raises, naming what is wrong
+        raise CorruptRecordError("payload checksum mismatch")  # the record changed under the check
+    n = len(record) - HEADER_SIZE
+    if n > len(dst):
+        verify_record(record, key)  # a damaged record is corrupt, not merely too large
+        return -1
+    if n < _COPY_FIRST:
+        dst[:n] = verify_record(record, key)
+        return n
+    import numpy as np  # here, not at import: the admin paths that import format never need it
+
+    mv = record if isinstance(record, memoryview) else memoryview(record)
+    landed = np.frombuffer(dst, np.uint8, n)
+    np.copyto(landed, np.frombuffer(mv, np.uint8, n, HEADER_SIZE))
+    try:
+        verify_parts(mv[:HEADER_SIZE], dst[:n], key)
+    except CorruptRecordError:
+        landed.fill(0)
+        raise
+    return n

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes.util
+import shutil
 import struct
 
 import pytest
 import torch
 
+from tieredkv import format as fmt
 from tieredkv.errors import CorruptRecordError
 from tieredkv.format import (
     HEADER,
@@ -177,3 +180,82 @@ def test_record_header_bytes_are_pinned() -> None:
         "00000000000000000000000000000000"  # reserved
     )
     assert bytes(verify_record(header + bytes(payload), key)) == bytes(payload)
+
+
+@pytest.fixture(params=["native", "python"])
+def record_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a record test on the C helper (``tieredkv._fastrec``) and on the pure-Python path."""
+    if request.param == "python":
+        monkeypatch.setattr(fmt, "_fastrec", None)
+    elif fmt._fastrec is None:
+        pytest.fail("the C helper is not built (see test_the_c_helper_is_built_on_a_machine_that_can_build_it)")
+    return str(request.param)
+
+
+def test_the_c_helper_is_built_on_a_machine_that_can_build_it() -> None:
+    """Where gcc and the system's libxxhash are (every machine of this kind), the install built
+    ``tieredkv._fastrec`` and records go through it; elsewhere the pure-Python path serves."""
+    if shutil.which("gcc") and ctypes.util.find_library("xxhash"):
+        assert fmt.NATIVE and fmt._fastrec is not None
+
+
+SIZES = [0, 7, 16 * 1024 - 1, 16 * 1024, 64 * 1024 + 3, 256 * 1024, 1024 * 1024]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_both_paths_write_the_same_records_and_accept_each_others(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = Namespace(model="m").key(H, 5)
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    native = encode_record(key, payload, flags=9)
+    monkeypatch.setattr(fmt, "_fastrec", None)
+    python = encode_record(key, payload, flags=9)
+    assert native == python
+    for record in (native, python):
+        for helper in (None, _NATIVE):
+            monkeypatch.setattr(fmt, "_fastrec", helper)
+            dst = bytearray(n + 3)
+            assert fmt.verify_into(memoryview(record), key, memoryview(dst)) == n
+            assert dst[:n] == as_readable(payload) and dst[n:] == b"\0\0\0"
+
+
+_NATIVE = fmt._fastrec
+
+
+@pytest.mark.parametrize("n", [200, 64 * 1024, 256 * 1024])
+def test_verify_into_refuses_every_damaged_byte_and_keeps_none_in_the_destination(n: int, record_path: str) -> None:
+    """Every byte of header and payload is covered on both paths, and a damaged payload never
+    stays where it landed: the destination is either untouched or zeroed."""
+    key = Namespace(model="m").key(H, 1)
+    rec = encode_record(key, bytes(range(256)) * (n // 256) + bytes(n % 256))
+    positions = range(len(rec)) if n <= 200 else [*range(HEADER_SIZE), HEADER_SIZE, len(rec) // 2, len(rec) - 1]
+    for i in positions:
+        bad = bytearray(rec)
+        bad[i] ^= 0x01
+        dst = bytearray(b"\xaa" * n)
+        with pytest.raises(CorruptRecordError):
+            fmt.verify_into(memoryview(bad), key, memoryview(dst))
+        assert dst in (bytearray(b"\xaa" * n), bytearray(n)), i
+    other = Namespace(model="m").key(H[::-1], 1)
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        fmt.verify_into(rec, other, memoryview(bytearray(n)))  # a record copied under another key
+    with pytest.raises(CorruptRecordError, match="group"):
+        fmt.verify_into(rec, Namespace(model="m").key(H, 2), memoryview(bytearray(n)))
+
+
+def test_verify_into_a_destination_too_small_copies_nothing(record_path: str) -> None:
+    key = Namespace(model="m").key(H, 1)
+    rec = encode_record(key, b"x" * 40_000)
+    dst = bytearray(b"\xaa" * 39_999)
+    assert fmt.verify_into(rec, key, memoryview(dst)) == -1 and dst == b"\xaa" * 39_999
+    bad = bytearray(rec)
+    bad[-1] ^= 1
+    with pytest.raises(CorruptRecordError):  # damaged and too large: corrupt, not merely too large
+        fmt.verify_into(bad, key, memoryview(dst))
+    assert dst == b"\xaa" * 39_999
+
+
+def test_the_pinned_header_on_both_paths(record_path: str) -> None:
+    key = bytes(range(16)) + b"\x07" * 32 + (3).to_bytes(4, "big")
+    payload = bytes(range(256)) * 4
+    assert bytes(encode_record(key, payload)[:HEADER_SIZE]) == make_header(key, memoryview(payload))
+    assert make_header(key, memoryview(payload)).hex().startswith("544b565201004000")

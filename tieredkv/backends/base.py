@@ -404,11 +404,15 @@ class Tier(ABC):
             return bytes(payload)
         n = len(payload)
         if n > len(dst):
-            self._count("oversize")
-            log.warning("tier %s: record of %d bytes does not fit a %d-byte buffer; miss", self.name, n, len(dst))
+            self._oversize(key, n, dst)
             return None
         dst[:n] = payload
         return n
+
+    def _oversize(self, key: bytes, n: int, dst: memoryview) -> None:
+        """Count and log a verified payload of ``n`` bytes too large for its buffer: a miss."""
+        self._count("oversize")
+        log.warning("tier %s: record of %d bytes does not fit a %d-byte buffer; miss", self.name, n, len(dst))
 
     def _on_corrupt(self, key: bytes, err: BaseException) -> None:
         """Count and log a record that failed verification (the backend deletes it)."""

@@ -68,13 +68,12 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import lmdb
-import numpy as np
 
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
-from tieredkv.format import HEADER_SIZE, encode_record_into, verify_parts, verify_record
+from tieredkv.format import HEADER_SIZE, encode_record_into, verify_into, verify_record
 
 __all__ = ["LMDBTier"]
 
@@ -285,11 +284,6 @@ def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEn
     return shared
 
 
-#: Payloads at least this large are copied with numpy (one memcpy, the GIL released) and then
-#: verified where they landed, while the bytes are still in cache; smaller ones are verified in the
-#: map, then copied. (A verify thread beside the copies was measured slower on a 2-vCPU box: the
-#: copy and the checksum share the memory bus, and each hand-over costs a thread wake-up.)
-_GIL_FREE_COPY = 128 << 10
 #: A read batch of records this large each, and this large in all, is read by two threads.
 _SPLIT_RECORD_BYTES = 512 << 10
 _SPLIT_BATCH_BYTES = 2 << 20
@@ -741,10 +735,9 @@ class LMDBTier(Tier):
         """One read transaction over ``keys`` (safe on any thread: it touches no LRU state).
 
         Returns what each key delivered, the records that failed, and per key the stored
-        record's size (None: not there; -1: failed). A large record (:data:`_GIL_FREE_COPY`)
-        that fits its buffer is copied there first and then verified in place (what is checked
-        is what was delivered); smaller ones are verified in the map, then copied. A large one
-        that fails is zeroed where it landed: no damaged byte stays in a destination."""
+        record's size (None: not there; -1: failed). Each record is checked and copied by
+        :func:`~tieredkv.format.verify_into` (one C call per record where the helper is built;
+        one that fails is zeroed where it landed: no damaged byte stays in a destination)."""
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[int | None]]:
             out: list[int | bytes | None] = []
@@ -756,19 +749,14 @@ class LMDBTier(Tier):
                     out.append(None)
                     seen.append(None)
                     continue
-                n = len(rec) - HEADER_SIZE
                 try:
-                    if dst is not None and _GIL_FREE_COPY <= n <= len(dst):
-                        landed = np.frombuffer(dst, np.uint8, n)
-                        np.copyto(landed, np.frombuffer(rec, np.uint8, n, HEADER_SIZE))
-                        try:
-                            verify_parts(rec[:HEADER_SIZE], dst[:n], key)
-                        except CorruptRecordError:
-                            landed.fill(0)  # a damaged record's bytes never stay in the destination
-                            raise
-                        out.append(n)
+                    if dst is None:
+                        out.append(bytes(verify_record(rec, key)))
                     else:
-                        out.append(self._deliver(key, verify_record(rec, key), dst))
+                        n = verify_into(rec, key, dst)
+                        if n < 0:
+                            self._oversize(key, len(rec) - HEADER_SIZE, dst)
+                        out.append(n if n >= 0 else None)
                 except CorruptRecordError as e:
                     bad.append((key, e))
                     out.append(None)

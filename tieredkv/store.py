@@ -43,6 +43,7 @@ from tieredkv.keys import (
     GroupGeometry,
     Namespace,
     ParallelLayout,
+    group_suffix,
     key_fingerprint,
     key_group,
 )
@@ -376,54 +377,83 @@ class TieredStore:
 
     def _checked(self, group: int, chunks: Iterable[ChunkArg], op: str) -> tuple[ChunkRef, ...]:
         """Validate a store/load call's chunks: registered group, well-formed keys of that group and
-        this namespace, whole chunks of in-range block ids. Raises ``ValueError`` / ``TypeError``."""
+        this namespace, whole chunks of in-range block ids. Raises ``ValueError`` / ``TypeError``.
+
+        Once per chunk on the engine thread, so the loop body is C calls only: the key's bounds,
+        namespace and group in one test, the ids' range once for the whole call; a chunk that
+        fails is examined again by :meth:`_bad_chunk` to say what is wrong with it."""
         self._check_open(op)
         if group not in self._geometry:
             raise ValueError(f"{op}: group={group!r} is not registered; call register_group({group!r}, ...) first")
         bpc = self._geometry[group][0].blocks_per_chunk
-        n_blocks = self._num_blocks[group]
-        fp = self.namespace.fingerprint
-        refs = []
-        own = self._own_namespace
+        fp = self.namespace.fingerprint if self._own_namespace else b""
+        suffix = group_suffix(group)
         shortest = FINGERPRINT_BYTES + GROUP_BYTES + 1
         index = operator.index
-        for i, item in enumerate(chunks):  # once per chunk on the engine thread: C calls where possible
+        new = tuple.__new__
+        refs: list[ChunkRef] = []
+        every: list[int] = []  # every block id of the call, range-checked at the end
+        for i, item in enumerate(chunks):
             try:
                 key, ids = item
-            except (TypeError, ValueError):
-                raise TypeError(f"{op}: chunk {i} is {item!r}; expected (key: bytes, block_ids)") from None
-            if type(key) is not bytes:
-                if not isinstance(key, (bytes, bytearray, memoryview)):
-                    raise TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
-                key = bytes(key)
-            if not shortest <= len(key) <= MAX_KEY_BYTES:
-                raise ValueError(
-                    f"{op}: chunk {i} key is {len(key)} bytes; expected {shortest}..{MAX_KEY_BYTES} bytes from store.key()"
-                )
-            if own and not key.startswith(fp):
-                raise ValueError(
-                    f"{op}: chunk {i} key belongs to another namespace (fingerprint "
-                    f"{key_fingerprint(key).hex()}, this store's is {fp.hex()}); build keys "
-                    "with this store's key() after registering its groups"
-                )
-            if key_group(key) != group:
-                raise ValueError(f"{op}: chunk {i} key is of group {key_group(key)}, not of group {group}")
-            try:
+                if type(key) is not bytes:
+                    key = bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else None
                 block_ids = tuple(map(index, ids))
-            except TypeError:
-                raise TypeError(f"{op}: chunk {i} block ids {ids!r} are not integers") from None
-            if len(block_ids) != bpc:
-                raise ValueError(
-                    f"{op}: chunk {i} has {len(block_ids)} block ids; group {group} chunks are "
-                    f"{bpc} blocks (blocks_per_chunk)"
-                )
-            if block_ids and (min(block_ids) < 0 or max(block_ids) >= n_blocks):
-                bad = [b for b in block_ids if not 0 <= b < n_blocks]
-                raise ValueError(
-                    f"{op}: chunk {i} block ids {bad} are out of range 0..{n_blocks - 1} of group {group}'s tensors"
-                )
-            refs.append(ChunkRef(key, block_ids))
+            except (TypeError, ValueError):
+                raise self._bad_chunk(op, group, i, item) from None
+            if (
+                key is None
+                or not shortest <= len(key) <= MAX_KEY_BYTES
+                or not key.startswith(fp)
+                or not key.endswith(suffix)
+                or len(block_ids) != bpc
+            ):
+                raise self._bad_chunk(op, group, i, item)
+            refs.append(new(ChunkRef, (key, block_ids)))
+            every += block_ids
+        if every and (min(every) < 0 or max(every) >= self._num_blocks[group]):
+            i = next(i for i, r in enumerate(refs) if not all(0 <= b < self._num_blocks[group] for b in r.block_ids))
+            raise self._bad_chunk(op, group, i, refs[i])
         return tuple(refs)
+
+    def _bad_chunk(self, op: str, group: int, i: int, item: Any) -> Exception:
+        """What is wrong with chunk ``i`` of a call :meth:`_checked` refused (the slow path)."""
+        try:
+            key, ids = item
+        except (TypeError, ValueError):
+            return TypeError(f"{op}: chunk {i} is {item!r}; expected (key: bytes, block_ids)")
+        if not isinstance(key, (bytes, bytearray, memoryview)):
+            return TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
+        key = bytes(key)
+        shortest = FINGERPRINT_BYTES + GROUP_BYTES + 1
+        if not shortest <= len(key) <= MAX_KEY_BYTES:
+            return ValueError(
+                f"{op}: chunk {i} key is {len(key)} bytes; expected {shortest}..{MAX_KEY_BYTES} bytes from store.key()"
+            )
+        fp = self.namespace.fingerprint
+        if self._own_namespace and not key.startswith(fp):
+            return ValueError(
+                f"{op}: chunk {i} key belongs to another namespace (fingerprint "
+                f"{key_fingerprint(key).hex()}, this store's is {fp.hex()}); build keys "
+                "with this store's key() after registering its groups"
+            )
+        if key_group(key) != group:
+            return ValueError(f"{op}: chunk {i} key is of group {key_group(key)}, not of group {group}")
+        try:
+            block_ids = tuple(map(operator.index, ids))
+        except TypeError:
+            return TypeError(f"{op}: chunk {i} block ids {ids!r} are not integers")
+        bpc = self._geometry[group][0].blocks_per_chunk
+        if len(block_ids) != bpc:
+            return ValueError(
+                f"{op}: chunk {i} has {len(block_ids)} block ids; group {group} chunks are "
+                f"{bpc} blocks (blocks_per_chunk)"
+            )
+        n_blocks = self._num_blocks[group]
+        bad = [b for b in block_ids if not 0 <= b < n_blocks]
+        return ValueError(
+            f"{op}: chunk {i} block ids {bad} are out of range 0..{n_blocks - 1} of group {group}'s tensors"
+        )
 
     def _collect(self) -> None:
         for r in self.pipeline.poll_finished():

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from tieredkv.keys import key_group
 
@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 NULL_BLOCK = 0
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
-    """One chunk: its stored key and the GPU block ids it occupies, in order."""
+class ChunkRef(NamedTuple):
+    """One chunk: its stored key and the GPU block ids it occupies, in order. A named tuple: the
+    engine thread builds one per chunk of every call (``tuple.__new__(ChunkRef, (key, ids))`` is a
+    single C call)."""
 
     key: bytes
     block_ids: tuple[int, ...]

@@ -111,9 +111,11 @@ def test_copier_gather_scatter_layout_and_skip() -> None:
 
 @pytest.mark.parametrize("bpc", [1, 2, 4])
 def test_direct_view_only_for_a_whole_chunk_of_consecutive_blocks_in_order(bpc: int) -> None:
-    """A CPU group's chunk is moved with no staging copy exactly when its placements are the
-    chunk's positions 0..bpc-1 on consecutive blocks; the view is those blocks' bytes."""
+    """A CPU group's chunk is moved with no staging copy exactly when its block ids are the whole
+    chunk on consecutive blocks in order (for a load, not the null block); the view is those
+    blocks' bytes. Every other chunk of the same call gets None."""
     from tieredkv.groups import GroupSpec
+    from tieredkv.pipeline import ChunkRef
     from tieredkv.pipeline.transfer import GroupBinding
     from tieredkv.policy import GroupRoute
 
@@ -123,18 +125,26 @@ def test_direct_view_only_for_a_whole_chunk_of_consecutive_blocks_in_order(bpc: 
         KVGroupTensors([kv]),
         GroupRoute(0, ("x",), "through", True),
     )
-    run = [(p, 5 + p) for p in range(bpc)]
-    view = grp.direct_view(run)
-    assert view is not None and bytes(view) == kv[5 : 5 + bpc].numpy().tobytes()
-    assert grp.direct_view(run[:-1]) is None  # not the whole chunk
-    assert grp.direct_view([(p + 1, b) for p, b in run]) is None  # positions shifted (a skipped block)
+    run = tuple(range(5, 5 + bpc))
+    cases = [run, run[:-1], tuple(range(bpc))]  # whole; short (a skipped block); from the null block
     if bpc > 1:
-        assert grp.direct_view(run[::-1]) is None  # blocks out of order
-        assert grp.direct_view([*run[:-1], (bpc - 1, 14)]) is None  # not consecutive
-        assert grp.direct_view([(p, 5) for p in range(bpc)]) is None  # one block repeated
+        cases += [run[::-1], (*run[:-1], 14), (5,) * bpc]  # out of order; not consecutive; repeated
+    if bpc == 4:
+        cases.append((5, 7, 6, 8))  # the right ends, the middle swapped
+    chunks = [ChunkRef(b"k", ids) for ids in cases]
+    for load in (True, False):
+        views = grp.direct_views(chunks, load=load)
+        assert views[0] is not None and bytes(views[0]) == kv[5 : 5 + bpc].numpy().tobytes()
+        assert views[1] is None
+        if load:
+            assert views[2] is None  # a load never reads into the null block
+        else:
+            assert views[2] is not None and bytes(views[2]) == kv[:bpc].numpy().tobytes()
+        assert all(v is None for v in views[3:])
+    assert grp.direct_views(chunks[:1], load=True, skip={0}) == [None]  # e.g. served from a slot
     two = GroupBinding(
         GroupSpec(0, "full", tokens_per_block=16, blocks_per_chunk=bpc),
         KVGroupTensors([kv, kv.clone()]),
         GroupRoute(0, ("x",), "through", True),
     )
-    assert two.direct_view(run) is None  # several tensors: a chunk's bytes are not one range
+    assert two.direct_views(chunks[:1], load=False) == [None]  # several tensors: not one range

@@ -8,7 +8,7 @@ by where the tensors live):
   slab): a store gathers device blocks straight into reserved slots and publishes them (one
   copy); a load scatters hits straight from borrowed slots.
 * **direct** — the device bytes already are the payload (one CPU tensor, consecutive blocks):
-  tiers read and write them with no staging copy (:meth:`GroupBinding.direct_view`).
+  tiers read and write them with no staging copy (:meth:`GroupBinding.direct_views`).
 * **staged** — everything else: blocks are gathered into a staging buffer, written, and read
   back into it before the scatter. A job larger than the whole pool moves through its buffer
   in parts.
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from tieredkv.errors import TierFullError
 from tieredkv.groups import GroupSpec
-from tieredkv.pipeline.jobs import LoadJob, StoreJob, parts
+from tieredkv.pipeline.jobs import NULL_BLOCK, ChunkRef, LoadJob, StoreJob, parts
 from tieredkv.pipeline.lanes import Lanes
 from tieredkv.pipeline.writeback import WriteBack
 from tieredkv.policy import GroupRoute
@@ -67,18 +67,28 @@ class GroupBinding:
     def chunk_bytes(self) -> int:
         return self.tensors.chunk_bytes(self.spec.blocks_per_chunk)
 
-    def direct_view(self, placements: list[tuple[int, int]]) -> memoryview | None:
-        """The device bytes of a whole chunk when they already are its payload — one CPU tensor and
-        consecutive blocks — so tiers can read and write them with no staging copy; else None."""
+    def direct_views(
+        self, chunks: Sequence[ChunkRef], *, load: bool, skip: Container[int] = ()
+    ) -> list[memoryview | None]:
+        """Per chunk, the device bytes of the whole chunk when they already are its payload — one
+        CPU tensor and the chunk's blocks consecutive (for a load, none of them the null block) —
+        so tiers read and write them with no staging copy; else None (and for chunks in ``skip``)."""
         host = self.tensors.host_bytes
+        if host is None:
+            return [None] * len(chunks)
         bpc = self.spec.blocks_per_chunk
-        if host is None or len(placements) != bpc:
-            return None
-        first = placements[0][1]
-        if placements[0][0] != 0 or (bpc > 1 and placements != list(zip(range(bpc), range(first, first + bpc)))):
-            return None  # not the chunk's blocks in order, consecutive from ``first``
         bb = self.tensors.bytes_per_block
-        return host[first * bb : (first + bpc) * bb]
+        low = NULL_BLOCK + 1 if load else 0
+        out: list[memoryview | None] = []
+        for i, c in enumerate(chunks):  # once per chunk on the loop: C calls only
+            ids = c.block_ids
+            first = ids[0] if len(ids) == bpc else -1
+            consecutive = first >= low and ids[-1] - first == bpc - 1  # and, past two, every step is 1:
+            if consecutive and i not in skip and (bpc <= 2 or ids == tuple(range(first, first + bpc))):
+                out.append(host[first * bb : (first + bpc) * bb])
+            else:
+                out.append(None)
+        return out
 
 
 class Transfers:
@@ -138,16 +148,16 @@ class Transfers:
         keys = [c.key for c in job.chunks]
         done: list[bytes] = []
         written: dict[str, int] = {}
+        direct = grp.direct_views(job.chunks, load=False)
         for part in parts(len(job.chunks), buf.nbytes // cb):  # one part unless the job is larger than the pool
             ev = None
             views = []
             for j, i in enumerate(part):
-                c = job.chunks[i]
-                direct = grp.direct_view(list(enumerate(c.block_ids)))
-                if direct is None:
-                    ev = self.copier.gather(grp.tensors, c.block_ids, buf.view(j * cb, cb), after=ready)
-                    direct = buf.mview(j * cb, cb)
-                views.append(direct)
+                view = direct[i]
+                if view is None:
+                    ev = self.copier.gather(grp.tensors, job.chunks[i].block_ids, buf.view(j * cb, cb), after=ready)
+                    view = buf.mview(j * cb, cb)
+                views.append(view)
             await wait_event(ev)
             got, w = await self.writeback.write(grp.route, [keys[i] for i in part], views)
             done += got  # the writes are over: the buffer is free for the next part
@@ -168,13 +178,14 @@ class Transfers:
         borrowed: dict[int, Any] = {}
         bpc = grp.blocks_per_chunk
         try:
-            places = [job.placements(i, bpc) for i in range(len(keys))]
             if slots is not None:  # hits in the slot tier are copied straight from their slots
                 for i, slot in enumerate(slots.borrow(keys)):
                     if slot is not None:
                         borrowed[i] = slot
                         found_in[i] = slots.name
-            direct = [None if i in borrowed else grp.direct_view(pl) for i, pl in enumerate(places)]
+            direct = grp.direct_views(job.chunks, load=True, skip=borrowed)
+            # where each chunk's blocks go, for those copied (not read straight into their blocks)
+            places = {i: job.placements(i, bpc) for i, view in enumerate(direct) if view is None}
             lower = route.tiers[1:] if slots is not None else route.tiers
             complete = True  # every chunk so far was found: keep copying
             for part in parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger than the pool

@@ -229,6 +229,8 @@ def verify_record(record: memoryview | bytes, key: bytes) -> memoryview:
 def verify_into(record: memoryview | bytes, key: bytes, dst: memoryview) -> int:
     """Deliver ``record``'s payload into the start of ``dst`` if it was written for stored key
     ``key``; return the payload's length, or -1 when it does not fit ``dst`` (nothing copied).
+    ``record`` must not change during the call (a record in an LMDB read transaction, or bytes
+    of this process): the C helper checks a large payload piece by piece as it copies it.
 
     Raises:
         CorruptRecordError: as :func:`verify_record`. A payload found damaged after its copy is

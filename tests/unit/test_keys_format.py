@@ -213,9 +213,11 @@ def test_both_paths_write_the_same_records_and_accept_each_others(n: int, monkey
     for record in (native, python):
         for helper in (None, _NATIVE):
             monkeypatch.setattr(fmt, "_fastrec", helper)
-            dst = bytearray(n + 3)
-            assert fmt.verify_into(memoryview(record), key, memoryview(dst)) == n
-            assert dst[:n] == as_readable(payload) and dst[n:] == b"\0\0\0"
+            for shift in (0, 3):  # a destination off the 16-byte grid as well
+                dst = bytearray(n + 6)
+                assert fmt.verify_into(memoryview(record), key, memoryview(dst)[shift:]) == n
+                assert dst[shift : shift + n] == as_readable(payload)
+                assert not any(dst[:shift]) and not any(dst[shift + n :])
 
 
 _NATIVE = fmt._fastrec

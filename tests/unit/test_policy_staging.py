@@ -109,6 +109,47 @@ def test_copier_gather_scatter_layout_and_skip() -> None:
         Copier().gather(group, [1, 2, 3], buf)
 
 
+@pytest.mark.parametrize("helper", ["c", "numpy"])
+def test_large_host_copies_land_byte_for_byte_on_both_paths(helper: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of 64 KiB and more take the C helper's non-temporal copy where it is built; the bytes
+    that land are the same as NumPy's, for one block, a run of blocks and a multi-tensor group
+    whose block sizes are off the 16-byte grid."""
+    from tieredkv import staging
+
+    if helper == "numpy":
+        monkeypatch.setattr(staging, "_stream_into", None)
+    else:
+        assert staging._stream_into is not None, "the C helper is not built"
+    g = torch.Generator().manual_seed(1)
+    k = torch.randint(0, 256, (6, 70_001), dtype=torch.uint8, generator=g)  # odd block bytes
+    v = torch.randn(6, 20_000, generator=g).to(torch.bfloat16)
+    group = KVGroupTensors([k, v])
+    buf = torch.zeros(group.chunk_bytes(3) + 1, dtype=torch.uint8)[1:]  # off the grid as well
+    Copier().gather(group, [4, 1, 2], buf)  # a single block, then a run of two
+    want = torch.cat([k[4], k[1], k[2], v[4].view(torch.uint8), v[1].view(torch.uint8), v[2].view(torch.uint8)])
+    assert torch.equal(buf, want)
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    Copier().scatter(KVGroupTensors([k2, v2]), [(0, 5), (1, 2), (2, 3)], buf, chunk_blocks=3)
+    assert torch.equal(k2[5], k[4]) and torch.equal(k2[2:4], k[1:3]) and torch.equal(v2[2:4], v[1:3])
+    assert not k2[:2].any() and not k2[4].any() and not v2[:2].any()
+
+
+def test_the_stream_copy_copies_every_byte_and_refuses_a_short_destination() -> None:
+    from tieredkv.staging import _stream_into
+
+    assert _stream_into is not None, "the C helper is not built"
+    src = bytes(range(256)) * 600 + b"tail"
+    for shift in range(0, 17, 5):
+        for n in (0, 1, 63, 16 * 1024, 64 * 1024 + 7, len(src)):
+            dst = bytearray(n + 40)
+            assert _stream_into(memoryview(dst)[shift:], src[:n]) == n
+            assert dst[shift : shift + n] == src[:n] and not any(dst[:shift]) and not any(dst[shift + n :])
+    with pytest.raises(ValueError, match="smaller"):
+        _stream_into(bytearray(99_999), src[:100_000])
+    with pytest.raises(BufferError):
+        _stream_into(src, src)  # a read-only destination
+
+
 @pytest.mark.parametrize("bpc", [1, 2, 4])
 def test_direct_view_only_for_a_whole_chunk_of_consecutive_blocks_in_order(bpc: int) -> None:
     """A CPU group's chunk is moved with no staging copy exactly when its block ids are the whole

@@ -274,11 +274,52 @@ done:
     return PyLong_FromSsize_t(result);
 }
 
+/* stream_into(dst, src) -> bytes copied
+ * Copies ``src`` to the start of ``dst`` with non-temporal stores where the CPU has them (see
+ * stream_copy), the GIL released from RELEASE_AT bytes: for copies whose destination is not read
+ * again soon (a chunk into the CPU tier's slab, or into blocks the engine reads after a step). */
+static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "stream_into(dst, src)");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (src.len > dst.len) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the source (%zd)", dst.len, src.len);
+    } else {
+        Py_ssize_t n = src.len;
+        if (n >= RELEASE_AT) {
+            Py_BEGIN_ALLOW_THREADS;
+#if defined(__SSE2__)
+            stream_copy((uint8_t *)dst.buf, (const uint8_t *)src.buf, (size_t)n);
+            _mm_sfence();
+#else
+            memcpy(dst.buf, src.buf, (size_t)n);
+#endif
+            Py_END_ALLOW_THREADS;
+        } else {
+            memcpy(dst.buf, src.buf, (size_t)n);
+        }
+        result = PyLong_FromSsize_t(n);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode_into", (PyCFunction)(void (*)(void))encode_into, METH_FASTCALL,
      "encode_into(dst, key, payload, flags) -> record length"},
     {"verify_copy", (PyCFunction)(void (*)(void))verify_copy, METH_FASTCALL,
      "verify_copy(record, key, dst) -> payload length, -1 (bad record) or -2 (does not fit)"},
+    {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
+     "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,7 +84,15 @@ from tieredkv.errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from tieredkv.format import HEADER_SIZE, decode_header, encode_record, make_header, verify_parts, verify_record
+from tieredkv.format import (
+    HEADER_SIZE,
+    decode_header,
+    encode_record,
+    make_header,
+    verify_into,
+    verify_parts,
+    verify_record,
+)
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, chunk_key_of, key_fingerprint, key_group, key_hash, stored_key
 
 __all__ = ["RedisTier", "parse_redis_key", "redis_key"]
@@ -581,13 +589,19 @@ class RedisTier(Tier):
         whole: bool = True,
     ) -> int | bytes | None:
         try:
-            payload = verify_record(value, key)
+            if dst is None:
+                got: int | bytes = bytes(verify_record(value, key))
+            else:
+                got = verify_into(value, key, dst)  # checked and copied in one C call where built
         except CorruptRecordError as e:
             self._on_corrupt(key, e)
             corrupt.append((rk, value, whole))
             return None
         self._note_size(len(value))
-        return self._deliver(key, payload, dst)
+        if got == -1:  # a good record, larger than its destination
+            self._oversize(key, len(value) - HEADER_SIZE, dst)  # type: ignore[arg-type]  # dst given
+            return None
+        return got
 
     def _verify_placed(
         self,

@@ -192,13 +192,15 @@ class TierContract:
 
     # ---- corruption ------------------------------------------------------------------
 
-    async def test_corrupt_record_is_miss_deleted_and_counted(self, tier: Tier, ns: Namespace) -> None:
+    @pytest.mark.parametrize("size", [65536, 1 << 20])
+    async def test_corrupt_record_is_miss_deleted_and_counted(self, tier: Tier, ns: Namespace, size: int) -> None:
         good, bad = ns.key(_h(1), 0), ns.key(_h(2), 0)
-        await tier.put_many([(good, payload(65536, 1)), (bad, payload(65536, 2))])
+        await tier.put_many([(good, payload(size, 1)), (bad, payload(size, 2))])
         await self.corrupt(tier, bad)
-        out = [torch.zeros(65536, dtype=torch.uint8) for _ in range(2)]
-        assert await tier.get_many([good, bad], into=out) == [65536, None]
-        assert torch.equal(out[0], payload(65536, 1))
+        out = [torch.zeros(size, dtype=torch.uint8) for _ in range(2)]
+        assert await tier.get_many([good, bad], into=out) == [size, None]
+        assert torch.equal(out[0], payload(size, 1))
+        assert not out[1].any()  # none of the damaged record's bytes stayed where they landed
         assert tier.counters["corrupt"] == 1
         assert await tier.contains_many([bad]) == [False]
         assert (await tier.stats()).counters["corrupt"] == 1

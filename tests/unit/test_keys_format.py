@@ -182,21 +182,29 @@ def test_record_header_bytes_are_pinned() -> None:
     assert bytes(verify_record(header + bytes(payload), key)) == bytes(payload)
 
 
+#: Whether this machine can build the C helper (gcc and the system's libxxhash; every machine of
+#: this project's kind): then the install must have built it, and both paths are tested.
+CAN_BUILD = bool(shutil.which("gcc") and ctypes.util.find_library("xxhash"))
+
+
 @pytest.fixture(params=["native", "python"])
 def record_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a record test on the C helper (``tieredkv._fastrec``) and on the pure-Python path."""
     if request.param == "python":
         monkeypatch.setattr(fmt, "_fastrec", None)
+    elif fmt._fastrec is None and CAN_BUILD:
+        pytest.fail("the C helper is not built here although it can be (reinstall: pip install -e .)")
     elif fmt._fastrec is None:
-        pytest.fail("the C helper is not built (see test_the_c_helper_is_built_on_a_machine_that_can_build_it)")
+        pytest.skip("no C compiler or libxxhash on this machine: the pure-Python path is the one in use")
     return str(request.param)
 
 
 def test_the_c_helper_is_built_on_a_machine_that_can_build_it() -> None:
     """Where gcc and the system's libxxhash are (every machine of this kind), the install built
     ``tieredkv._fastrec`` and records go through it; elsewhere the pure-Python path serves."""
-    if shutil.which("gcc") and ctypes.util.find_library("xxhash"):
-        assert fmt.NATIVE and fmt._fastrec is not None
+    assert fmt.NATIVE == (fmt._fastrec is not None)
+    if CAN_BUILD:
+        assert fmt.NATIVE
 
 
 SIZES = [0, 7, 16 * 1024 - 1, 16 * 1024, 64 * 1024 + 3, 256 * 1024, 1024 * 1024]
@@ -204,6 +212,8 @@ SIZES = [0, 7, 16 * 1024 - 1, 16 * 1024, 64 * 1024 + 3, 256 * 1024, 1024 * 1024]
 
 @pytest.mark.parametrize("n", SIZES)
 def test_both_paths_write_the_same_records_and_accept_each_others(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if _NATIVE is None and not CAN_BUILD:
+        pytest.skip("no C compiler or libxxhash on this machine: only the pure-Python path exists")
     key = Namespace(model="m").key(H, 5)
     payload = torch.randint(0, 256, (n,), dtype=torch.uint8)
     native = encode_record(key, payload, flags=9)

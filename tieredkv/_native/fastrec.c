@@ -39,7 +39,7 @@ extern unsigned long long XXH3_64bits_digest(const XXH3_state_t *state);
 /* Below this many payload bytes the GIL is kept: releasing and taking it back costs more than
  * the copy and the checksum of a small payload. */
 #define RELEASE_AT (16 * 1024)
-/* From this many payload bytes a checked copy streams to its destination (see check_stream). */
+/* From this many payload bytes a checked copy streams to its destination (see copy_checksum). */
 #define STREAM_AT (64 * 1024)
 
 static void put_le(uint8_t *p, uint64_t v, int n) {
@@ -53,31 +53,6 @@ static uint64_t get_le(const uint8_t *p, int n) {
 }
 
 #define STEP (64 * 1024)
-
-/* Copies n bytes from src to dst and returns the XXH3-64 of key, then the header's first 32
- * bytes, then the copy, in one pass: the copy goes in STEP-byte pieces, each hashed right after
- * it lands, while it is still in cache (a copy, then a hash of the whole, reads it from memory
- * again). *ok is 0 when the state could not be allocated (the only way it can fail). */
-static uint64_t copy_checksum(uint8_t *dst, const uint8_t *src, size_t n, const uint8_t *key, size_t klen,
-                              const uint8_t *head, int *ok) {
-    XXH3_state_t *st = XXH3_createState();
-    if (st == NULL) {
-        *ok = 0;
-        return 0;
-    }
-    XXH3_64bits_reset(st);
-    XXH3_UPDATE(st, key, klen);
-    XXH3_UPDATE(st, head, PREFIX);
-    for (size_t off = 0; off < n; off += STEP) {
-        size_t len = n - off < STEP ? n - off : STEP;
-        memcpy(dst + off, src + off, len);
-        XXH3_UPDATE(st, dst + off, len);
-    }
-    uint64_t h = XXH3_64bits_digest(st);
-    XXH3_freeState(st);
-    *ok = 1;
-    return h;
-}
 
 #if defined(__SSE2__)
 /* memcpy with non-temporal stores: the destination's lines are written without being read first
@@ -102,14 +77,22 @@ static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
     }
     memcpy(dst + i, src + i, n - i);
 }
+#define CAN_STREAM 1
+#else
+#define CAN_STREAM 0
+#endif
 
-/* A large payload's checked copy: each STEP-byte piece is hashed where it is (which brings it
- * into cache) and then streamed to dst from there, so the payload is read from memory once and
- * dst written once. The source must not change during the call (a record in an LMDB read
- * transaction's snapshot, or bytes of this process): then the bytes that reach dst are the
- * bytes hashed. */
-static uint64_t check_stream(uint8_t *dst, const uint8_t *src, size_t n, const uint8_t *key, size_t klen,
-                             const uint8_t *head, int *ok) {
+/* Copies n bytes from src to dst and returns the XXH3-64 of key, then the header's first 32
+ * bytes, then the payload, in one pass of STEP-byte pieces:
+ *  - plain (stream == 0): each piece copied, then hashed where it landed while still in cache
+ *    (what is checked is what was delivered);
+ *  - streamed: each piece hashed where it is (which brings it into cache), then streamed to dst
+ *    from there, so the payload is read from memory once and dst written once. The source must
+ *    not change during the call (a record in an LMDB read transaction's snapshot, or bytes of
+ *    this process): then the bytes that reach dst are the bytes hashed.
+ * *ok is 0 when the state could not be allocated (the only way it can fail). */
+static uint64_t copy_checksum(uint8_t *dst, const uint8_t *src, size_t n, const uint8_t *key, size_t klen,
+                              const uint8_t *head, int stream, int *ok) {
     XXH3_state_t *st = XXH3_createState();
     if (st == NULL) {
         *ok = 0;
@@ -120,16 +103,24 @@ static uint64_t check_stream(uint8_t *dst, const uint8_t *src, size_t n, const u
     XXH3_UPDATE(st, head, PREFIX);
     for (size_t off = 0; off < n; off += STEP) {
         size_t len = n - off < STEP ? n - off : STEP;
-        XXH3_UPDATE(st, src + off, len);
-        stream_copy(dst + off, src + off, len);
+#if CAN_STREAM
+        if (stream) {
+            XXH3_UPDATE(st, src + off, len);
+            stream_copy(dst + off, src + off, len);
+            continue;
+        }
+#endif
+        memcpy(dst + off, src + off, len);
+        XXH3_UPDATE(st, dst + off, len);
     }
-    _mm_sfence(); /* the streamed stores are visible before the caller reports the copy done */
+#if CAN_STREAM
+    if (stream) _mm_sfence(); /* the streamed stores are visible before the caller reports the copy */
+#endif
     uint64_t h = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     *ok = 1;
     return h;
 }
-#endif
 
 /* The 20 header bytes 8..27 of a stored key: its fingerprint, then its group little-endian. */
 static void header_ids(const uint8_t *key, size_t klen, uint8_t *out) {
@@ -191,10 +182,10 @@ static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     uint64_t h;
     if (n >= RELEASE_AT) {
         Py_BEGIN_ALLOW_THREADS;
-        h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, &ok);
+        h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
         Py_END_ALLOW_THREADS;
     } else {
-        h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, &ok);
+        h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
     }
     if (!ok) {
         PyErr_NoMemory();
@@ -212,7 +203,7 @@ done:
  * fit dst)
  * Checks the header against ``key`` and copies the payload to the start of ``dst`` with its
  * checksum: a payload under STREAM_AT is copied, then hashed where it landed; a larger one is
- * hashed piece by piece in ``record`` as each piece is streamed out (check_stream). A record
+ * hashed piece by piece in ``record`` as each piece is streamed out (copy_checksum). A record
  * that fails leaves ``dst``'s first bytes zeroed: no damaged byte stays where it landed. Which
  * header field is wrong is for format.verify_record to say (it raises, naming it). */
 static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -249,16 +240,11 @@ static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
     int ok;
     if (n >= RELEASE_AT) {
         Py_BEGIN_ALLOW_THREADS;
-#if defined(__SSE2__)
-        if (n >= STREAM_AT)
-            got = check_stream(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, &ok);
-        else
-#endif
-            got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, &ok);
+        got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, n >= STREAM_AT, &ok);
         if (ok && got != want) memset(out, 0, (size_t)n);
         Py_END_ALLOW_THREADS;
     } else {
-        got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, &ok);
+        got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, 0, &ok);
         if (ok && got != want) memset(out, 0, (size_t)n);
     }
     if (!ok) {
@@ -296,7 +282,7 @@ static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_ssize_t n = src.len;
         if (n >= RELEASE_AT) {
             Py_BEGIN_ALLOW_THREADS;
-#if defined(__SSE2__)
+#if CAN_STREAM
             stream_copy((uint8_t *)dst.buf, (const uint8_t *)src.buf, (size_t)n);
             _mm_sfence();
 #else

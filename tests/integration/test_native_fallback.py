@@ -1,0 +1,140 @@
+"""Processes with and without the C helper share one LMDB environment and one Redis server.
+
+Where the helper (``tieredkv._fastrec``) does not build, tieredkv runs its pure-Python paths. Two
+processes of one deployment can differ there (an image without a compiler next to one with it), so
+each side must serve what the other wrote and refuse what the other would refuse. These run
+both directions on real LMDB files, in two processes, and on a real Redis server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tieredkv import format as fmt
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.redis import RedisTier
+from tieredkv.config import LMDBTierConfig, RedisTierConfig
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+from tieredkv.testing.servers import RedisServer
+
+NATIVE = fmt._fastrec
+SIZES = [1000, 64 * 1024, 300 * 1024 + 5]
+NS = Namespace(model="native-fallback")
+
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C helper is not built: one path only")
+
+
+def keys(group: int) -> list[bytes]:
+    return [NS.key(bytes([group, i]) * 16, group) for i in range(len(SIZES))]
+
+
+async def _round(tier: Any, write_native: bool, read_native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    ks = keys(int(write_native) * 2 + int(read_native))
+    monkeypatch.setattr(fmt, "_fastrec", NATIVE if write_native else None)
+    await tier.put_many([(k, payload(n, seed=n)) for k, n in zip(ks, SIZES)])
+    monkeypatch.setattr(fmt, "_fastrec", NATIVE if read_native else None)
+    out = [torch.zeros(n + 7, dtype=torch.uint8) for n in SIZES]
+    assert await tier.get_many(ks, into=out) == SIZES
+    for o, n in zip(out, SIZES):
+        assert torch.equal(o[:n], payload(n, seed=n)) and not o[n:].any()
+    # a damaged record is refused on the reading side, whichever side wrote it
+    (rec,) = await tier.raw_get_many([ks[1]])
+    bad = bytearray(rec)
+    bad[-1] ^= 1
+    await tier.raw_put_many([(ks[1], bad)])
+    dst = torch.zeros(SIZES[1], dtype=torch.uint8)
+    assert await tier.get_many([ks[1]], into=[dst]) == [None]
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("write_native", [True, False])
+@pytest.mark.parametrize("read_native", [True, False])
+async def test_lmdb_records_cross_between_the_paths(
+    tmp_path: Path, write_native: bool, read_native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = LMDBTier(LMDBTierConfig(path=str(tmp_path / "kv"), size_cap_bytes=64 << 20, map_size_bytes=128 << 20))
+    await tier.open()
+    try:
+        await _round(tier, write_native, read_native, monkeypatch)
+        assert tier.counters["corrupt"] == 1
+    finally:
+        await tier.close()
+
+
+@pytest.mark.parametrize("write_native", [True, False])
+@pytest.mark.parametrize("read_native", [True, False])
+async def test_redis_records_cross_between_the_paths(
+    redis_server: RedisServer, write_native: bool, read_native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = RedisTier(RedisTierConfig(url=redis_server.url, key_prefix=f"nf{int(write_native)}{int(read_native)}"))
+    await tier.open()
+    try:
+        await _round(tier, write_native, read_native, monkeypatch)
+        assert tier.counters["corrupt"] == 1
+        await tier.delete_many([k for g in range(4) for k in keys(g)])
+    finally:
+        await tier.close()
+
+
+def test_a_process_without_the_helper_reads_what_one_with_it_wrote(tmp_path: Path) -> None:
+    """Two processes on one LMDB environment: this one (helper loaded) writes, a child with the
+    helper's import blocked reads and checks every byte, then writes its own records for this
+    process to read back."""
+    path = str(tmp_path / "shared")
+    child = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        sys.modules["tieredkv._fastrec"] = None  # as on a machine where it did not build
+        import torch
+        from tieredkv import format as fmt
+        from tieredkv.backends.lmdb import LMDBTier
+        from tieredkv.config import LMDBTierConfig
+        from tieredkv.keys import Namespace
+        from tieredkv.testing.contract import payload
+
+        assert fmt._fastrec is None and not fmt.NATIVE
+        ns = Namespace(model="native-fallback")
+        sizes = {SIZES!r}
+
+        async def main():
+            tier = LMDBTier(LMDBTierConfig(path={path!r}, size_cap_bytes=64 << 20, map_size_bytes=128 << 20))
+            await tier.open()
+            ks = [ns.key(bytes([9, i]) * 16, 0) for i in range(len(sizes))]
+            out = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+            assert await tier.get_many(ks, into=out) == sizes
+            assert all(torch.equal(o, payload(n, seed=n)) for o, n in zip(out, sizes))
+            mine = [ns.key(bytes([8, i]) * 16, 0) for i in range(len(sizes))]
+            await tier.put_many([(k, payload(n, seed=n + 1)) for k, n in zip(mine, sizes)])
+            await tier.close()
+
+        asyncio.run(main())
+        print("child ok")
+        """
+    )
+
+    async def write_then_read() -> None:
+        tier = LMDBTier(LMDBTierConfig(path=path, size_cap_bytes=64 << 20, map_size_bytes=128 << 20))
+        await tier.open()
+        try:
+            ks = [NS.key(bytes([9, i]) * 16, 0) for i in range(len(SIZES))]
+            await tier.put_many([(k, payload(n, seed=n)) for k, n in zip(ks, SIZES)])
+            r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", child], capture_output=True, text=True)
+            assert r.returncode == 0 and "child ok" in r.stdout, r.stderr[-3000:]
+            theirs = [NS.key(bytes([8, i]) * 16, 0) for i in range(len(SIZES))]
+            out = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
+            assert await tier.get_many(theirs, into=out) == SIZES
+            assert all(torch.equal(o, payload(n, seed=n + 1)) for o, n in zip(out, SIZES))
+        finally:
+            await tier.close()
+
+    assert fmt._fastrec is NATIVE
+    asyncio.run(write_then_read())

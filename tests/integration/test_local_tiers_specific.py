@@ -376,7 +376,8 @@ async def test_lmdb_large_reads_verified_after_the_copy_serve_no_wrong_bytes(tmp
         assert await tier.get_many([keys[4]]) == [data[4]]
 
 
-async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("size", "n"), [(MiB, 8), (256 * KiB, 10)])  # 256 KiB: the smallest split records
+async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_path: Path, size: int, n: int) -> None:
     """A batch of large records is read in two halves on two threads: corrupt records in either
     half are misses (counted, deleted, zeroed where they landed), a record deleted meanwhile is a
     miss and leaves the LRU, a buffer too small is a miss (never written to), every other buffer
@@ -391,9 +392,8 @@ async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_p
 
     tier = Recording(lmdb_cfg(tmp_path, map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB))
     async with tier:
-        n = 8
         keys = [k(i) for i in range(n + 1)]
-        data = [payload(MiB, i).numpy().tobytes() for i in range(n + 1)]
+        data = [payload(size, i).numpy().tobytes() for i in range(n + 1)]
         await tier.put_many([(keys[n], data[n])])  # the oldest record, not read below
         await tier.put_many(list(zip(keys[:n], data[:n])))
         for i in (1, 6):  # one corrupt record in each half
@@ -411,20 +411,21 @@ async def test_lmdb_large_batches_read_on_two_threads_serve_no_wrong_bytes(tmp_p
         await asyncio.to_thread(
             subprocess.run, [sys.executable, "-c", delete, str(tmp_path), keys[3].hex()], check=True
         )
-        bufs = [bytearray(b"\xab" * MiB) for _ in range(n)]
-        bufs[5] = bytearray(b"\xab" * (MiB - 1))
+        bufs = [bytearray(b"\xab" * size) for _ in range(n)]
+        bufs[5] = bytearray(b"\xab" * (size - 1))
         threads.clear()
         got = await tier.get_many(keys[:n], into=bufs)
         assert len(set(threads)) == 2, threads  # the batch was read by two threads
-        assert got == [MiB, None, MiB, None, MiB, None, None, MiB]
-        for i in (0, 2, 4, 7):
+        assert got == [size, None, size, None, size, None, None, size] + [size] * (n - 8)
+        for i in (0, 2, 4, 7, *range(8, n)):
             assert bytes(bufs[i]) == data[i]
         for i in (1, 6):  # a damaged record landed before it was verified: zeroed, none of it stays
             assert not any(bufs[i]), i
-        assert bufs[3] == b"\xab" * MiB and bufs[5] == b"\xab" * (MiB - 1)  # never written to
+        assert bufs[3] == b"\xab" * size and bufs[5] == b"\xab" * (size - 1)  # never written to
         assert tier.counters["corrupt"] == 2
         assert keys[3] not in tier._policy and keys[1] not in tier._policy
-        assert await tier.contains_many(keys) == [True, False, True, False, True, True, False, True, True]
+        want = [True, False, True, False, True, True, False, True] + [True] * (n - 8) + [True]
+        assert await tier.contains_many(keys) == want
         assert next(iter(tier._policy.victims())) == keys[n]  # the records read were touched, the unread one is oldest
         threads.clear()
         one = await tier.get_many([keys[0], keys[2]])

@@ -69,6 +69,7 @@ ChunkArg = tuple[bytes, Sequence[int]]
 
 #: Longest stored key any tier takes (LMDB's default key limit is 511 bytes).
 MAX_KEY_BYTES = 511
+_SHORTEST_KEY = FINGERPRINT_BYTES + GROUP_BYTES + 1  # a fingerprint, a hash of at least one byte, a group
 
 
 class TieredStore:
@@ -388,7 +389,6 @@ class TieredStore:
         bpc = self._geometry[group][0].blocks_per_chunk
         fp = self.namespace.fingerprint if self._own_namespace else b""
         suffix = group_suffix(group)
-        shortest = FINGERPRINT_BYTES + GROUP_BYTES + 1
         index = operator.index
         new = tuple.__new__
         refs: list[ChunkRef] = []
@@ -403,7 +403,7 @@ class TieredStore:
                 raise self._bad_chunk(op, group, i, item) from None
             if (
                 key is None
-                or not shortest <= len(key) <= MAX_KEY_BYTES
+                or not _SHORTEST_KEY <= len(key) <= MAX_KEY_BYTES
                 or not key.startswith(fp)
                 or not key.endswith(suffix)
                 or len(block_ids) != bpc
@@ -411,8 +411,9 @@ class TieredStore:
                 raise self._bad_chunk(op, group, i, item)
             refs.append(new(ChunkRef, (key, block_ids)))
             every += block_ids
-        if every and (min(every) < 0 or max(every) >= self._num_blocks[group]):
-            i = next(i for i, r in enumerate(refs) if not all(0 <= b < self._num_blocks[group] for b in r.block_ids))
+        n_blocks = self._num_blocks[group]
+        if every and (min(every) < 0 or max(every) >= n_blocks):
+            i = next(i for i, r in enumerate(refs) if not all(0 <= b < n_blocks for b in r.block_ids))
             raise self._bad_chunk(op, group, i, refs[i])
         return tuple(refs)
 
@@ -425,10 +426,9 @@ class TieredStore:
         if not isinstance(key, (bytes, bytearray, memoryview)):
             return TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
         key = bytes(key)
-        shortest = FINGERPRINT_BYTES + GROUP_BYTES + 1
-        if not shortest <= len(key) <= MAX_KEY_BYTES:
+        if not _SHORTEST_KEY <= len(key) <= MAX_KEY_BYTES:
             return ValueError(
-                f"{op}: chunk {i} key is {len(key)} bytes; expected {shortest}..{MAX_KEY_BYTES} bytes from store.key()"
+                f"{op}: chunk {i} key is {len(key)} bytes; expected {_SHORTEST_KEY}..{MAX_KEY_BYTES} bytes from store.key()"
             )
         fp = self.namespace.fingerprint
         if self._own_namespace and not key.startswith(fp):

@@ -142,6 +142,24 @@ static int key_arg(PyObject *obj, const uint8_t **key, Py_ssize_t *klen) {
     return 0;
 }
 
+/* Both buffers of a call (``a`` with flags ``fa``, ``b`` with ``fb``), or -1 with neither held. */
+static int two_buffers(PyObject *a, Py_buffer *ba, int fa, PyObject *b, Py_buffer *bb, int fb) {
+    if (PyObject_GetBuffer(a, ba, fa) < 0) return -1;
+    if (PyObject_GetBuffer(b, bb, fb) < 0) {
+        PyBuffer_Release(ba);
+        return -1;
+    }
+    return 0;
+}
+
+/* The GIL is let go for a copy of RELEASE_AT bytes or more (below that, taking it back costs more
+ * than the copy): ``unlocked(n)`` before the work, ``relock(state)`` after it. */
+static PyThreadState *unlocked(Py_ssize_t n) { return n >= RELEASE_AT ? PyEval_SaveThread() : NULL; }
+
+static void relock(PyThreadState *state) {
+    if (state != NULL) PyEval_RestoreThread(state);
+}
+
 /* encode_into(dst, key, payload, flags) -> record length
  * Writes the header and the payload for ``key`` into ``dst`` (format.encode_record_into). */
 static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -159,11 +177,7 @@ static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     Py_buffer dst, src;
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[2], &src, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
+    if (two_buffers(args[0], &dst, PyBUF_WRITABLE, args[2], &src, PyBUF_SIMPLE) < 0) return NULL;
     Py_ssize_t n = src.len, total = HEADER_SIZE + src.len;
     PyObject *result = NULL;
     if (dst.len < total) {
@@ -179,14 +193,9 @@ static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     put_le(out + 32, (uint64_t)n, 8);
     memset(out + 40, 0, HEADER_SIZE - 40);
     int ok;
-    uint64_t h;
-    if (n >= RELEASE_AT) {
-        Py_BEGIN_ALLOW_THREADS;
-        h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
-        Py_END_ALLOW_THREADS;
-    } else {
-        h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
-    }
+    PyThreadState *state = unlocked(n);
+    uint64_t h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
+    relock(state);
     if (!ok) {
         PyErr_NoMemory();
         goto done;
@@ -215,12 +224,9 @@ static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t klen;
     if (key_arg(args[1], &key, &klen) < 0) return NULL;
     Py_buffer rec, dst;
-    if (PyObject_GetBuffer(args[0], &rec, PyBUF_SIMPLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[2], &dst, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&rec);
-        return NULL;
-    }
+    if (two_buffers(args[0], &rec, PyBUF_SIMPLE, args[2], &dst, PyBUF_WRITABLE) < 0) return NULL;
     Py_ssize_t result = -1;
+    int ok = 1;
     const uint8_t *r = (const uint8_t *)rec.buf;
     uint8_t ids[FP_BYTES + GROUP_BYTES];
     static const uint8_t zero[HEADER_SIZE - 48] = {0};
@@ -235,29 +241,17 @@ static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
         result = -2;
         goto done;
     }
-    uint64_t want = get_le(r + 40, 8), got;
+    uint64_t want = get_le(r + 40, 8);
     uint8_t *out = (uint8_t *)dst.buf;
-    int ok;
-    if (n >= RELEASE_AT) {
-        Py_BEGIN_ALLOW_THREADS;
-        got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, n >= STREAM_AT, &ok);
-        if (ok && got != want) memset(out, 0, (size_t)n);
-        Py_END_ALLOW_THREADS;
-    } else {
-        got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, 0, &ok);
-        if (ok && got != want) memset(out, 0, (size_t)n);
-    }
-    if (!ok) {
-        memset(out, 0, (size_t)n);
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&rec);
-        return PyErr_NoMemory();
-    }
-    result = got == want ? n : -1;
+    PyThreadState *state = unlocked(n);
+    uint64_t got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, n >= STREAM_AT, &ok);
+    if (!ok || got != want) memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
+    relock(state);
+    result = ok && got == want ? n : -1;
 done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&rec);
-    return PyLong_FromSsize_t(result);
+    return ok ? PyLong_FromSsize_t(result) : PyErr_NoMemory();
 }
 
 /* stream_into(dst, src) -> bytes copied
@@ -270,28 +264,21 @@ static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     Py_buffer dst, src;
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &src, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
+    if (two_buffers(args[0], &dst, PyBUF_WRITABLE, args[1], &src, PyBUF_SIMPLE) < 0) return NULL;
     PyObject *result = NULL;
-    if (src.len > dst.len) {
-        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the source (%zd)", dst.len, src.len);
+    Py_ssize_t n = src.len;
+    if (n > dst.len) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the source (%zd)", dst.len, n);
     } else {
-        Py_ssize_t n = src.len;
-        if (n >= RELEASE_AT) {
-            Py_BEGIN_ALLOW_THREADS;
+        PyThreadState *state = unlocked(n);
 #if CAN_STREAM
+        if (n >= RELEASE_AT) {
             stream_copy((uint8_t *)dst.buf, (const uint8_t *)src.buf, (size_t)n);
             _mm_sfence();
-#else
-            memcpy(dst.buf, src.buf, (size_t)n);
+        } else
 #endif
-            Py_END_ALLOW_THREADS;
-        } else {
             memcpy(dst.buf, src.buf, (size_t)n);
-        }
+        relock(state);
         result = PyLong_FromSsize_t(n);
     }
     PyBuffer_Release(&src);

@@ -20,10 +20,10 @@ from tieredkv.bench import (
     BenchResult,
     KiB,
     MiB,
-    cell,
     floored_figures,
     machine_info,
     plot,
+    ratio_rows,
     result_row,
     run_tier_bench,
     steady_malloc,
@@ -92,22 +92,23 @@ def tier_config(spec: str, url: str) -> TierConfigBase:
 
 def print_table(results: list[BenchResult]) -> None:
     keys = tier_figures(results)
-    head = f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in keys)
-    print("tieredkv GB/s / raw GB/s (ratio)")
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        label = f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB"
-        print(f"{label:>8} | " + " | ".join(cell(r, k).rjust(22) for k in keys))
+    _print_rows("tieredkv GB/s / raw GB/s (ratio)", keys, ratio_rows(results, keys), rule=True)
     judged = {k: v for r in results for k, v in r.baselines.items()}
     print("baselines: " + ", ".join(f"{k} vs {v}" for k, v in judged.items()))
     floored = floored_figures(results)
     if floored:
-        print("tieredkv GB/s / integrity floor GB/s (ratio): the medium's raw work plus a checksum of every payload")
-        print(f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in floored))
-        for r in results:
-            label = f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB"
-            print(f"{label:>8} | " + " | ".join(cell(r, k, r.floors).rjust(22) for k in floored))
+        title = "tieredkv GB/s / integrity floor GB/s (ratio): the medium's raw work plus a checksum of every payload"
+        _print_rows(title, floored, ratio_rows(results, floored, floors=True))
+
+
+def _print_rows(title: str, keys: list[str], rows: list[list[str]], rule: bool = False) -> None:
+    head = f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in keys)
+    print(title)
+    print(head)
+    if rule:
+        print("-" * len(head))
+    for label, *cells in rows:
+        print(f"{label:>8} | " + " | ".join(c.rjust(22) for c in cells))
 
 
 if __name__ == "__main__":

@@ -393,6 +393,17 @@ def tier_figures(results: Sequence[BenchResult]) -> list[str]:
     return [f"{label}.{op}" for label in labels for op in OPS]
 
 
+def size_label(size: int) -> str:
+    """A chunk size as the tables and the plot print it: ``64 KiB``, ``4 MiB``."""
+    return f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
+
+
+def ratio_rows(results: Sequence[BenchResult], figures: Sequence[str], *, floors: bool = False) -> list[list[str]]:
+    """Per size, its label and the :func:`cell` of each figure: against its baseline, or with
+    ``floors`` against its medium's integrity floor (:attr:`BenchResult.floors`)."""
+    return [[size_label(r.size), *(cell(r, k, r.floors if floors else None) for k in figures)] for r in results]
+
+
 def floored_figures(results: Sequence[BenchResult]) -> list[str]:
     """The :func:`tier_figures` that have an integrity floor (:attr:`BenchResult.floors`)."""
     return [k for k in tier_figures(results) if any(k in r.floors for r in results)]
@@ -482,7 +493,7 @@ def plot(results: list[BenchResult], path: str) -> None:
                 ax.scatter(*zip(*ticks), marker="_", s=90, color="black", zorder=3, label=floor_label)
                 floor_label = None  # one legend entry per axis
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
-        ax.set_xticklabels([f"{r.size // KiB} KiB" if r.size < MiB else f"{r.size // MiB} MiB" for r in results])
+        ax.set_xticklabels([size_label(r.size) for r in results])
         ax.set_title(f"{op} GB/s (median of reps)")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("GB/s")

@@ -65,6 +65,16 @@ def test_a_tier_class_without_the_hook_gets_figures_and_no_ratio(tmp_path: Path,
     assert bench.floored_figures([res]) == ["nvme.store", "nvme.load"]
     assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.store", res.floors))
     assert bench.cell(res, "slab.store", res.floors) == f"{res.gbps['slab.store']:.2f}"
+    (row,) = bench.ratio_rows([res], ["nvme.store", "files.load"])  # one row per size, label first
+    assert row == ["64 KiB", bench.cell(res, "nvme.store"), bench.cell(res, "files.load")]
+    (row,) = bench.ratio_rows([res], ["nvme.store"], floors=True)
+    assert row == ["64 KiB", bench.cell(res, "nvme.store", res.floors)]
+    assert [bench.size_label(s) for s in (64 * KiB, 256 * KiB, 1 << 20, 4 << 20)] == [
+        "64 KiB",
+        "256 KiB",
+        "1 MiB",
+        "4 MiB",
+    ]
 
 
 def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp_path: Path) -> None:

@@ -241,17 +241,15 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
         render.emit_json({"results": rows, "json": str(path), "png": str(png) if png else None})
         return
     keys = b.tier_figures(results)
-    cells = [[f"{r.size // 1024} KiB", *(b.cell(r, k) for k in keys)] for r in results]
-    render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), cells, right=("size", *keys))
+    render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), b.ratio_rows(results, keys), right=("size", *keys))
     judged = {k: v for r in results for k, v in r.baselines.items()}
     render.say("baselines: " + (", ".join(f"{k} vs {v}" for k, v in judged.items()) or "none declared"))
     floored = b.floored_figures(results)
     if floored:
-        cells = [[f"{r.size // 1024} KiB", *(b.cell(r, k, r.floors) for k in floored)] for r in results]
         render.table(
             "tier GB/s vs integrity floor GB/s (ratio): the raw work plus a checksum of every payload",
             ("size", *floored),
-            cells,
+            b.ratio_rows(results, floored, floors=True),
             right=("size", *floored),
         )
     render.say(f"wrote {path}" + (f" and {png}" if png else " (pip install 'tieredkv[bench]' for the PNG plot)"))

@@ -23,7 +23,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.crc import key_slot
 from redis.exceptions import OutOfMemoryError, RedisError
 
-from tieredkv.backends._resp import Placed
+from tieredkv.backends._resp import REPLY_WINDOW, Placed, _Protocol
 from tieredkv.backends.redis import RedisTier, parse_redis_key, redis_key
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import TierFullError, TierTimeoutError, TierUnavailableError
@@ -711,6 +711,56 @@ async def test_native_io_damaged_records_read_into_buffers_leave_none_of_their_b
         assert not any(dst[1]) and not any(dst[3])  # received, failed, zeroed
         assert tier.counters["corrupt"] == 2
         assert await raw_single.exists(tier.redis_key(keys[1]), tier.redis_key(keys[3])) == 0
+
+
+@pytest.mark.asyncio
+async def test_native_io_reads_go_out_in_windows(
+    server: RedisServer, raw_single: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read batch of several reply windows, on a real server: the first two windows go out at
+    once and every later one only after replies came back (the server never holds the whole
+    batch's replies); every record lands byte for byte, a damaged one in a later window is a miss
+    with its bytes zeroed, and a missing key is a plain miss."""
+    ns = _ns()
+    keys = _keys(ns, 30)
+    payloads = [os.urandom(100 << 10) for _ in keys]
+    writes: list[tuple[int, int]] = []  # (replies in when written, bytes written)
+    made = _Protocol.connection_made
+
+    class Spy:
+        """The real transport, noting each write and how many replies were in by then."""
+
+        def __init__(self, proto: _Protocol, transport: Any) -> None:
+            self.proto, self.transport = proto, transport
+
+        def writelines(self, parts: Any) -> None:
+            parts = list(parts)
+            writes.append((len(self.proto._replies), sum(len(p) for p in parts)))
+            self.transport.writelines(parts)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.transport, name)
+
+    def spied(proto: _Protocol, transport: Any) -> None:
+        made(proto, Spy(proto, transport))
+
+    monkeypatch.setattr(_Protocol, "connection_made", spied)
+    async with _tier(server.url, connections=1, max_batch_bytes=32 << 20) as tier:
+        await tier.put_many([(k, p) for k, p in zip(keys[:29], payloads[:29])])  # the last one is never stored
+        rec = bytearray(await raw_single.get(tier.redis_key(keys[25])))
+        rec[-1] ^= 0x80
+        await raw_single.set(tier.redis_key(keys[25]), bytes(rec))
+        writes.clear()
+        dst = [bytearray(b"\xab" * len(p)) for p in payloads]
+        got = await tier.get_many(keys, into=dst)
+    assert got == [len(p) for p in payloads[:25]] + [None] + [len(p) for p in payloads[26:29]] + [None]
+    assert all(bytes(d) == p for i, (d, p) in enumerate(zip(dst, payloads)) if i not in (25, 29))
+    assert not any(dst[25]) and tier.counters["corrupt"] == 1
+    assert dst[29] == b"\xab" * len(payloads[29])  # a miss leaves the buffer alone
+    per_window = -(-REPLY_WINDOW // (HEADER_SIZE + len(payloads[0])))
+    assert len(writes) == -(-len(keys) // per_window) - 1  # the first write carries two windows
+    assert writes[0][0] == 0 and all(n > 0 for n, _ in writes[1:])  # later windows wait for replies
+    assert [n for n, _ in writes[1:]] == sorted(n for n, _ in writes[1:])
 
 
 @pytest.mark.asyncio

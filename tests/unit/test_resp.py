@@ -13,7 +13,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from tieredkv.backends._resp import Into, Placed, Record, _pack, _Protocol, native_target
+from tieredkv.backends._resp import Into, Placed, Record, _pack, _Protocol, _windows, native_target
 
 
 class _Transport:
@@ -136,6 +136,68 @@ def test_lost_connection_fails_the_batch_and_a_timeout_breaks_it() -> None:
         with pytest.raises(Exception) as ei:
             await slow.execute([["X"]], [None], 0.05)
         assert "Timeout" in type(ei.value).__name__ and slow.broken is not None
+
+    asyncio.run(main())
+
+
+def test_windows_cut_after_the_reply_that_fills_one() -> None:
+    def into(n: int) -> Into:
+        return Into(memoryview(bytearray(64)), memoryview(bytearray(n - 64)))
+
+    assert _windows([None, into(300), None, into(300)], 512) == []  # one window: sent whole
+    assert _windows([None, into(300), None, into(300), None, into(100)], 512) == [4]
+    assert _windows([into(600), into(600), into(600)], 512) == [1, 2]
+    assert _windows([None] * 50, 1) == []  # no placed replies (e.g. SETs): one write
+
+
+@pytest.mark.parametrize("cut_every", [0, 7, 1000])
+def test_placed_reads_go_out_two_windows_at_a_time(cut_every: int) -> None:
+    """A batch of reads larger than two windows: the first two go out at once, each later one
+    when the oldest window in flight is answered; the replies land in order and in place, however
+    the socket cuts them."""
+
+    async def main() -> None:
+        n, size = 9, 300
+        records = [os.urandom(size) for _ in range(n)]
+        heads = [bytearray(64) for _ in range(n)]
+        bodies = [bytearray(size - 64) for _ in range(n)]
+        commands: list[list[Any]] = []
+        intos: list[Into | None] = []
+        for i in range(n):
+            commands += [["EXISTS", b"k%d" % i], ["GETRANGE", b"k%d" % i, 0, size]]
+            intos += [None, Into(memoryview(heads[i]), memoryview(bodies[i]))]
+        proto, transport = _Protocol(), _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(proto.execute(commands, intos, 5.0, window=2 * size))
+
+        def sent() -> list[int]:
+            wire = b"".join(transport.written)
+            return [i for i in range(n) if b"GETRANGE\r\n$%d\r\nk%d\r\n" % (len(b"k%d" % i), i) in wire]
+
+        await asyncio.sleep(0)
+        assert sent() == [0, 1, 2, 3]  # windows of two records: two windows in flight
+        for i in range(n):
+            stream = b":1\r\n$%d\r\n%s\r\n" % (size, records[i])
+            cuts = list(range(cut_every, len(stream), cut_every)) if cut_every else []
+            _deliver(proto, stream, cuts)
+            # the window of records i-1, i answered: the window after the next one goes out
+            assert sent() == list(range(min(n, 4 + 2 * ((i + 1) // 2))))
+        replies = await task
+        assert replies[0::2] == [1] * n and replies[1::2] == [size] * n
+        assert all(isinstance(r, Placed) for r in replies[1::2])
+        assert [bytes(h) + bytes(b) for h, b in zip(heads, bodies)] == records
+        assert proto.broken is None and not proto._later  # nothing left to send
+
+        # a connection lost mid-batch fails it and sends nothing more
+        proto, transport = _Protocol(), _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(proto.execute(commands, intos, 5.0, window=2 * size))
+        await asyncio.sleep(0)
+        _deliver(proto, b":1\r\n$%d\r\n%s\r\n" % (size, records[0]), [])
+        proto.connection_lost(None)
+        with pytest.raises(RedisConnectionError):
+            await task
+        assert sent() == [0, 1, 2, 3] and not proto._later
 
     asyncio.run(main())
 

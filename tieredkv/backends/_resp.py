@@ -13,10 +13,11 @@ the payload behind its header. Here:
 Scope: one node over plain TCP or a unix socket; replies are simple strings, errors, integers and
 bulk strings (the data path sends nothing that answers with an array). Clusters, TLS and the admin
 commands stay on redis-py. Errors are redis-py's exception classes, so the tier translates both
-paths alike. A connection runs one batch at a time; one that timed out, was cancelled, lost its
-peer or read something unexpected is closed, never reused. A batch that fails on a pooled
-connection because the server went away (e.g. restarted) is retried once on a new connection
-(every command the data path sends is idempotent: SET, GETRANGE, GET, EXISTS, DEL).
+paths alike. A connection runs one batch at a time (its reads go out in windows, two in
+flight: :data:`REPLY_WINDOW`); one that timed out, was cancelled, lost its peer or read something
+unexpected is closed, never reused. A batch that fails on a pooled connection because the server
+went away (e.g. restarted) is retried once on a new connection (every command the data path
+sends is idempotent: SET, GETRANGE, GET, EXISTS, DEL).
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ _CRLF = b"\r\n"
 _READ_CHUNK = 1 << 16
 _MAX_LINE = 1 << 16  # a reply line (not a bulk body) longer than this is a protocol error
 _SMALL = 1 << 12  # arguments up to this size are joined into the command's prefix buffer
+#: Bytes of placed replies (:class:`Into`) asked for in one window of a batch; two windows are in
+#: flight on a connection, the next sent as the oldest one is answered. The server builds each
+#: reply in memory of its own for every command it has read before it sends any, so a batch of
+#: reads sent whole made it allocate (on a guest that hands freed memory back to its host: fault
+#: in) the whole batch again. Through the pipeline (256 MiB per figure, two connections, one
+#: server, sent whole and windowed alternating in one process, median of 4-7), loads at 64 KiB /
+#: 256 KiB / 1 MiB / 4 MiB went 0.53 -> 0.75, 0.77 -> 1.14, 1.51 -> 1.62, 1.74 -> 1.91 GB/s, and
+#: the server's page faults per 256 MiB load (256 KiB) from ~34,000 to ~500.
+REPLY_WINDOW = 1 << 19
 
 _ERRORS: dict[str, type[RedisError]] = {
     "OOM": OutOfMemoryError,
@@ -105,6 +115,8 @@ class _Protocol(asyncio.BufferedProtocol):
         self._expect: collections.deque[Into | None] = collections.deque()
         self._replies: list[Any] = []
         self._waiter: asyncio.Future[list[Any]] | None = None
+        self._later: collections.deque[list[bytes | memoryview]] = collections.deque()  # windows not sent yet
+        self._send_at: collections.deque[int] = collections.deque()  # replies in before each is sent
         self.broken: BaseException | None = None
 
     # ---- asyncio callbacks -------------------------------------------------------------
@@ -223,12 +235,18 @@ class _Protocol(asyncio.BufferedProtocol):
             raise RedisConnectionError("bad reply: more replies than commands")
         self._expect.popleft()
         self._replies.append(value)
+        if self._send_at and len(self._replies) == self._send_at[0]:
+            self._send_at.popleft()
+            assert self.transport is not None
+            self.transport.writelines(self._later.popleft())
         if not self._expect and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(self._replies)
 
     def _fail(self, exc: BaseException) -> None:
         if self.broken is None:
             self.broken = exc
+        self._later.clear()  # a broken connection sends nothing more
+        self._send_at.clear()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(exc)
         self.close()
@@ -242,10 +260,18 @@ class _Protocol(asyncio.BufferedProtocol):
             self.transport.close()
 
     async def execute(
-        self, commands: Sequence[Sequence[Any]], intos: Sequence[Into | None], timeout: float | None
+        self,
+        commands: Sequence[Sequence[Any]],
+        intos: Sequence[Into | None],
+        timeout: float | None,
+        window: int | None = None,
     ) -> list[Any]:
-        """Send ``commands`` in one write and return their replies in order (an error reply is an
-        exception object in its place). Raises redis-py's ConnectionError / TimeoutError."""
+        """Send ``commands`` and return their replies in order (an error reply is an exception
+        object in its place). Raises redis-py's ConnectionError / TimeoutError.
+
+        Commands whose replies are placed (an :class:`Into`) go out in windows of about
+        ``window`` bytes of replies (:data:`REPLY_WINDOW`), two windows in flight; a batch of
+        other commands goes out in one write."""
         if self.broken is not None:
             raise self.broken
         assert self.transport is not None and self._waiter is None
@@ -254,7 +280,11 @@ class _Protocol(asyncio.BufferedProtocol):
         self._replies = []
         self._waiter = loop.create_future()
         try:
-            self.transport.writelines(_pack(commands))
+            cuts = _windows(intos, REPLY_WINDOW if window is None else window)
+            starts, ends = [0, *cuts], [*cuts, len(commands)]  # window k: commands[starts[k]:ends[k]]
+            self._later.extend(_pack(commands[a:b]) for a, b in zip(starts[2:], ends[2:]))
+            self._send_at.extend(ends[: len(self._later)])  # window k + 2 once window k is answered
+            self.transport.writelines(_pack(commands[: ends[min(1, len(ends) - 1)]]))
             async with asyncio.timeout(timeout):
                 return await self._waiter
         except TimeoutError:
@@ -265,6 +295,24 @@ class _Protocol(asyncio.BufferedProtocol):
             raise
         finally:
             self._waiter = None
+            self._later.clear()
+            self._send_at.clear()
+
+
+def _windows(intos: Sequence[Into | None], window: int) -> list[int]:
+    """Where a batch is cut into windows: after the command whose placed reply takes the
+    window's bytes to ``window`` or more (none when the batch's placed replies fit one window)."""
+    cuts: list[int] = []
+    size = 0
+    for i, into in enumerate(intos):
+        if into is not None:
+            size += len(into.head) + len(into.body)
+            if size >= window:
+                cuts.append(i + 1)
+                size = 0
+    if cuts and cuts[-1] == len(intos):
+        cuts.pop()
+    return cuts
 
 
 def _pack(commands: Sequence[Sequence[Any]]) -> list[bytes | memoryview]:

@@ -477,6 +477,28 @@ def test_store_facade_records_lookups_and_tier_calls(tmp_path: Path) -> None:
     assert store.put_records([(keys[0], b"x" * 64)]) is None  # closed: refused, never raises
 
 
+def test_bad_records_raise_at_the_call_and_the_lanes_go_on(tmp_path: Path) -> None:
+    """A records job with a bad item is refused at the call, naming the item, before anything is
+    queued: nothing of it is written, and the tiers' writer lanes keep serving the next job."""
+    with tieredkv.open_store(cfg(tmp_path)) as store:
+        store.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])
+        keys = [store.key(bytes([i]) * 32, 0) for i in range(3)]
+        with pytest.raises(TypeError, match="put: item 1: "):
+            store.put_records([(keys[0], b"a" * 64), (keys[1], "not a buffer")])
+        with pytest.raises(ValueError, match="put: item 0: a tier key must be a stored key"):
+            store.put_records([(b"short", b"a" * 64)])
+        with pytest.raises(ValueError, match="get: item 1: destination buffer is read-only"):
+            store.get_records([(keys[0], bytearray(64)), (keys[1], b"read-only")])
+        assert store.drain(10) and not any(store.is_pending(k) for k in keys)
+        assert store.run(store.tiers[1].contains_many(keys), timeout=10) == [False] * 3  # nothing of it written
+        job = store.put_records([(k, bytes([i]) * 64) for i, k in enumerate(keys)])
+        assert job is not None and store.wait([job], timeout=10)[job].ok
+        bufs = [torch.zeros(64, dtype=torch.uint8) for _ in keys]  # tensors are host buffers too
+        job = store.get_records(list(zip(keys, bufs)))
+        assert job is not None and store.wait([job], timeout=10)[job].ok
+        assert [bytes(b.numpy()) for b in bufs] == [bytes([i]) * 64 for i in range(3)]
+
+
 def test_only_the_store_and_the_pipeline_package_touch_the_pipeline() -> None:
     """The integrations, demo, bench and CLI go through TieredStore; the pipeline never branches on
     a concrete tier class (capabilities only); key bytes are built in tieredkv.keys only."""

@@ -36,7 +36,7 @@ from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, Ti
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, Namespace, key_fingerprint, stored_key_group
 
-__all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats", "runs"]
+__all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats", "check_key", "runs"]
 
 log = logging.getLogger(__name__)
 
@@ -244,17 +244,15 @@ class Tier(ABC):
         """Protect ``keys`` from eviction and deletion until :meth:`unpin_many` (counted). Safe from
         any thread: the scheduler pins a hit in the step it accepts it, not when the loop gets to it."""
         with self._pin_lock:
-            for k in keys:
-                self._pins[k] += 1
+            self._pins.update(keys)  # one C loop
 
     def unpin_many(self, keys: Iterable[bytes]) -> None:
+        pins = self._pins
         with self._pin_lock:
             for k in keys:
-                n = self._pins[k] - 1
+                n = pins.pop(k, 0) - 1
                 if n > 0:
-                    self._pins[k] = n
-                else:
-                    self._pins.pop(k, None)
+                    pins[k] = n
 
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins
@@ -286,14 +284,23 @@ class Tier(ABC):
         """
         batch: dict[bytes, memoryview] = {}
         for key, payload in items:
-            _check_key(key)
+            check_key(key)
             batch[key] = as_readable(payload)
-        if not batch:
+        await self.put_checked(list(batch.items()))
+
+    async def put_checked(self, items: list[tuple[bytes, memoryview]]) -> None:
+        """:meth:`put_many` of items already checked: stored keys, flat byte ``memoryview``s.
+        For callers that built them so (the pipeline's writer lanes: every key was checked when
+        its job was submitted); a later duplicate key still wins."""
+        if not items:
             return
+        batch = dict(items)
+        if len(batch) < len(items):
+            items = list(batch.items())
         await self._ensure_open()
-        nbytes = sum(len(v) for v in batch.values())
-        await self._guard("put_many", len(batch), self._put_many(list(batch.items())), nbytes)
-        self._count("puts", len(batch))
+        nbytes = sum(map(len, batch.values()))
+        await self._guard("put_many", len(items), self._put_many(items), nbytes)
+        self._count("puts", len(items))
         self._count("put_bytes", nbytes)
 
     @overload
@@ -309,32 +316,39 @@ class Tier(ABC):
         """
         keys = list(keys)
         for k in keys:
-            _check_key(k)
+            check_key(k)
         if into is None:
             dsts: list[memoryview | None] = [None] * len(keys)
         else:
             if len(into) != len(keys):
                 raise ValueError(f"get_many: {len(keys)} keys but {len(into)} buffers")
             dsts = [as_writable(b) for b in into]
+        return await self.get_checked(keys, dsts)
+
+    async def get_checked(self, keys: list[bytes], into: list[memoryview | None]) -> list[Any]:
+        """:meth:`get_many` of keys and buffers already checked: stored keys, and per key a flat
+        writable byte ``memoryview`` or None (new ``bytes``). For callers that built them so (the
+        pipeline's lanes: every key was checked when its job was submitted)."""
         if not keys:
             return []
         await self._ensure_open()
         self.pin_many(keys)
         try:
-            out = await self._guard("get_many", len(keys), self._get_many(keys, dsts))
+            out = await self._guard("get_many", len(keys), self._get_many(keys, into))
         finally:
             self.unpin_many(keys)
-        hits = sum(1 for r in out if r is not None)
+        hits = len(out) - out.count(None)
         self._count("hits", hits)
         self._count("misses", len(keys) - hits)
-        self._count("get_bytes", sum(r if isinstance(r, int) else len(r) for r in out if r is not None))
+        # a hit is a length (read into a buffer) or the bytes read
+        self._count("get_bytes", sum(r if type(r) is int else len(r) for r in out if r is not None))
         return out
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key holds a record (not verified; ``get_many`` verifies)."""
         keys = list(keys)
         for k in keys:
-            _check_key(k)
+            check_key(k)
         if not keys:
             return []
         await self._ensure_open()
@@ -343,7 +357,7 @@ class Tier(ABC):
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete records; pinned keys are skipped. Returns how many records were removed."""
         for k in keys:
-            _check_key(k)
+            check_key(k)
         todo = [k for k in dict.fromkeys(keys) if not self.is_pinned(k)]
         if not todo:
             return 0
@@ -392,7 +406,7 @@ class Tier(ABC):
         for migration of already-encoded records and for fault injection. Reads still verify them."""
         batch = [(k, as_readable(r)) for k, r in items]
         for k, _ in batch:
-            _check_key(k)
+            check_key(k)
         await self._ensure_open()
         await self._guard("raw_put_many", len(batch), self._raw_put_many(batch))
 
@@ -504,7 +518,8 @@ class Tier(ABC):
         """Release resources (called once)."""
 
 
-def _check_key(key: Any) -> None:
+def check_key(key: Any) -> None:
+    """Raise ``ValueError`` unless ``key`` is a stored key's shape (what every tier call takes)."""
     if not isinstance(key, bytes) or len(key) < _MIN_KEY:
         raise ValueError(
             f"a tier key must be a stored key (bytes: 16-byte namespace fingerprint + hash + 4-byte group),"

@@ -8,12 +8,13 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Self, cast
 
-from tieredkv.backends.base import Tier
+from tieredkv.backends.base import Tier, check_key
 from tieredkv.config import PipelineConfig
 from tieredkv.errors import TieredKVError, TierUnavailableError
+from tieredkv.format import as_readable, as_writable
 from tieredkv.groups import GroupSpec
 from tieredkv.keys import key_group
 from tieredkv.pipeline.jobs import InFlight, JobResult, JobRun, KeyState, LoadJob, StoreJob, by_group
@@ -257,8 +258,8 @@ class Pipeline:
             gs.stores += len(done)
             gs.stored_bytes += nbytes
             gs.dropped_stores += len(keys) - len(done)
-            done_set = set(done)
-            failed = tuple(k for k in keys if k not in done_set)
+            done_set = set(done) if len(done) < len(keys) else None
+            failed = () if done_set is None else tuple(k for k in keys if k not in done_set)
             self._finish(run, t0, nbytes, tuple(done), failed, written)
 
     async def _load(self, job: LoadJob, grp: GroupBinding, buf: StagingBuffer, t0: float) -> None:
@@ -277,17 +278,18 @@ class Pipeline:
             gs.loads += len(ok_keys)
             gs.loaded_bytes += len(ok_keys) * grp.chunk_bytes
             gs.load_missing += len(keys) - len(found_in)
-            missing = tuple(k for i, k in enumerate(keys) if i not in found_in)
+            missing = () if len(found_in) == len(keys) else tuple(k for i, k in enumerate(keys) if i not in found_in)
             self._finish(run, t0, len(ok_keys) * grp.chunk_bytes, ok_keys, missing, tiers_read(found_in))
 
     # ---- host-buffer jobs (a caller that already holds the bytes in host memory) ---------------
 
     def submit_put(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
         """Store ``(key, host buffer)`` items, each routed by its key's group. Returns at once;
-        the caller keeps the buffers unchanged until the job's result is polled (kind "put")."""
+        the caller keeps the buffers unchanged until the job's result is polled (kind "put").
+        A bad item raises here (``ValueError`` / ``TypeError`` naming it), before anything is queued."""
         if self._refused("put"):
             return False
-        items = list(items)
+        items = _host_items("put", items, as_readable)
         self.inflight.begin([k for k, _ in items])
         self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter()))
         return True
@@ -297,8 +299,9 @@ class Pipeline:
         (result kind "get": ``done`` found and copied, ``failed`` missing)."""
         if self._refused("get"):
             return False
+        items = _host_items("get", items, as_writable)
         self.inflight.begin()
-        self.loop.spawn(self._get_buffers(job_id, list(items), time.perf_counter()))
+        self.loop.spawn(self._get_buffers(job_id, items, time.perf_counter()))
         return True
 
     async def _put_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
@@ -535,3 +538,19 @@ class Pipeline:
 
 def _nbytes(buf: Any) -> int:
     return len(memoryview(buf).cast("B"))
+
+
+def _host_items(
+    kind: str, items: Sequence[tuple[bytes, Any]], view: Callable[[Any], memoryview]
+) -> list[tuple[bytes, memoryview]]:
+    """A host-buffer job's items checked on the caller's thread: a stored key and a flat byte view
+    of each buffer (``view``: readable for a put, writable for a get), so the lanes get only what
+    a tier can write or read into. A bad item raises ``ValueError`` / ``TypeError`` naming it."""
+    out: list[tuple[bytes, memoryview]] = []
+    for i, (key, buf) in enumerate(items):
+        try:
+            check_key(key)
+            out.append((key, view(buf)))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{kind}: item {i}: {e}") from None
+    return out

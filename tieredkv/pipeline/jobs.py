@@ -173,17 +173,15 @@ class InFlight:
     def begin(self, keys: Sequence[bytes] = ()) -> None:
         with self.lock:
             self.jobs += 1
-            for k in keys:
-                self.pending[k] += 1
+            self.pending.update(keys)  # one C loop
 
     def unpend(self, keys: Sequence[bytes]) -> None:
+        pending = self.pending
         with self.lock:
             for k in keys:
-                n = self.pending[k] - 1
+                n = pending.pop(k, 0) - 1
                 if n > 0:
-                    self.pending[k] = n
-                else:
-                    self.pending.pop(k, None)
+                    pending[k] = n
 
     def end(self) -> None:
         with self._idle:

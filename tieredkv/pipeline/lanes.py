@@ -2,7 +2,8 @@
 
 A lane is the only place the pipeline calls a tier's data operations. Writes are queued and
 sent in batches (one LMDB transaction or one Redis pipeline per batch); reads and existence
-checks go straight through. Every call is guarded by the tier's
+checks go straight through. What reaches a lane was checked when it was submitted (stored keys,
+flat byte ``memoryview``s), so lanes use the tiers' ``put_checked`` / ``get_checked``. Every call is guarded by the tier's
 :class:`~tieredkv.policy.CircuitBreaker`: a dead tier means dropped (counted) stores and
 misses, never an exception into the engine, and it heals through half-open probes.
 :class:`Lanes` routes items over several lanes (write to every write tier, read tier by tier).
@@ -109,7 +110,7 @@ class TierLane:
             outcome = Outcome.DROPPED
         else:
             try:
-                await self.tier.put_many([kv for it in batch for kv in zip(it.keys, it.payloads)])
+                await self.tier.put_checked([kv for it in batch for kv in zip(it.keys, it.payloads)])
                 self.breaker.success()
                 self.batches += 1
             except TierFullError:
@@ -130,7 +131,7 @@ class TierLane:
         if not self.breaker.allow():
             return None
         try:
-            got = await self.tier.get_many(keys, into=into)
+            got = await self.tier.get_checked(keys, into)
         except TieredKVError as e:
             self.breaker.failure()
             log.warning("tier %s: load of %d chunks failed (misses): %s", self.tier.name, len(keys), e)
@@ -177,18 +178,24 @@ class Lanes(dict[str, TierLane]):
         keys: list[bytes],
         views: list[Any],
         nbytes: int | None,
-        todo: list[int] | None = None,
+        todo: Sequence[int] | None = None,
     ) -> dict[int, str]:
-        """Read items (all, or indices ``todo``) tier by tier; ``{index: tier}`` of those found
-        (of exactly ``nbytes`` when given)."""
+        """Read items (all, or indices ``todo``, increasing) tier by tier; ``{index: tier}`` of
+        those found (of exactly ``nbytes`` when given)."""
         found_in: dict[int, str] = {}
-        todo = list(range(len(keys))) if todo is None else todo
+        todo = range(len(keys)) if todo is None else todo
         for name in tiers:
             if not todo:
                 break
-            got = await self[name].read([keys[i] for i in todo], [views[i] for i in todo])
+            whole = len(todo) == len(keys)  # every item: the caller's lists as they are
+            got = await self[name].read(
+                keys if whole else [keys[i] for i in todo], views if whole else [views[i] for i in todo]
+            )
             if got is None:
                 continue
+            if (got.count(nbytes) == len(got)) if nbytes is not None else (None not in got):
+                found_in.update(dict.fromkeys(todo, name))  # all found (the common case): C loops
+                break
             for i, n in zip(todo, got):
                 if n is not None and (nbytes is None or n == nbytes):
                     found_in[i] = name

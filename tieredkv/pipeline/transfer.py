@@ -149,17 +149,19 @@ class Transfers:
         done: list[bytes] = []
         written: dict[str, int] = {}
         direct = grp.direct_views(job.chunks, load=False)
+        copied = not all(direct)  # else every chunk is written straight from its blocks
         for part in parts(len(job.chunks), buf.nbytes // cb):  # one part unless the job is larger than the pool
             ev = None
-            views = []
-            for j, i in enumerate(part):
+            views = [] if copied else direct[part.start : part.stop]
+            for j, i in enumerate(part if copied else ()):
                 view = direct[i]
                 if view is None:
                     ev = self.copier.gather(grp.tensors, job.chunks[i].block_ids, buf.view(j * cb, cb), after=ready)
                     view = buf.mview(j * cb, cb)
                 views.append(view)
             await wait_event(ev)
-            got, w = await self.writeback.write(grp.route, [keys[i] for i in part], views)
+            part_keys = keys if len(part) == len(keys) else [keys[i] for i in part]
+            got, w = await self.writeback.write(grp.route, part_keys, views)
             done += got  # the writes are over: the buffer is free for the next part
             for name, n in w.items():
                 written[name] = written.get(name, 0) + n
@@ -185,25 +187,30 @@ class Transfers:
                         found_in[i] = slots.name
             direct = grp.direct_views(job.chunks, load=True, skip=borrowed)
             # where each chunk's blocks go, for those copied (not read straight into their blocks)
-            places = {i: job.placements(i, bpc) for i, view in enumerate(direct) if view is None}
+            copied = not all(direct) or bool(borrowed)  # else every chunk is read straight into its blocks
+            places = {i: job.placements(i, bpc) for i, view in enumerate(direct) if view is None} if copied else {}
             lower = route.tiers[1:] if slots is not None else route.tiers
             complete = True  # every chunk so far was found: keep copying
             for part in parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger than the pool
-                part_keys = [keys[i] for i in part]
-                views: list[memoryview | None] = [  # where each chunk's bytes land (None: in a slot)
-                    None if i in borrowed else buf.mview(j * cb, cb) if direct[i] is None else direct[i]
-                    for j, i in enumerate(part)
-                ]
-                rest = [j for j, i in enumerate(part) if i not in found_in]
-                if rest:
+                part_keys = keys if len(part) == len(keys) else [keys[i] for i in part]
+                views: list[memoryview | None] = (  # where each chunk's bytes land (None: in a slot)
+                    [
+                        None if i in borrowed else buf.mview(j * cb, cb) if direct[i] is None else direct[i]
+                        for j, i in enumerate(part)
+                    ]
+                    if copied
+                    else direct[part.start : part.stop]
+                )
+                rest = [j for j, i in enumerate(part) if i not in found_in] if found_in else None  # None: all of them
+                if rest is None or rest:
                     got = await self.lanes.read_items(lower, part_keys, views, cb, rest)
-                    found_in.update({part[j]: name for j, name in got.items()})
-                complete = complete and all(i in found_in for i in part)
+                    found_in.update({part[j]: name for j, name in got.items()} if part.start else got)
+                    complete = complete and len(got) == (len(part) if rest is None else len(rest))
                 if not complete:
                     continue
                 ev = None
                 lent: list[int] = []  # a run of consecutive borrowed chunks, copied together
-                for j, i in enumerate(part):
+                for j, i in enumerate(part if copied else ()):
                     if i in borrowed:
                         lent.append(i)
                         if j + 1 < len(part) and part[j + 1] in borrowed:
@@ -215,8 +222,8 @@ class Transfers:
                     elif direct[i] is None:
                         ev = self.copier.scatter(grp.tensors, places[i], buf.view(j * cb, cb), bpc)
                 await wait_event(ev)
-                if route.promote:
-                    first = route.tiers[0]
+                first = route.tiers[0]
+                if route.promote and len(route.tiers) > 1 and any(found_in[i] != first for i in part):
                     await self.writeback.promote(
                         route,
                         part_keys,

@@ -70,7 +70,7 @@ class WriteBack:
         if route.write != "back" or len(route.tiers) < 2:
             return
         self.inflight.begin([key])  # pending for lookups, in flight for drain(), until written
-        fut = self.lanes[route.tiers[1]].write(key, payload)
+        fut = self.lanes[route.tiers[1]].write(key, memoryview(payload))
         self._queued.add(fut)
         self.counters["write_backs"] += 1
 
@@ -120,7 +120,9 @@ class WriteBack:
                 gone += len(batch) - len(held)  # deleted from the first tier meanwhile: nothing to keep
                 if not held:
                     continue
-                parts = {fut: count for count, fut in lane.write_many([k for k, _ in held], [v for _, v in held])}
+                parts = {
+                    fut: count for count, fut in lane.write_many([k for k, _ in held], [memoryview(v) for _, v in held])
+                }
                 done, pending = await asyncio.wait(list(parts), timeout=left)
                 ok = sum(parts[f] for f in done if f.result() is Outcome.OK)
                 flushed += ok

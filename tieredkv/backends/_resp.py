@@ -284,7 +284,8 @@ class _Protocol(asyncio.BufferedProtocol):
             starts, ends = [0, *cuts], [*cuts, len(commands)]  # window k: commands[starts[k]:ends[k]]
             self._later.extend(_pack(commands[a:b]) for a, b in zip(starts[2:], ends[2:]))
             self._send_at.extend(ends[: len(self._later)])  # window k + 2 once window k is answered
-            self.transport.writelines(_pack(commands[: ends[min(1, len(ends) - 1)]]))
+            first_two = ends[1] if len(ends) > 1 else len(commands)
+            self.transport.writelines(_pack(commands[:first_two]))
             async with asyncio.timeout(timeout):
                 return await self._waiter
         except TimeoutError:

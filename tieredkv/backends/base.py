@@ -282,11 +282,11 @@ class Tier(ABC):
                 nothing of the batch was stored.
             TierUnavailableError / TierTimeoutError: the medium failed or ran past the deadline.
         """
-        batch: dict[bytes, memoryview] = {}
+        checked: list[tuple[bytes, memoryview]] = []
         for key, payload in items:
             check_key(key)
-            batch[key] = as_readable(payload)
-        await self.put_checked(list(batch.items()))
+            checked.append((key, as_readable(payload)))
+        await self.put_checked(checked)
 
     async def put_checked(self, items: list[tuple[bytes, memoryview]]) -> None:
         """:meth:`put_many` of items already checked: stored keys, flat byte ``memoryview``s.

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FINGERPRINT_BYTES",
     "GROUP_BYTES",
+    "MIN_STORED_KEY_BYTES",
     "PARTIAL_MARK",
     "GroupGeometry",
     "Namespace",
@@ -48,6 +49,8 @@ __all__ = [
 
 FINGERPRINT_BYTES = 16
 GROUP_BYTES = 4
+#: The shortest stored key: a namespace fingerprint, a block hash of at least one byte, a group.
+MIN_STORED_KEY_BYTES = FINGERPRINT_BYTES + 1 + GROUP_BYTES
 _MAX_GROUP = 2**32 - 1
 
 
@@ -138,7 +141,7 @@ def split_stored_key(key: bytes) -> tuple[bytes, bytes, int]:
     Raises:
         ValueError: the key is too short to hold a fingerprint, a hash byte and a group.
     """
-    if len(key) < FINGERPRINT_BYTES + GROUP_BYTES + 1:
+    if len(key) < MIN_STORED_KEY_BYTES:
         raise ValueError(f"stored key of {len(key)} bytes is too short")
     return (
         key[:FINGERPRINT_BYTES],

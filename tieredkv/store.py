@@ -38,8 +38,7 @@ from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError, TierClosedError, TieredKVError, TierTimeoutError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 from tieredkv.keys import (
-    FINGERPRINT_BYTES,
-    GROUP_BYTES,
+    MIN_STORED_KEY_BYTES,
     GroupGeometry,
     Namespace,
     ParallelLayout,
@@ -69,7 +68,6 @@ ChunkArg = tuple[bytes, Sequence[int]]
 
 #: Longest stored key any tier takes (LMDB's default key limit is 511 bytes).
 MAX_KEY_BYTES = 511
-_SHORTEST_KEY = FINGERPRINT_BYTES + GROUP_BYTES + 1  # a fingerprint, a hash of at least one byte, a group
 
 
 class TieredStore:
@@ -403,7 +401,7 @@ class TieredStore:
                 raise self._bad_chunk(op, group, i, item) from None
             if (
                 key is None
-                or not _SHORTEST_KEY <= len(key) <= MAX_KEY_BYTES
+                or not MIN_STORED_KEY_BYTES <= len(key) <= MAX_KEY_BYTES
                 or not key.startswith(fp)
                 or not key.endswith(suffix)
                 or len(block_ids) != bpc
@@ -426,9 +424,9 @@ class TieredStore:
         if not isinstance(key, (bytes, bytearray, memoryview)):
             return TypeError(f"{op}: chunk {i} key is {type(key).__name__}; expected bytes from store.key()")
         key = bytes(key)
-        if not _SHORTEST_KEY <= len(key) <= MAX_KEY_BYTES:
+        if not MIN_STORED_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             return ValueError(
-                f"{op}: chunk {i} key is {len(key)} bytes; expected {_SHORTEST_KEY}..{MAX_KEY_BYTES} bytes from store.key()"
+                f"{op}: chunk {i} key is {len(key)} bytes; expected {MIN_STORED_KEY_BYTES}..{MAX_KEY_BYTES} bytes from store.key()"
             )
         fp = self.namespace.fingerprint
         if self._own_namespace and not key.startswith(fp):

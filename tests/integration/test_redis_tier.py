@@ -23,6 +23,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.crc import key_slot
 from redis.exceptions import OutOfMemoryError, RedisError
 
+from tieredkv.backends import _resp
 from tieredkv.backends._resp import REPLY_WINDOW, Placed, _Protocol
 from tieredkv.backends.redis import RedisTier, parse_redis_key, redis_key
 from tieredkv.config import RedisTierConfig
@@ -764,10 +765,26 @@ async def test_native_io_reads_go_out_in_windows(
 
 
 @pytest.mark.asyncio
-async def test_native_io_concurrent_tasks_on_the_same_keys_never_see_wrong_bytes(server: RedisServer) -> None:
+@pytest.mark.parametrize("window", [None, 48 << 10], ids=["one-window", "window-per-record"])
+async def test_native_io_concurrent_tasks_on_the_same_keys_never_see_wrong_bytes(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
     """Many tasks store new versions of the same keys and read them into their own buffers at
     once, over several connections: every read is a miss or exactly one version written for that
-    key, and the last versions stand at the end."""
+    key, and the last versions stand at the end. Also with reads sent a record per reply window
+    (later windows go out from the reply handler while writers overwrite the same keys)."""
+    cut: list[int] = []  # windows per read batch
+    if window is not None:
+        monkeypatch.setattr(_resp, "REPLY_WINDOW", window)
+        real_windows = _resp._windows
+
+        def counted(intos: Any, size: int) -> list[int]:
+            cuts = real_windows(intos, size)
+            if any(i is not None for i in intos):
+                cut.append(len(cuts) + 1)
+            return cuts
+
+        monkeypatch.setattr(_resp, "_windows", counted)
     ns = _ns()
     keys = _keys(ns, 12)
     size = 48 << 10
@@ -802,6 +819,8 @@ async def test_native_io_concurrent_tasks_on_the_same_keys_never_see_wrong_bytes
         assert seen > 0 and tier.counters["corrupt"] == 0
         final = await tier.get_many(keys)
         assert all(g is not None and int.from_bytes(g[4:8], "little") in (36, 37, 38, 39) for g in final)
+        if window is not None:
+            assert cut and min(cut) >= 3  # every read batch went out in three windows or more
 
 
 @pytest.mark.asyncio

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Self, TypeVar, overload
 
 from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, Namespace, key_fingerprint, stored_key_group
+from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES, Namespace, key_fingerprint, stored_key_group
 
 __all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats", "check_key", "runs"]
 
@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 
 #: ``observer(tier_name, op, keys, nbytes, seconds, outcome)``; outcome is "ok" or an error class name.
 OpObserver = Callable[[str, str, int, int, float, str], None]
-
-_MIN_KEY = FINGERPRINT_BYTES + GROUP_BYTES + 1
 
 _T = TypeVar("_T")
 
@@ -520,7 +518,7 @@ class Tier(ABC):
 
 def check_key(key: Any) -> None:
     """Raise ``ValueError`` unless ``key`` is a stored key's shape (what every tier call takes)."""
-    if not isinstance(key, bytes) or len(key) < _MIN_KEY:
+    if not isinstance(key, bytes) or len(key) < MIN_STORED_KEY_BYTES:
         raise ValueError(
             f"a tier key must be a stored key (bytes: 16-byte namespace fingerprint + hash + 4-byte group),"
             f" got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"

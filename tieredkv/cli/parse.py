@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from tieredkv.cli.exits import EXIT_BAD_INPUT, CLIError
-from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES
+from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES
 
 __all__ = ["parse_duration", "parse_key", "parse_metrics_url", "parse_namespace", "parse_size"]
 
@@ -30,7 +30,7 @@ def parse_key(text: str) -> bytes:
         key = bytes.fromhex(text.strip())
     except ValueError:
         raise CLIError(EXIT_BAD_INPUT, f"KEY: got {text!r} — not hex; copy a key from `tieredkv ls`") from None
-    if len(key) < FINGERPRINT_BYTES + GROUP_BYTES + 1:
+    if len(key) < MIN_STORED_KEY_BYTES:
         raise CLIError(
             EXIT_BAD_INPUT,
             f"KEY: {len(key)} bytes is too short for a stored key (16-byte namespace + hash + 4-byte group)",

@@ -162,6 +162,24 @@ def encode_record_into(dst: memoryview, key: bytes, payload: memoryview, *, flag
     return total
 
 
+def encode_records_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) -> list[int]:
+    """Write the record of each (key, payload) of ``items`` one after another from the start of
+    ``dst``; return where each ends. With the C helper, one call: the GIL is let go once for all
+    the copies and checksums. A destination too small for all of them gets nothing."""
+    if _fastrec is not None:
+        ends: list[int] = _fastrec.encode_many(dst, items)
+        return ends
+    total = sum(HEADER_SIZE + len(p) for _, p in items)
+    if len(dst) < total:
+        raise ValueError(f"destination of {len(dst)} bytes is smaller than the records ({total})")
+    ends = []
+    off = 0
+    for key, payload in items:
+        off += encode_record_into(dst[off:], key, payload)
+        ends.append(off)
+    return ends
+
+
 def encode_record(key: bytes, payload: Any, *, flags: int = 0) -> bytearray:
     """A new ``bytearray`` holding the record for ``key`` (one copy of the payload)."""
     mv = as_readable(payload)

@@ -516,3 +516,89 @@ def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path
             assert all(_version_of(kid, b) is not None for kid, b in enumerate(bufs))
 
     asyncio.run(final())
+
+
+async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_their_order(tmp_path: Path) -> None:
+    """A lane keeps two batches in flight on an LMDB tier: the second is encoded on the helper
+    thread while the tier's thread is still inside the first's write, and the batches land in the
+    order they were sent: keys in both hold the second's value, and the used bytes count each
+    record once."""
+    from tieredkv.config import PipelineConfig
+    from tieredkv.format import as_readable
+    from tieredkv.pipeline.lanes import Outcome, TierLane
+
+    in_first, release, second_encoded = threading.Event(), threading.Event(), threading.Event()
+    encoders: list[str] = []
+
+    class Gated(LMDBTier):  # the real tier; its first write is held until the test lets it go
+        def _encode(self, items):  # type: ignore[no-untyped-def]
+            out = super()._encode(items)
+            encoders.append(threading.current_thread().name)
+            if len(encoders) == 2:
+                second_encoded.set()
+            return out
+
+        def _put_sync(self, records, buf=None):  # type: ignore[no-untyped-def]
+            if not in_first.is_set():
+                in_first.set()
+                assert release.wait(120), "the test never released the first write"
+            super()._put_sync(records, buf)
+
+    tier = Gated(lmdb_cfg(tmp_path))
+    async with tier:
+        assert tier.capabilities.writes_in_flight == 2
+        lane = TierLane(tier, PipelineConfig(max_batch_items=4))
+        lane.task = asyncio.get_running_loop().create_task(lane.run())
+        try:
+            keys = [k(i) for i in range(6)]
+            first = {key: payload(100 * KiB, i) for i, key in enumerate(keys[:4])}
+            second = {key: payload(100 * KiB, 100 + i) for i, key in enumerate(keys[2:])}
+            ((n1, f1),) = lane.write_many(list(first), [as_readable(p) for p in first.values()])
+            ((n2, f2),) = lane.write_many(list(second), [as_readable(p) for p in second.values()])
+            assert (n1, n2) == (4, 4)
+            assert await asyncio.to_thread(in_first.wait, 120)
+            assert await asyncio.to_thread(second_encoded.wait, 120)  # while the first is held
+            assert not f1.done() and not f2.done()
+            assert all(name.startswith(f"tieredkv-lmdb-{tier.name}-helper") for name in encoders), encoders
+            release.set()
+            assert [await f1, await f2] == [Outcome.OK, Outcome.OK]
+        finally:
+            release.set()
+            lane.task.cancel()
+            await asyncio.gather(lane.task, return_exceptions=True)
+        want = {**first, **second}
+        got = await tier.get_many(keys)
+        assert [bytes(g or b"") for g in got] == [want[key].numpy().tobytes() for key in keys]
+        assert (await tier.stats()).used_bytes == 6 * (100 * KiB + 64)
+
+
+async def test_an_lmdb_put_cancelled_while_encoding_stores_nothing_and_spoils_no_later_put(tmp_path: Path) -> None:
+    """A put whose caller gives up while its batch is being encoded writes nothing; its encode
+    buffer is never handed to a later batch while the helper may still write into it, so later
+    puts (which wait behind it on the helper) land whole, and so do puts after them."""
+    entered, gate = threading.Event(), threading.Event()
+
+    class Slow(LMDBTier):  # the real tier; its first encode is held until the test lets it go
+        def _encode(self, items):  # type: ignore[no-untyped-def]
+            if not entered.is_set():
+                entered.set()
+                assert gate.wait(120), "the test never released the encode"
+            return super()._encode(items)
+
+    async with Slow(lmdb_cfg(tmp_path)) as tier:
+        gone = asyncio.create_task(tier.put_many([(k(1), payload(300 * KiB, 1))]))
+        try:
+            assert await asyncio.to_thread(entered.wait, 120)
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            later = asyncio.create_task(tier.put_many([(k(2), payload(300 * KiB, 2)), (k(3), payload(200 * KiB, 3))]))
+        finally:
+            gate.set()
+        await later
+        await tier.put_many([(k(4), payload(300 * KiB, 4)), (k(5), payload(300 * KiB, 5))])
+        assert await tier.contains_many([k(1)]) == [False]
+        got = await tier.get_many([k(i) for i in (2, 3, 4, 5)])
+        sizes = {2: 300 * KiB, 3: 200 * KiB, 4: 300 * KiB, 5: 300 * KiB}
+        assert [bytes(g or b"") for g in got] == [payload(sizes[i], i).numpy().tobytes() for i in (2, 3, 4, 5)]
+        assert tier.counters["corrupt"] == 0

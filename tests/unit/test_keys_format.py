@@ -271,3 +271,44 @@ def test_the_pinned_header_on_both_paths(record_path: str) -> None:
     payload = bytes(range(256)) * 4
     assert bytes(encode_record(key, payload)[:HEADER_SIZE]) == make_header(key, memoryview(payload))
     assert make_header(key, memoryview(payload)).hex().startswith("544b565201004000")
+
+
+def test_a_batch_encoded_in_one_call_is_each_record_as_encode_record_writes_it(record_path: str) -> None:
+    """``encode_records_into`` (one C call for a whole batch, the GIL let go once) writes the
+    records one after another, each byte for byte what ``encode_record`` writes for its item, and
+    says where each ends; a destination too small for all of them gets nothing."""
+    ns = Namespace(model="m")
+    items = [(ns.key(H, g), bytes((g * 7 + i) % 251 for i in range(n))) for g, n in enumerate(SIZES)]
+    items.append((ns.key(H[::-1], 2), b""))
+    total = sum(HEADER_SIZE + len(p) for _, p in items)
+    dst = bytearray(b"\xaa" * (total + 5))
+    ends = fmt.encode_records_into(memoryview(dst), [(k, memoryview(p)) for k, p in items])
+    assert ends[-1] == total and len(ends) == len(items)
+    for (key, payload), start, end in zip(items, [0, *ends], ends):
+        assert dst[start:end] == encode_record(key, payload)
+        assert bytes(verify_record(memoryview(dst)[start:end], key)) == payload
+    assert dst[total:] == b"\xaa" * 5
+    short = bytearray(b"\xaa" * (total - 1))
+    with pytest.raises(ValueError, match="smaller"):
+        fmt.encode_records_into(memoryview(short), [(k, memoryview(p)) for k, p in items])
+    assert short == b"\xaa" * (total - 1)
+    assert fmt.encode_records_into(memoryview(short), []) == []
+
+
+def test_the_c_batch_encode_names_a_bad_item_and_writes_nothing() -> None:
+    if _NATIVE is None:
+        pytest.skip("no C helper on this machine: the pure-Python path checks each item as it goes")
+    ns = Namespace(model="m")
+    good = (ns.key(H, 1), memoryview(b"x" * 100))
+    dst = bytearray(b"\xaa" * 1000)
+    for bad, message in [
+        ((ns.key(H, 2),), "item 1 is not a"),
+        (("not bytes", memoryview(b"y")), "key must be bytes"),
+        ((b"short", memoryview(b"y")), "shorter than a stored key"),
+        ((ns.key(H, 2), 17), "bytes-like"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            _NATIVE.encode_many(memoryview(dst), [good, bad, good])
+        assert dst == b"\xaa" * 1000
+    with pytest.raises(TypeError, match="list"):
+        _NATIVE.encode_many(memoryview(dst), (good,))

@@ -69,7 +69,10 @@ def test_builtin_capabilities() -> None:
     assert caps["cpu"] == TierCapabilities(
         in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True
     )
-    assert caps["lmdb"] == TierCapabilities(access_stamps=True, local_eviction=True, shared=True, sync_probe=True)
+    assert caps["lmdb"] == TierCapabilities(
+        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2
+    )
+    assert caps["cpu"].writes_in_flight == caps["redis"].writes_in_flight == 1
     assert not caps["redis"].local_eviction and caps["redis"].shared and not caps["redis"].in_process
 
 

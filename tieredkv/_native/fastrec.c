@@ -160,6 +160,18 @@ static void relock(PyThreadState *state) {
     if (state != NULL) PyEval_RestoreThread(state);
 }
 
+/* The header of a record for ``key`` with an n-byte payload, all but its checksum (bytes 40..47,
+ * zero until the payload is hashed). */
+static void write_header(uint8_t *out, const uint8_t *key, size_t klen, uint64_t n, uint32_t flags) {
+    memcpy(out, "TKVR", 4);
+    put_le(out + 4, FORMAT_VERSION, 2);
+    put_le(out + 6, HEADER_SIZE, 2);
+    header_ids(key, klen, out + 8);
+    put_le(out + 28, flags, 4);
+    put_le(out + 32, n, 8);
+    memset(out + 40, 0, HEADER_SIZE - 40);
+}
+
 /* encode_into(dst, key, payload, flags) -> record length
  * Writes the header and the payload for ``key`` into ``dst`` (format.encode_record_into). */
 static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -185,13 +197,7 @@ static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     uint8_t *out = (uint8_t *)dst.buf;
-    memcpy(out, "TKVR", 4);
-    put_le(out + 4, FORMAT_VERSION, 2);
-    put_le(out + 6, HEADER_SIZE, 2);
-    header_ids(key, (size_t)klen, out + 8);
-    put_le(out + 28, flags, 4);
-    put_le(out + 32, (uint64_t)n, 8);
-    memset(out + 40, 0, HEADER_SIZE - 40);
+    write_header(out, key, (size_t)klen, (uint64_t)n, (uint32_t)flags);
     int ok;
     PyThreadState *state = unlocked(n);
     uint64_t h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
@@ -204,6 +210,82 @@ static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     result = PyLong_FromSsize_t(total);
 done:
     PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+/* encode_many(dst, items) -> list of record ends
+ * Encodes each (key, payload) of the list ``items`` (flags 0), one record after another from the
+ * start of ``dst``, the GIL released once for every copy and checksum of the call; returns where
+ * each record ends in ``dst``. Nothing is written unless every item is good and all fit. */
+static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "encode_many(dst, items: list)");
+        return NULL;
+    }
+    PyObject *items = args[1], *result = NULL;
+    Py_ssize_t count = PyList_GET_SIZE(items), held = 0, total = 0;
+    int ok = 1;
+    Py_buffer dst;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
+    /* per item its payload's buffer and its key (a reference held: the list may change while
+     * the GIL is let go, the keys and buffers stay) */
+    Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    if (bufs == NULL || keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        PyObject *item = PyList_GET_ITEM(items, held);
+        const uint8_t *key;
+        Py_ssize_t klen;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "item %zd is not a (key, payload) pair", held);
+            goto done;
+        }
+        if (key_arg(PyTuple_GET_ITEM(item, 0), &key, &klen) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
+        keys[held] = Py_NewRef(PyTuple_GET_ITEM(item, 0));
+        total += HEADER_SIZE + bufs[held].len;
+    }
+    if (dst.len < total) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the records (%zd)", dst.len, total);
+        goto done;
+    }
+    if (!(result = PyList_New(count))) goto done;
+    PyThreadState *state = unlocked(total);
+    uint8_t *out = (uint8_t *)dst.buf;
+    for (Py_ssize_t i = 0; i < count && ok; i++) {
+        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
+        size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]), n = (size_t)bufs[i].len;
+        write_header(out, key, klen, n, 0);
+        uint64_t h = copy_checksum(out + HEADER_SIZE, bufs[i].buf, n, key, klen, out, 0, &ok);
+        put_le(out + 40, h, 8);
+        out += HEADER_SIZE + n;
+    }
+    relock(state);
+    if (!ok) {
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0, end = 0; i < count; i++) {
+        end += HEADER_SIZE + bufs[i].len;
+        PyObject *e = PyLong_FromSsize_t(end);
+        if (e == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, e);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+        Py_XDECREF(keys[i]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(keys);
     PyBuffer_Release(&dst);
     return result;
 }
@@ -289,6 +371,8 @@ static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef methods[] = {
     {"encode_into", (PyCFunction)(void (*)(void))encode_into, METH_FASTCALL,
      "encode_into(dst, key, payload, flags) -> record length"},
+    {"encode_many", (PyCFunction)(void (*)(void))encode_many, METH_FASTCALL,
+     "encode_many(dst, items) -> list of record ends"},
     {"verify_copy", (PyCFunction)(void (*)(void))verify_copy, METH_FASTCALL,
      "verify_copy(record, key, dst) -> payload length, -1 (bad record) or -2 (does not fit)"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,

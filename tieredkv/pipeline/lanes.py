@@ -89,19 +89,36 @@ class TierLane:
         return fut
 
     async def run(self) -> None:
+        """Send queued items in batches, up to the tier's ``writes_in_flight`` batches at once
+        (each formed when it can be sent, from everything queued by then)."""
         queue = self.queue
-        while True:
-            while not queue:
-                self._wake.clear()
-                await self._wake.wait()
-            first = queue.popleft()
-            batch, items, nbytes = [first], len(first.keys), first.nbytes
-            while queue and items + len(queue[0].keys) <= self.max_items and nbytes < self.max_bytes:
-                item = queue.popleft()
-                batch.append(item)
-                items += len(item.keys)
-                nbytes += item.nbytes
-            await self._write_batch(batch)
+        slots = asyncio.Semaphore(self.tier.capabilities.writes_in_flight)
+        sending: set[asyncio.Task[None]] = set()
+
+        def sent(task: asyncio.Task[None]) -> None:
+            sending.discard(task)
+            slots.release()
+
+        try:
+            while True:
+                while not queue:
+                    self._wake.clear()
+                    await self._wake.wait()
+                await slots.acquire()
+                first = queue.popleft()
+                batch, items, nbytes = [first], len(first.keys), first.nbytes
+                while queue and items + len(queue[0].keys) <= self.max_items and nbytes < self.max_bytes:
+                    item = queue.popleft()
+                    batch.append(item)
+                    items += len(item.keys)
+                    nbytes += item.nbytes
+                task = asyncio.get_running_loop().create_task(self._write_batch(batch))
+                sending.add(task)
+                task.add_done_callback(sent)
+        finally:
+            for task in sending:
+                task.cancel()
+            await asyncio.gather(*sending, return_exceptions=True)  # nothing left writing at close
 
     async def _write_batch(self, batch: list[_WriteItem]) -> None:
         outcome = Outcome.OK

@@ -312,3 +312,47 @@ def test_the_c_batch_encode_names_a_bad_item_and_writes_nothing() -> None:
         assert dst == b"\xaa" * 1000
     with pytest.raises(TypeError, match="list"):
         _NATIVE.encode_many(memoryview(dst), (good,))
+
+
+def test_a_batch_checked_in_one_call_answers_as_verify_into_does_for_each(record_path: str) -> None:
+    """``verify_many_into`` (one C call for a whole read, the GIL let go once): each good record
+    lands whole; a damaged one (payload or header), one copied under another key and a short
+    one are each a CorruptRecordError naming what is wrong, with nothing of it left where it
+    landed; one too large for its buffer is -1 and its buffer untouched."""
+    ns = Namespace(model="m")
+    keys = [ns.key(H, g) for g in range(8)]
+    payloads = [
+        bytes((g * 13 + i) % 251 for i in range(n))
+        for g, n in enumerate([0, 100, 70_000, 300_000, 300_000, 100, 70_000, 100])
+    ]
+    records = [bytearray(encode_record(k, p)) for k, p in zip(keys, payloads)]
+    records[4][-1] ^= 1  # a payload byte (300 KB: found after its copy)
+    records[5][9] ^= 1  # the header's fingerprint
+    records[6] = bytearray(encode_record(keys[0], payloads[6]))  # another key's record
+    records[7] = records[7][:40]  # shorter than a header
+    dsts = [bytearray(b"\xaa" * max(len(p), 1)) for p in payloads]
+    dsts[2] = bytearray(b"\xaa" * 69_999)  # one byte short
+    got = fmt.verify_many_into([memoryview(r) for r in records], keys, [memoryview(d) for d in dsts])
+    assert got[:4] == [0, 100, -1, 300_000]
+    assert dsts[1] == payloads[1] and dsts[3] == payloads[3] and dsts[2] == b"\xaa" * 69_999
+    for i, why in ((4, "checksum"), (5, "namespace"), (6, "group"), (7, "shorter")):
+        assert isinstance(got[i], CorruptRecordError) and why in str(got[i]), (i, got[i])
+        assert dsts[i] in (bytearray(b"\xaa" * len(dsts[i])), bytearray(len(dsts[i]))), i
+    assert fmt.verify_many_into([], [], []) == []
+
+
+def test_the_c_batch_check_refuses_bad_arguments_before_it_copies_anything() -> None:
+    if _NATIVE is None:
+        pytest.skip("no C helper on this machine")
+    key = Namespace(model="m").key(H, 1)
+    rec = encode_record(key, b"x" * 100)
+    dst = bytearray(b"\xaa" * 100)
+    for args, message in [
+        (([rec], [key], []), "of one length"),
+        (([rec, rec], [key, "k"], [dst, dst]), "key must be bytes"),
+        (([rec, rec], [key, key], [dst, b"read-only"]), "writable"),
+        (((rec,), (key,), (dst,)), "list"),
+    ]:
+        with pytest.raises((TypeError, BufferError, ValueError), match=message):
+            _NATIVE.verify_many(*args)
+        assert dst == b"\xaa" * 100

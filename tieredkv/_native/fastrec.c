@@ -297,6 +297,30 @@ done:
  * hashed piece by piece in ``record`` as each piece is streamed out (copy_checksum). A record
  * that fails leaves ``dst``'s first bytes zeroed: no damaged byte stays where it landed. Which
  * header field is wrong is for format.verify_record to say (it raises, naming it). */
+/* The work of verify_copy on plain memory, the GIL held or not: the payload length, -1 (not a
+ * good record for key: dst's first bytes zeroed if any landed) or -2 (does not fit dst).
+ * *ok is 0 when the hash state could not be allocated. */
+static Py_ssize_t check_copy(const uint8_t *r, Py_ssize_t rlen, const uint8_t *key, size_t klen, uint8_t *out,
+                             Py_ssize_t dlen, int *ok) {
+    static const uint8_t zero[HEADER_SIZE - 48] = {0};
+    uint8_t ids[FP_BYTES + GROUP_BYTES];
+    if (rlen < HEADER_SIZE) return -1;
+    Py_ssize_t n = rlen - HEADER_SIZE;
+    header_ids(key, klen, ids);
+    if (memcmp(r, "TKVR", 4) != 0 || get_le(r + 4, 2) != FORMAT_VERSION || get_le(r + 6, 2) != HEADER_SIZE ||
+        memcmp(r + 8, ids, sizeof ids) != 0 || get_le(r + 32, 8) != (uint64_t)n ||
+        memcmp(r + 48, zero, sizeof zero) != 0)
+        return -1;
+    if (n > dlen) return -2;
+    uint64_t want = get_le(r + 40, 8);
+    uint64_t got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, klen, r, n >= STREAM_AT, ok);
+    if (!*ok || got != want) {
+        memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
+        return -1;
+    }
+    return n;
+}
+
 static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "verify_copy(record, key, dst)");
@@ -307,33 +331,74 @@ static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (key_arg(args[1], &key, &klen) < 0) return NULL;
     Py_buffer rec, dst;
     if (two_buffers(args[0], &rec, PyBUF_SIMPLE, args[2], &dst, PyBUF_WRITABLE) < 0) return NULL;
-    Py_ssize_t result = -1;
     int ok = 1;
-    const uint8_t *r = (const uint8_t *)rec.buf;
-    uint8_t ids[FP_BYTES + GROUP_BYTES];
-    static const uint8_t zero[HEADER_SIZE - 48] = {0};
-    if (rec.len < HEADER_SIZE) goto done;
-    Py_ssize_t n = rec.len - HEADER_SIZE;
-    header_ids(key, (size_t)klen, ids);
-    if (memcmp(r, "TKVR", 4) != 0 || get_le(r + 4, 2) != FORMAT_VERSION || get_le(r + 6, 2) != HEADER_SIZE ||
-        memcmp(r + 8, ids, sizeof ids) != 0 || get_le(r + 32, 8) != (uint64_t)n ||
-        memcmp(r + 48, zero, sizeof zero) != 0)
-        goto done;
-    if (n > dst.len) {
-        result = -2;
-        goto done;
-    }
-    uint64_t want = get_le(r + 40, 8);
-    uint8_t *out = (uint8_t *)dst.buf;
-    PyThreadState *state = unlocked(n);
-    uint64_t got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, (size_t)klen, r, n >= STREAM_AT, &ok);
-    if (!ok || got != want) memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
+    PyThreadState *state = unlocked(rec.len);
+    Py_ssize_t result = check_copy(rec.buf, rec.len, key, (size_t)klen, dst.buf, dst.len, &ok);
     relock(state);
-    result = ok && got == want ? n : -1;
-done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&rec);
     return ok ? PyLong_FromSsize_t(result) : PyErr_NoMemory();
+}
+
+/* verify_many(records, keys, dsts) -> list of verify_copy's answers
+ * verify_copy for each (record, key, dst) of three lists of one length, the GIL let go once for
+ * every check and copy of the call. */
+static PyObject *verify_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "verify_many(records: list, keys: list, dsts: list), of one length");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0, total = 0;
+    PyObject *result = NULL;
+    int ok = 1;
+    /* per item its record's and destination's buffers and its key (a reference held: the lists
+     * may change while the GIL is let go, the keys and buffers stay) */
+    Py_buffer *bufs = PyMem_Calloc(2 * (size_t)(count ? count : 1), sizeof(Py_buffer));
+    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    Py_ssize_t *got = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
+    if (bufs == NULL || keys == NULL || got == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        const uint8_t *key;
+        Py_ssize_t klen;
+        if (key_arg(PyList_GET_ITEM(args[1], held), &key, &klen) < 0) goto done;
+        if (two_buffers(PyList_GET_ITEM(args[0], held), &bufs[2 * held], PyBUF_SIMPLE, PyList_GET_ITEM(args[2], held),
+                        &bufs[2 * held + 1], PyBUF_WRITABLE) < 0)
+            goto done;
+        keys[held] = Py_NewRef(PyList_GET_ITEM(args[1], held));
+        total += bufs[2 * held].len;
+    }
+    PyThreadState *state = unlocked(total);
+    for (Py_ssize_t i = 0; i < count && ok; i++)
+        got[i] = check_copy(bufs[2 * i].buf, bufs[2 * i].len, (const uint8_t *)PyBytes_AS_STRING(keys[i]),
+                            (size_t)PyBytes_GET_SIZE(keys[i]), bufs[2 * i + 1].buf, bufs[2 * i + 1].len, &ok);
+    relock(state);
+    if (!ok) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!(result = PyList_New(count))) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *e = PyLong_FromSsize_t(got[i]);
+        if (e == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, e);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[2 * i]);
+        PyBuffer_Release(&bufs[2 * i + 1]);
+        Py_DECREF(keys[i]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(keys);
+    PyMem_Free(got);
+    return result;
 }
 
 /* stream_into(dst, src) -> bytes copied
@@ -375,6 +440,8 @@ static PyMethodDef methods[] = {
      "encode_many(dst, items) -> list of record ends"},
     {"verify_copy", (PyCFunction)(void (*)(void))verify_copy, METH_FASTCALL,
      "verify_copy(record, key, dst) -> payload length, -1 (bad record) or -2 (does not fit)"},
+    {"verify_many", (PyCFunction)(void (*)(void))verify_many, METH_FASTCALL,
+     "verify_many(records, keys, dsts) -> list of verify_copy's answers"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {NULL, NULL, 0, NULL},

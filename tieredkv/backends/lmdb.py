@@ -77,7 +77,7 @@ from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
-from tieredkv.format import HEADER_SIZE, encode_records_into, verify_into, verify_record
+from tieredkv.format import HEADER_SIZE, encode_records_into, verify_many_into, verify_record
 
 __all__ = ["LMDBTier"]
 
@@ -767,34 +767,34 @@ class LMDBTier(Tier):
         """One read transaction over ``keys`` (safe on any thread: it touches no LRU state).
 
         Returns what each key delivered, the records that failed, and per key the stored
-        record's size (None: not there; -1: failed). Each record is checked and copied by
-        :func:`~tieredkv.format.verify_into` (one C call per record where the helper is built;
-        one that fails is zeroed where it landed: no damaged byte stays in a destination)."""
+        record's size (None: not there; -1: failed). The records are checked and copied by
+        :func:`~tieredkv.format.verify_many_into` (one C call for all of them where the helper is
+        built, the GIL let go once; one that fails is zeroed where it landed: no damaged byte
+        stays in a destination)."""
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[int | None]]:
-            out: list[int | bytes | None] = []
+            recs = [txn.get(key) for key in keys]
+            out: list[int | bytes | None] = [None] * len(keys)
+            seen: list[int | None] = [None if rec is None else len(rec) for rec in recs]
             bad: list[tuple[bytes, Exception]] = []
-            seen: list[int | None] = []
-            for key, dst in zip(keys, into):
-                rec = txn.get(key)
-                if rec is None:
-                    out.append(None)
-                    seen.append(None)
-                    continue
-                try:
-                    if dst is None:
-                        out.append(bytes(verify_record(rec, key)))
-                    else:
-                        n = verify_into(rec, key, dst)
-                        if n < 0:
-                            self._oversize(key, len(rec) - HEADER_SIZE, dst)
-                        out.append(n if n >= 0 else None)
-                except CorruptRecordError as e:
-                    bad.append((key, e))
-                    out.append(None)
-                    seen.append(-1)
-                    continue
-                seen.append(len(rec))
+            todo = [i for i, rec in enumerate(recs) if rec is not None and into[i] is not None]
+            dsts = [dst for dst in (into[i] for i in todo) if dst is not None]
+            got = verify_many_into([recs[i] for i in todo], [keys[i] for i in todo], dsts)
+            for i, n, dst in zip(todo, got, dsts):
+                if isinstance(n, CorruptRecordError):
+                    bad.append((keys[i], n))
+                    seen[i] = -1
+                elif n < 0:
+                    self._oversize(keys[i], len(recs[i]) - HEADER_SIZE, dst)
+                else:
+                    out[i] = n
+            for i, rec in enumerate(recs):
+                if rec is not None and into[i] is None:
+                    try:
+                        out[i] = bytes(verify_record(rec, keys[i]))
+                    except CorruptRecordError as e:
+                        bad.append((keys[i], e))
+                        seen[i] = -1
             return out, bad, seen
 
         if not keys:

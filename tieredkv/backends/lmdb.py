@@ -118,7 +118,7 @@ class _SharedEnv:
         self.rec: Any = None
         self.acc: Any = None
         self._cond = threading.Condition(threading.Lock())
-        self._helpers = 0
+        self._readers = 0
         self._exclusive = False
         self._waiting = 0
         self._held = threading.local()
@@ -136,7 +136,7 @@ class _SharedEnv:
                 if not blocking:
                     return False
                 self._cond.wait()
-            self._helpers += 1
+            self._readers += 1
         self._held.n = 1
         return True
 
@@ -144,8 +144,8 @@ class _SharedEnv:
         self._held.n -= 1
         if self._held.n == 0:
             with self._cond:
-                self._helpers -= 1
-                if self._helpers == 0:
+                self._readers -= 1
+                if self._readers == 0:
                     self._cond.notify_all()
 
     @contextmanager
@@ -160,11 +160,11 @@ class _SharedEnv:
         if getattr(self._held, "n", 0):
             raise RuntimeError("lmdb: set_mapsize/close from inside a transaction of this thread")
         with self._cond:
-            if not blocking and (self._exclusive or self._helpers):
+            if not blocking and (self._exclusive or self._readers):
                 return False
             self._waiting += 1
             try:
-                while self._exclusive or self._helpers:
+                while self._exclusive or self._readers:
                     self._cond.wait()
             finally:
                 self._waiting -= 1

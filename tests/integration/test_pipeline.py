@@ -517,3 +517,29 @@ async def test_a_tier_writer_batches_whole_slices_of_jobs_within_its_limits(tmp_
         finally:
             lane.task.cancel()
             await asyncio.gather(lane.task, return_exceptions=True)
+
+
+async def test_a_writer_batch_that_fails_with_a_bug_is_answered_and_the_lane_goes_on(tmp_path: Path) -> None:
+    """An exception that is not a tier's failure (here a NotImplementedError, which the tier's
+    guard lets through) drops that batch, counted and answered, and the lane writes the next
+    one: no job is left waiting on a batch nobody answers. The lane keeps two batches in flight
+    on the LMDB tier underneath, and both are answered."""
+    from tieredkv.pipeline.lanes import Outcome, TierLane
+
+    tier = FaultyTier(lmdb(tmp_path), fail_with=NotImplementedError("a bug"), ops={"put_many"})
+    async with tier:
+        assert tier.capabilities.writes_in_flight == 2
+        lane = TierLane(tier, PipelineConfig(max_batch_items=2))
+        lane.task = asyncio.get_running_loop().create_task(lane.run())
+        try:
+            ks = [NS.key(f"bug:{i}".encode(), 0) for i in range(4)]
+            parts = lane.write_many(ks, [memoryview(bytes([i]) * 100) for i in range(4)])
+            assert [await f for _, f in parts] == [Outcome.DROPPED, Outcome.DROPPED]
+            assert lane.dropped == 4 and not lane.task.done()
+            tier.fail_with = None
+            parts = lane.write_many(ks[:2], [memoryview(b"ok" * 50)] * 2)
+            assert [await f for _, f in parts] == [Outcome.OK]
+            assert [bytes(g or b"") for g in await tier.get_many(ks)] == [b"ok" * 50] * 2 + [b""] * 2
+        finally:
+            lane.task.cancel()
+            await asyncio.gather(lane.task, return_exceptions=True)

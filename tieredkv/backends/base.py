@@ -116,9 +116,10 @@ class TierCapabilities:
     #: :meth:`Tier.probe` answers from any thread without I/O that can wait (an in-process index,
     #: a memory-mapped B-tree) once the tier is open; otherwise it may return None.
     sync_probe: bool = False
-    #: Batches a pipeline lane may have in a :meth:`Tier.put_checked` at once (in the order it
-    #: sent them; each tier keeps its own writes in that order). More than one for a tier whose
-    #: write has a stage of its own before its writer (LMDB encodes on a second thread).
+    #: Batches a pipeline lane may have in :meth:`Tier.put_checked` at once. More than one for a
+    #: tier whose write has a stage of its own before its writer (LMDB encodes on a second
+    #: thread), and only for one that applies its writes in the order the calls were made (a
+    #: later batch may overwrite a key of an earlier one).
     writes_in_flight: int = 1
 
 

@@ -137,6 +137,10 @@ class TierLane:
                 self.breaker.failure()
                 log.warning("tier %s: store of %d chunks dropped: %s", self.tier.name, items, e)
                 outcome = Outcome.DROPPED
+            except Exception:  # a bug, not a tier's failure: logged whole, and the batch still answered
+                self.breaker.failure()
+                log.exception("tier %s: store of %d chunks dropped", self.tier.name, items)
+                outcome = Outcome.DROPPED
         if outcome is Outcome.DROPPED:
             self.dropped += items
         for it in batch:

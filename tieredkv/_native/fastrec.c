@@ -214,6 +214,19 @@ done:
     return result;
 }
 
+/* A new list of the n integers v[0..n), or NULL with an exception set. */
+static PyObject *int_list(const Py_ssize_t *v, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list != NULL && i < n; i++) {
+        PyObject *e = PyLong_FromSsize_t(v[i]);
+        if (e == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, e);
+    }
+    return list;
+}
+
 /* encode_many(dst, items) -> list of record ends
  * Encodes each (key, payload) of the list ``items`` (flags 0), one record after another from the
  * start of ``dst``, the GIL released once for every copy and checksum of the call; returns where
@@ -232,7 +245,8 @@ static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t n
      * the GIL is let go, the keys and buffers stay) */
     Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
     PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
-    if (bufs == NULL || keys == NULL) {
+    Py_ssize_t *ends = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
+    if (bufs == NULL || keys == NULL || ends == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -253,7 +267,6 @@ static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the records (%zd)", dst.len, total);
         goto done;
     }
-    if (!(result = PyList_New(count))) goto done;
     PyThreadState *state = unlocked(total);
     uint8_t *out = (uint8_t *)dst.buf;
     for (Py_ssize_t i = 0; i < count && ok; i++) {
@@ -263,22 +276,13 @@ static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t n
         uint64_t h = copy_checksum(out + HEADER_SIZE, bufs[i].buf, n, key, klen, out, 0, &ok);
         put_le(out + 40, h, 8);
         out += HEADER_SIZE + n;
+        ends[i] = out - (uint8_t *)dst.buf;
     }
     relock(state);
-    if (!ok) {
-        Py_CLEAR(result);
+    if (!ok)
         PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0, end = 0; i < count; i++) {
-        end += HEADER_SIZE + bufs[i].len;
-        PyObject *e = PyLong_FromSsize_t(end);
-        if (e == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, e);
-    }
+    else
+        result = int_list(ends, count);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
         PyBuffer_Release(&bufs[i]);
@@ -286,6 +290,7 @@ done:
     }
     PyMem_Free(bufs);
     PyMem_Free(keys);
+    PyMem_Free(ends);
     PyBuffer_Release(&dst);
     return result;
 }
@@ -376,19 +381,10 @@ static PyObject *verify_many(PyObject *self, PyObject *const *args, Py_ssize_t n
         got[i] = check_copy(bufs[2 * i].buf, bufs[2 * i].len, (const uint8_t *)PyBytes_AS_STRING(keys[i]),
                             (size_t)PyBytes_GET_SIZE(keys[i]), bufs[2 * i + 1].buf, bufs[2 * i + 1].len, &ok);
     relock(state);
-    if (!ok) {
+    if (!ok)
         PyErr_NoMemory();
-        goto done;
-    }
-    if (!(result = PyList_New(count))) goto done;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *e = PyLong_FromSsize_t(got[i]);
-        if (e == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, e);
-    }
+    else
+        result = int_list(got, count);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
         PyBuffer_Release(&bufs[2 * i]);

@@ -74,3 +74,19 @@ async def test_lazy_open_idempotent_close_and_use_after_close() -> None:
     never_opened = cpu()
     await never_opened.close()
     assert never_opened.closed
+
+
+async def test_a_bad_item_is_named_by_its_index_and_nothing_of_the_batch_is_written() -> None:
+    """``put_many`` and ``raw_put_many`` check every item before writing any (the same check the
+    pipeline's host-buffer jobs make on the caller's thread): a short key or a buffer that is not
+    one raises, naming the call and the item's index, and the good items before it are not stored."""
+    other = Namespace(model="m").key(b"i" * 32, 0)
+    async with cpu() as tier:
+        for call, good, bad, message in [
+            (tier.put_many, b"x" * 100, (b"short", b"y"), r"put_many: item 1: a tier key must be a stored key"),
+            (tier.put_many, b"x" * 100, (other, 17), r"put_many: item 1: .*bytes-like"),
+            (tier.raw_put_many, b"x" * 100, (other, 17), r"raw_put_many: item 1: .*bytes-like"),
+        ]:
+            with pytest.raises((TypeError, ValueError), match=message):
+                await call([(KEY, good), bad])
+            assert await tier.contains_many([KEY, other]) == [False, False]

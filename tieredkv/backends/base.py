@@ -36,7 +36,17 @@ from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, Ti
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
 from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES, Namespace, key_fingerprint, stored_key_group
 
-__all__ = ["OpObserver", "RawLimits", "RecordInfo", "Tier", "TierCapabilities", "TierStats", "check_key", "runs"]
+__all__ = [
+    "OpObserver",
+    "RawLimits",
+    "RecordInfo",
+    "Tier",
+    "TierCapabilities",
+    "TierStats",
+    "check_items",
+    "check_key",
+    "runs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +295,7 @@ class Tier(ABC):
                 nothing of the batch was stored.
             TierUnavailableError / TierTimeoutError: the medium failed or ran past the deadline.
         """
-        checked: list[tuple[bytes, memoryview]] = []
-        for key, payload in items:
-            check_key(key)
-            checked.append((key, as_readable(payload)))
-        await self.put_checked(checked)
+        await self.put_checked(check_items("put_many", items, as_readable))
 
     async def put_checked(self, items: list[tuple[bytes, memoryview]]) -> None:
         """:meth:`put_many` of items already checked: stored keys, flat byte ``memoryview``s.
@@ -407,9 +413,7 @@ class Tier(ABC):
     async def raw_put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
         """Store records exactly as given (no encoding; capacity and eviction as in ``put_many``) —
         for migration of already-encoded records and for fault injection. Reads still verify them."""
-        batch = [(k, as_readable(r)) for k, r in items]
-        for k, _ in batch:
-            check_key(k)
+        batch = check_items("raw_put_many", items, as_readable)
         await self._ensure_open()
         await self._guard("raw_put_many", len(batch), self._raw_put_many(batch))
 
@@ -519,6 +523,22 @@ class Tier(ABC):
 
     async def _close(self) -> None:
         """Release resources (called once)."""
+
+
+def check_items(
+    what: str, items: Iterable[tuple[bytes, Any]], view: Callable[[Any], memoryview]
+) -> list[tuple[bytes, memoryview]]:
+    """``items`` checked: each key a stored key, each buffer turned into a flat byte ``memoryview``
+    by ``view`` (readable for a write, writable for a read). A bad item raises ``ValueError`` /
+    ``TypeError`` naming ``what`` and its index."""
+    out: list[tuple[bytes, memoryview]] = []
+    for i, (key, buf) in enumerate(items):
+        try:
+            check_key(key)
+            out.append((key, view(buf)))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what}: item {i}: {e}") from None
+    return out
 
 
 def check_key(key: Any) -> None:

@@ -595,7 +595,7 @@ class LMDBTier(Tier):
             buf = bytearray(max(need, 2 * len(buf)))  # fresh large buffers cost page faults: reuse
         view = memoryview(buf)
         ends = encode_records_into(view, items)
-        records = [(k, view[a - HEADER_SIZE - len(p) : a]) for (k, p), a in zip(items, ends)]
+        records = [(k, view[a:b]) for (k, _), a, b in zip(items, [0, *ends], ends)]
         return buf, records
 
     def _put_sync(self, records: list[tuple[bytes, memoryview]], buf: bytearray | None = None) -> None:

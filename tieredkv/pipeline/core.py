@@ -8,10 +8,10 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, Self, cast
 
-from tieredkv.backends.base import Tier, check_key
+from tieredkv.backends.base import Tier, check_items
 from tieredkv.config import PipelineConfig
 from tieredkv.errors import TieredKVError, TierUnavailableError
 from tieredkv.format import as_readable, as_writable
@@ -289,7 +289,7 @@ class Pipeline:
         A bad item raises here (``ValueError`` / ``TypeError`` naming it), before anything is queued."""
         if self._refused("put"):
             return False
-        items = _host_items("put", items, as_readable)
+        items = check_items("put", items, as_readable)
         self.inflight.begin([k for k, _ in items])
         self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter()))
         return True
@@ -299,7 +299,7 @@ class Pipeline:
         (result kind "get": ``done`` found and copied, ``failed`` missing)."""
         if self._refused("get"):
             return False
-        items = _host_items("get", items, as_writable)
+        items = check_items("get", items, as_writable)
         self.inflight.begin()
         self.loop.spawn(self._get_buffers(job_id, items, time.perf_counter()))
         return True
@@ -538,19 +538,3 @@ class Pipeline:
 
 def _nbytes(buf: Any) -> int:
     return len(memoryview(buf).cast("B"))
-
-
-def _host_items(
-    kind: str, items: Sequence[tuple[bytes, Any]], view: Callable[[Any], memoryview]
-) -> list[tuple[bytes, memoryview]]:
-    """A host-buffer job's items checked on the caller's thread: a stored key and a flat byte view
-    of each buffer (``view``: readable for a put, writable for a get), so the lanes get only what
-    a tier can write or read into. A bad item raises ``ValueError`` / ``TypeError`` naming it."""
-    out: list[tuple[bytes, memoryview]] = []
-    for i, (key, buf) in enumerate(items):
-        try:
-            check_key(key)
-            out.append((key, view(buf)))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{kind}: item {i}: {e}") from None
-    return out

@@ -356,3 +356,18 @@ def test_steady_malloc_is_reported_with_the_results() -> None:
     assert after == bench.STEADY_MALLOC
     cmdline = Path("/proc/cmdline").read_text().split()
     assert bench.machine_info()["page_reporting"] == " ".join(w for w in cmdline if w.startswith("page_reporting"))
+
+
+def test_the_lmdb_stages_bench_measures_every_stage_on_records_that_read_back(tmp_path: Path) -> None:
+    """benchmarks/bench_lmdb_stages.py (``./scripts/bench stages``): each stage writes, and its
+    records are read back and compared (a stage that lost or mangled one raises)."""
+    spec = importlib.util.spec_from_file_location("bench_lmdb_stages", ROOT / "benchmarks/bench_lmdb_stages.py")
+    assert spec is not None and spec.loader is not None
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    lines: list[str] = []
+    got = stages.measure([64 * KiB], 1 << 20, 1, log=lines.append)
+    assert list(got) == [64 * KiB]
+    assert set(got[64 * KiB]) == set(stages.STAGES)
+    assert all(len(v) == 1 and v[0] > 0 for v in got[64 * KiB].values())
+    assert len(lines) == 1 and lines[0].split()[:2] == ["64", "KiB"] and "(1.00x)" in lines[0]

@@ -155,13 +155,16 @@ def _at_size(size: int, n: int, reps: int, ns: Namespace, work: str) -> dict[str
     dst = torch.zeros_like(src)
     blocks = bench_blocks(src)
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
+
+    def pipeline(d: str) -> float:
+        tier = make_tier(LMDBTierConfig(path=d), size, n, d)
+        return pipeline_store_load(tier, src, dst, ns, blocks)[0]
+
     runs: dict[str, Callable[[str], float]] = {
         "raw": lambda d: raw_lmdb(src, dst, d)[0],
         "raw+encode": lambda d: raw_encoded(src, keys, d),
         "tier": lambda d: tier_put_many(src, keys, d),
-        "pipeline": lambda d: pipeline_store_load(make_tier(LMDBTierConfig(path=d), size, n, d), src, dst, ns, blocks)[
-            0
-        ],
+        "pipeline": pipeline,
     }
     got: dict[str, list[float]] = {s: [] for s in STAGES}
     with frozen_heap():

@@ -551,8 +551,9 @@ async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_th
         lane.task = asyncio.get_running_loop().create_task(lane.run())
         try:
             keys = [k(i) for i in range(6)]
-            first = {key: payload(100 * KiB, i) for i, key in enumerate(keys[:4])}
-            second = {key: payload(100 * KiB, 100 + i) for i, key in enumerate(keys[2:])}
+            # 4 x 300 KiB: batches of 1 MiB or more are encoded on the helper thread
+            first = {key: payload(300 * KiB, i) for i, key in enumerate(keys[:4])}
+            second = {key: payload(300 * KiB, 100 + i) for i, key in enumerate(keys[2:])}
             ((n1, f1),) = lane.write_many(list(first), [as_readable(p) for p in first.values()])
             ((n2, f2),) = lane.write_many(list(second), [as_readable(p) for p in second.values()])
             assert (n1, n2) == (4, 4)
@@ -569,7 +570,46 @@ async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_th
         want = {**first, **second}
         got = await tier.get_many(keys)
         assert [bytes(g or b"") for g in got] == [want[key].numpy().tobytes() for key in keys]
-        assert (await tier.stats()).used_bytes == 6 * (100 * KiB + 64)
+        assert (await tier.stats()).used_bytes == 6 * (300 * KiB + 64)
+
+
+async def test_a_small_lmdb_batch_is_encoded_on_the_tiers_thread_unless_one_before_it_is_still_encoding(
+    tmp_path: Path,
+) -> None:
+    """A batch under 1 MiB is encoded on the tier's own thread, right before its transaction
+    (no hand-off to the helper and back); a larger one on the helper. While a larger batch is
+    still on the helper, a small one waits behind it there too, so the later write still wins."""
+    entered, gate = threading.Event(), threading.Event()
+    encoders: list[tuple[int, str]] = []
+
+    class Traced(LMDBTier):  # the real tier; the encode of a batch of 1 MiB or more can be held
+        def _encode(self, items):  # type: ignore[no-untyped-def]
+            big = sum(len(p) for _, p in items) >= MiB
+            encoders.append((len(items), threading.current_thread().name))
+            if big and not entered.is_set():
+                entered.set()
+                assert gate.wait(120), "the test never released the encode"
+            return super()._encode(items)
+
+    async with Traced(lmdb_cfg(tmp_path)) as tier:
+        writer, helper = f"tieredkv-lmdb-{tier.name}_", f"tieredkv-lmdb-{tier.name}-helper_"
+        await tier.put_many([(k(1), payload(200 * KiB, 1)), (k(2), payload(200 * KiB, 2))])
+        assert encoders[-1][0] == 2 and encoders[-1][1].startswith(writer), encoders
+        big = asyncio.create_task(tier.put_many([(k(i), payload(400 * KiB, 10 + i)) for i in (3, 4, 5)]))
+        try:
+            assert await asyncio.to_thread(entered.wait, 120)
+            assert encoders[-1][0] == 3 and encoders[-1][1].startswith(helper), encoders
+            small = asyncio.create_task(tier.put_many([(k(4), payload(100 * KiB, 40))]))  # overwrites k(4)
+            await asyncio.sleep(0)  # it starts, and is queued wherever it goes, before the gate opens
+        finally:
+            gate.set()
+        await asyncio.gather(big, small)
+        assert encoders[-1][0] == 1 and encoders[-1][1].startswith(helper), encoders
+        got = await tier.get_many([k(i) for i in (1, 2, 3, 4, 5)])
+        want = [payload(200 * KiB, 1), payload(200 * KiB, 2), payload(400 * KiB, 13), payload(100 * KiB, 40)]
+        want.append(payload(400 * KiB, 15))
+        assert [bytes(g or b"") for g in got] == [w.numpy().tobytes() for w in want]
+        assert (await tier.stats()).used_bytes == 2 * (200 * KiB + 64) + 2 * (400 * KiB + 64) + 100 * KiB + 64
 
 
 async def test_an_lmdb_put_cancelled_while_encoding_stores_nothing_and_spoils_no_later_put(tmp_path: Path) -> None:
@@ -586,7 +626,7 @@ async def test_an_lmdb_put_cancelled_while_encoding_stores_nothing_and_spoils_no
             return super()._encode(items)
 
     async with Slow(lmdb_cfg(tmp_path)) as tier:
-        gone = asyncio.create_task(tier.put_many([(k(1), payload(300 * KiB, 1))]))
+        gone = asyncio.create_task(tier.put_many([(k(1), payload(1100 * KiB, 1))]))  # 1 MiB+: the helper encodes it
         try:
             assert await asyncio.to_thread(entered.wait, 120)
             gone.cancel()

@@ -256,13 +256,7 @@ def verify_into(record: memoryview | bytes, key: bytes, dst: memoryview) -> int:
     """
     if _fastrec is not None and type(key) is bytes:
         n = _fastrec.verify_copy(record, key, dst)
-        if n >= 0:
-            return n
-        if n == -2:  # too large for dst: a damaged record is still corrupt, not merely too large
-            verify_record(record, key)
-            return -1
-        verify_record(record, key)  # raises, naming what is wrong
-        raise CorruptRecordError("payload checksum mismatch")  # the record changed under the check
+        return n if n >= 0 else _native_refusal(n, record, key)
     n = len(record) - HEADER_SIZE
     if n > len(dst):
         verify_record(record, key)  # a damaged record is corrupt, not merely too large
@@ -302,8 +296,17 @@ def verify_many_into(
     for i, n in enumerate(got):
         if isinstance(n, int) and n < 0:
             try:
-                verify_record(records[i], keys[i])  # raises, naming what is wrong
-                got[i] = -1 if n == -2 else CorruptRecordError("payload checksum mismatch")
+                got[i] = _native_refusal(n, records[i], keys[i])
             except CorruptRecordError as e:
                 got[i] = e
     return got
+
+
+def _native_refusal(n: int, record: memoryview | bytes, key: bytes) -> int:
+    """What the C helper's negative answer ``n`` for ``record`` means: -1 when the payload does
+    not fit its destination (-2 from C; a damaged record is still corrupt, not merely too large),
+    else the :class:`CorruptRecordError` naming what is wrong, raised."""
+    verify_record(record, key)  # raises, naming what is wrong
+    if n == -2:
+        return -1
+    raise CorruptRecordError("payload checksum mismatch")  # the record changed under the check

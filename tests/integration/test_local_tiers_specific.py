@@ -612,6 +612,23 @@ async def test_a_small_lmdb_batch_is_encoded_on_the_tiers_thread_unless_one_befo
         assert (await tier.stats()).used_bytes == 2 * (200 * KiB + 64) + 2 * (400 * KiB + 64) + 100 * KiB + 64
 
 
+async def test_concurrent_small_and_large_lmdb_batches_on_the_same_keys_land_in_call_order(tmp_path: Path) -> None:
+    """40 puts started at once, small (under 1 MiB: encoded on the tier's thread) and large
+    (1 MiB and more: on the helper) mixed, over the same four keys: each key ends holding the
+    payload of the last call that wrote it, and the used bytes count each key once."""
+    sizes = {"small": 100 * KiB, "large": 400 * KiB}  # three records per call: 300 KiB / 1.2 MiB
+    calls = []
+    for c in range(40):
+        kind = "large" if (c * 7) % 5 < 2 else "small"
+        calls.append([(k(1 + (c + j) % 4), payload(sizes[kind], 1000 * c + j)) for j in range(3)])
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
+        await asyncio.gather(*(asyncio.create_task(tier.put_many(items)) for items in calls))
+        last = {key: p for items in calls for key, p in items}  # the later call wins
+        got = await tier.get_many(list(last))
+        assert [bytes(g or b"") for g in got] == [p.numpy().tobytes() for p in last.values()]
+        assert (await tier.stats()).used_bytes == sum(len(p.numpy().tobytes()) + 64 for p in last.values())
+
+
 async def test_an_lmdb_put_cancelled_while_encoding_stores_nothing_and_spoils_no_later_put(tmp_path: Path) -> None:
     """A put whose caller gives up while its batch is being encoded writes nothing; its encode
     buffer is never handed to a later batch while the helper may still write into it, so later

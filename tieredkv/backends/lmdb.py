@@ -13,10 +13,12 @@ Below, "LRU" stands for that policy's order.
 * ``put_many`` is one write transaction: it evicts the least-recently-used unpinned records
   until the batch fits under ``size_cap_bytes`` (or raises TierFullError having stored
   nothing), then writes every record. py-lmdb takes a value as one buffer, so the batch's
-  records (header, then payload) are first encoded into a buffer of the tier's, by a helper
-  thread: a pipeline lane keeps two batches in flight here (``writes_in_flight``), and one is
-  encoded while the tier's thread writes the one before (measured, one process, 256 MiB per
-  rep, the two ways alternating: +25 % at 64 KiB, +14 % at 4 MiB).
+  records (header, then payload) are first encoded into a buffer of the tier's. A batch of
+  1 MiB or more is encoded by a helper thread: a pipeline lane keeps two batches in flight here
+  (``writes_in_flight``), and one is encoded while the tier's thread writes the one before
+  (measured, one process, 256 MiB per rep, the two ways alternating: +25 % at 64 KiB, +14 % at
+  4 MiB). A smaller one is encoded on the tier's thread, right before its transaction, unless a
+  batch before it is still with the helper (``_put_many``).
 * ``get_many`` reads in a read transaction with ``buffers=True``: each record's payload is copied
   straight from the memory map into the caller's buffer (one copy) and verified — a small one
   first, a large one (128 KiB and more) right after the copy, in the buffer, while the bytes are

@@ -248,6 +248,23 @@ class _ReplicatedCluster(RedisCluster):
         if res.returncode != 0 or "All 16384 slots covered" not in out:
             raise RuntimeError(f"redis-cli --cluster create failed (rc={res.returncode}):\n{out[-2000:]}")
 
+    def wait_replicated(self, timeout: float = 60.0) -> None:
+        """Until every node's CLUSTER NODES shows each master that serves slots with a replica of
+        its own: replicas are attached after ``--cluster create`` returns, and nodes learn of
+        them by gossip (a test that read the topology at once found no replica for a master)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            views = [_topology(port) for _, port in self.nodes]
+            if all(
+                any(r["master_id"] == m["id"] for r in topo.values())
+                for topo in views
+                for m in topo.values()
+                if m["role"] == "master" and m["slots"]
+            ):
+                return
+            assert time.monotonic() < deadline, f"replicas not attached within {timeout} s: {views}"
+            time.sleep(0.1)
+
 
 @contextmanager
 def _cluster(replicas: bool = False) -> Iterator[RedisCluster]:
@@ -260,6 +277,8 @@ def _cluster(replicas: bool = False) -> Iterator[RedisCluster]:
         else RedisCluster(extra_args=args, node_timeout_ms=1000)
     )
     with c:
+        if isinstance(c, _ReplicatedCluster):
+            c.wait_replicated()
         yield c
 
 

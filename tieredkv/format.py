@@ -48,10 +48,12 @@ __all__ = [
     "as_readable",
     "as_writable",
     "decode_header",
+    "encode_heads_into",
     "encode_record",
     "encode_record_into",
     "make_header",
     "verify_into",
+    "verify_many_parts_into",
     "verify_parts",
     "verify_record",
 ]
@@ -180,6 +182,21 @@ def encode_records_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) 
     return ends
 
 
+def encode_heads_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) -> None:
+    """Write the 64-byte header of each (key, payload) of ``items`` one after another from the
+    start of ``dst``, the payloads left where they are: a record kept as header and payload
+    apart (the LMDB tier stores them so: py-lmdb then copies each payload once, from where it
+    is). The payloads must not change until they are stored. With the C helper, one call: the
+    GIL is let go once for every checksum."""
+    if len(dst) < HEADER_SIZE * len(items):
+        raise ValueError(f"destination of {len(dst)} bytes is smaller than the headers ({HEADER_SIZE * len(items)})")
+    if _fastrec is not None:
+        _fastrec.heads_many(dst, items)
+        return
+    for i, (key, payload) in enumerate(items):
+        dst[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = make_header(key, payload)
+
+
 def encode_record(key: bytes, payload: Any, *, flags: int = 0) -> bytearray:
     """A new ``bytearray`` holding the record for ``key`` (one copy of the payload)."""
     mv = as_readable(payload)
@@ -300,6 +317,47 @@ def verify_many_into(
             except CorruptRecordError as e:
                 got[i] = e
     return got
+
+
+def verify_many_parts_into(
+    heads: list[memoryview | bytes], payloads: list[memoryview | bytes], keys: list[bytes], dsts: list[memoryview]
+) -> list[int | CorruptRecordError]:
+    """:func:`verify_many_into` for records kept as header and payload apart (``heads[i]`` the
+    header of ``payloads[i]``, as :func:`encode_heads_into` wrote it)."""
+    if _fastrec is None:
+        out: list[int | CorruptRecordError] = []
+        for head, payload, key, dst in zip(heads, payloads, keys, dsts, strict=True):
+            try:
+                out.append(_parts_into(head, payload, key, dst))
+            except CorruptRecordError as e:
+                out.append(e)
+        return out
+    got: list[int | CorruptRecordError] = _fastrec.verify_parts_many(heads, payloads, keys, dsts)
+    for i, n in enumerate(got):
+        if isinstance(n, int) and n < 0:
+            try:
+                got[i] = _native_refusal(n, bytes(heads[i]) + bytes(payloads[i]), keys[i])
+            except CorruptRecordError as e:
+                got[i] = e
+    return got
+
+
+def _parts_into(head: memoryview | bytes, payload: memoryview | bytes, key: bytes, dst: memoryview) -> int:
+    """Pure-Python :func:`verify_many_parts_into` of one record."""
+    pv = payload if isinstance(payload, memoryview) else memoryview(payload)
+    if len(head) != HEADER_SIZE:
+        raise CorruptRecordError(f"header of {len(head)} bytes; a header is {HEADER_SIZE}")
+    n = len(pv)
+    if n > len(dst):
+        verify_parts(head, pv, key)  # a damaged record is corrupt, not merely too large
+        return -1
+    dst[:n] = pv
+    try:
+        verify_parts(head, dst[:n], key)
+    except CorruptRecordError:
+        dst[:n] = bytes(n)
+        raise
+    return n
 
 
 def _native_refusal(n: int, record: memoryview | bytes, key: bytes) -> int:

@@ -518,9 +518,9 @@ def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path
     asyncio.run(final())
 
 
-async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_their_order(tmp_path: Path) -> None:
-    """A lane keeps two batches in flight on an LMDB tier: the second is encoded on the helper
-    thread while the tier's thread is still inside the first's write, and the batches land in the
+async def test_lmdb_checksums_a_batch_while_the_one_before_is_written_and_keeps_their_order(tmp_path: Path) -> None:
+    """A lane keeps two batches in flight on an LMDB tier: the second's headers are computed on
+    the helper thread while the tier's thread is still inside the first's write, and the batches land in the
     order they were sent: keys in both hold the second's value, and the used bytes count each
     record once."""
     from tieredkv.config import PipelineConfig
@@ -531,18 +531,18 @@ async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_th
     encoders: list[str] = []
 
     class Gated(LMDBTier):  # the real tier; its first write is held until the test lets it go
-        def _encode(self, items):  # type: ignore[no-untyped-def]
-            out = super()._encode(items)
+        def _heads(self, items):  # type: ignore[no-untyped-def]
+            out = super()._heads(items)
             encoders.append(threading.current_thread().name)
             if len(encoders) == 2:
                 second_encoded.set()
             return out
 
-        def _put_sync(self, records, buf=None):  # type: ignore[no-untyped-def]
+        def _put_records(self, items, heads=None):  # type: ignore[no-untyped-def]
             if not in_first.is_set():
                 in_first.set()
                 assert release.wait(120), "the test never released the first write"
-            super()._put_sync(records, buf)
+            super()._put_records(items, heads)
 
     tier = Gated(lmdb_cfg(tmp_path))
     async with tier:
@@ -551,7 +551,7 @@ async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_th
         lane.task = asyncio.get_running_loop().create_task(lane.run())
         try:
             keys = [k(i) for i in range(6)]
-            # 4 x 300 KiB: batches of 1 MiB or more are encoded on the helper thread
+            # 4 x 300 KiB: the headers of batches of 1 MiB or more are computed on the helper thread
             first = {key: payload(300 * KiB, i) for i, key in enumerate(keys[:4])}
             second = {key: payload(300 * KiB, 100 + i) for i, key in enumerate(keys[2:])}
             ((n1, f1),) = lane.write_many(list(first), [as_readable(p) for p in first.values()])
@@ -573,23 +573,23 @@ async def test_lmdb_encodes_a_batch_while_the_one_before_is_written_and_keeps_th
         assert (await tier.stats()).used_bytes == 6 * (300 * KiB + 64)
 
 
-async def test_a_small_lmdb_batch_is_encoded_on_the_tiers_thread_unless_one_before_it_is_still_encoding(
+async def test_a_small_lmdb_batch_is_checksummed_on_the_tiers_thread_unless_one_before_it_is_still_on_the_helper(
     tmp_path: Path,
 ) -> None:
-    """A batch under 1 MiB is encoded on the tier's own thread, right before its transaction
-    (no hand-off to the helper and back); a larger one on the helper. While a larger batch is
-    still on the helper, a small one waits behind it there too, so the later write still wins."""
+    """A batch under 1 MiB has its headers computed on the tier's own thread, right before its
+    transaction (no hand-off to the helper and back); a larger one on the helper. While a larger
+    batch is still on the helper, a small one waits behind it there too, so the later write still wins."""
     entered, gate = threading.Event(), threading.Event()
     encoders: list[tuple[int, str]] = []
 
-    class Traced(LMDBTier):  # the real tier; the encode of a batch of 1 MiB or more can be held
-        def _encode(self, items):  # type: ignore[no-untyped-def]
+    class Traced(LMDBTier):  # the real tier; the headers of a batch of 1 MiB or more can be held
+        def _heads(self, items):  # type: ignore[no-untyped-def]
             big = sum(len(p) for _, p in items) >= MiB
             encoders.append((len(items), threading.current_thread().name))
             if big and not entered.is_set():
                 entered.set()
-                assert gate.wait(120), "the test never released the encode"
-            return super()._encode(items)
+                assert gate.wait(120), "the test never released the batch"
+            return super()._heads(items)
 
     async with Traced(lmdb_cfg(tmp_path)) as tier:
         writer, helper = f"tieredkv-lmdb-{tier.name}_", f"tieredkv-lmdb-{tier.name}-helper_"
@@ -613,8 +613,8 @@ async def test_a_small_lmdb_batch_is_encoded_on_the_tiers_thread_unless_one_befo
 
 
 async def test_concurrent_small_and_large_lmdb_batches_on_the_same_keys_land_in_call_order(tmp_path: Path) -> None:
-    """40 puts started at once, small (under 1 MiB: encoded on the tier's thread) and large
-    (1 MiB and more: on the helper) mixed, over the same four keys: each key ends holding the
+    """40 puts started at once, small (under 1 MiB: headers computed on the tier's thread) and
+    large (1 MiB and more: on the helper) mixed, over the same four keys: each key ends holding the
     payload of the last call that wrote it, and the used bytes count each key once."""
     sizes = {"small": 100 * KiB, "large": 400 * KiB}  # three records per call: 300 KiB / 1.2 MiB
     calls = []
@@ -629,21 +629,20 @@ async def test_concurrent_small_and_large_lmdb_batches_on_the_same_keys_land_in_
         assert (await tier.stats()).used_bytes == sum(len(p.numpy().tobytes()) + 64 for p in last.values())
 
 
-async def test_an_lmdb_put_cancelled_while_encoding_stores_nothing_and_spoils_no_later_put(tmp_path: Path) -> None:
-    """A put whose caller gives up while its batch is being encoded writes nothing; its encode
-    buffer is never handed to a later batch while the helper may still write into it, so later
-    puts (which wait behind it on the helper) land whole, and so do puts after them."""
+async def test_an_lmdb_put_cancelled_on_the_helper_stores_nothing_and_spoils_no_later_put(tmp_path: Path) -> None:
+    """A put whose caller gives up while its batch's headers are being computed writes nothing;
+    later puts (which wait behind it on the helper) land whole, and so do puts after them."""
     entered, gate = threading.Event(), threading.Event()
 
-    class Slow(LMDBTier):  # the real tier; its first encode is held until the test lets it go
-        def _encode(self, items):  # type: ignore[no-untyped-def]
+    class Slow(LMDBTier):  # the real tier; its first batch is held on the helper until the test lets it go
+        def _heads(self, items):  # type: ignore[no-untyped-def]
             if not entered.is_set():
                 entered.set()
-                assert gate.wait(120), "the test never released the encode"
-            return super()._encode(items)
+                assert gate.wait(120), "the test never released the batch"
+            return super()._heads(items)
 
     async with Slow(lmdb_cfg(tmp_path)) as tier:
-        gone = asyncio.create_task(tier.put_many([(k(1), payload(1100 * KiB, 1))]))  # 1 MiB+: the helper encodes it
+        gone = asyncio.create_task(tier.put_many([(k(1), payload(1100 * KiB, 1))]))  # 1 MiB+: on the helper
         try:
             assert await asyncio.to_thread(entered.wait, 120)
             gone.cancel()
@@ -659,3 +658,92 @@ async def test_an_lmdb_put_cancelled_while_encoding_stores_nothing_and_spoils_no
         sizes = {2: 300 * KiB, 3: 200 * KiB, 4: 300 * KiB, 5: 300 * KiB}
         assert [bytes(g or b"") for g in got] == [payload(sizes[i], i).numpy().tobytes() for i in (2, 3, 4, 5)]
         assert tier.counters["corrupt"] == 0
+
+
+def _lmdb_entries(path: Path, key: bytes) -> tuple[bytes | None, bytes | None]:
+    """What the environment holds for ``key``: its ``records`` value and its ``access`` entry
+    (read with py-lmdb itself, the tier closed)."""
+    env = lmdb.open(str(path), max_dbs=2, readonly=True)
+    try:
+        rec, acc = env.open_db(b"records", create=False), env.open_db(b"access", create=False)
+        with env.begin() as txn:
+            return txn.get(key, db=rec), txn.get(key, db=acc)
+    finally:
+        env.close()
+
+
+async def test_lmdb_stores_a_put_apart_and_a_raw_record_whole_and_serves_each_only_as_written(tmp_path: Path) -> None:
+    """``put_many`` stores a payload as it is and its header after its access stamp;
+    ``raw_put_many`` (migrations, tools) stores a whole record. Both read back as written, and
+    ``raw_get_many`` gives the whole record of either. A payload byte or a header byte changed
+    on disk, or the header of one key put beside another's payload, makes a miss, and the
+    damaged records go."""
+    from tieredkv.format import HEADER_SIZE, encode_record
+
+    p = {i: payload(70 * KiB + i, i) for i in range(1, 7)}
+    records = {i: bytes(encode_record(k(i), p[i])) for i in p}
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), p[i]) for i in (1, 3, 4, 5)])
+        await tier.raw_put_many([(k(i), records[i]) for i in (2, 6)])
+        assert await tier.raw_get_many([k(i) for i in range(1, 7)]) == [records[i] for i in range(1, 7)]
+    for i in (1, 3, 4, 5):
+        value, meta = _lmdb_entries(tmp_path, k(i))
+        assert value == p[i].numpy().tobytes() and meta is not None
+        assert len(meta) == 16 + HEADER_SIZE and meta[16:] == records[i][:HEADER_SIZE]
+    value, meta = _lmdb_entries(tmp_path, k(2))
+    assert value == records[2] and meta is not None and len(meta) == 16
+
+    env = lmdb.open(str(tmp_path), max_dbs=2)  # damage: as a disk or another program might
+    try:
+        rec, acc = env.open_db(b"records"), env.open_db(b"access")
+        with env.begin(write=True) as txn:
+            bad = bytearray(txn.get(k(3), db=rec))
+            bad[len(bad) // 2] ^= 1
+            txn.put(k(3), bytes(bad), db=rec)  # a payload byte
+            meta = bytearray(txn.get(k(4), db=acc))
+            meta[16 + 9] ^= 1
+            txn.put(k(4), bytes(meta), db=acc)  # the fingerprint in a header
+            meta = bytearray(txn.get(k(5), db=acc))
+            meta[16:] = txn.get(k(1), db=acc)[16:]
+            txn.put(k(5), bytes(meta), db=acc)  # another key's header
+            six = bytearray(txn.get(k(6), db=rec))
+            six[-1] ^= 1
+            txn.put(k(6), bytes(six), db=rec)  # the payload of a record stored whole
+    finally:
+        env.close()
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
+        dsts = [torch.zeros(70 * KiB + i, dtype=torch.uint8) for i in range(1, 7)]
+        got = await tier.get_many([k(i) for i in range(1, 7)], dsts)
+        assert got == [70 * KiB + 1, 70 * KiB + 2, None, None, None, None]
+        assert all(torch.equal(dsts[i - 1], p[i]) for i in (1, 2))
+        assert tier.counters["corrupt"] == 4
+        assert await tier.contains_many([k(i) for i in range(1, 7)]) == [True, True, False, False, False, False]
+        assert (await tier.stats()).used_bytes == len(records[1]) + len(records[2])
+
+
+async def test_lmdb_stamps_written_later_keep_the_header_beside_them(tmp_path: Path) -> None:
+    """A read bumps a record's access stamp in memory; the next write transaction writes it.
+    That rewrite keeps the header stored after the stamp: the record still reads back whole,
+    in this process and after a reopen, and the stamp did move."""
+    import struct
+
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
+        await tier.put_many([(k(1), payload(100 * KiB, 1))])
+        _, before = await _stamp(tier, k(1))
+        await asyncio.to_thread(time.sleep, 0.01)  # a clock that moves: the new stamp differs
+        assert (await tier.get_many([k(1)]))[0] == payload(100 * KiB, 1).numpy().tobytes()
+        await tier.put_many([(k(2), payload(10 * KiB, 2))])  # writes the dirty stamp of k(1)
+        assert (await tier.get_many([k(1)]))[0] == payload(100 * KiB, 1).numpy().tobytes()
+    _, meta = _lmdb_entries(tmp_path, k(1))
+    assert meta is not None and len(meta) == 16 + 64 and struct.unpack_from("<d", meta)[0] > before
+    async with LMDBTier(lmdb_cfg(tmp_path)) as tier:
+        assert (await tier.get_many([k(1)]))[0] == payload(100 * KiB, 1).numpy().tobytes()
+        assert tier.counters["corrupt"] == 0
+
+
+async def _stamp(tier: LMDBTier, key: bytes) -> tuple[int, float]:
+    """(record payload bytes, access stamp) of ``key`` as the tier's scan reports them."""
+    async for info in tier.scan():
+        if info.key == key:
+            return info.size, info.stamp
+    raise AssertionError("key not found")

@@ -356,3 +356,71 @@ def test_the_c_batch_check_refuses_bad_arguments_before_it_copies_anything() -> 
         with pytest.raises((TypeError, BufferError, ValueError), match=message):
             _NATIVE.verify_many(*args)
         assert dst == b"\xaa" * 100
+
+
+def test_headers_written_apart_are_each_records_header_and_leave_the_payloads_alone(record_path: str) -> None:
+    """``encode_heads_into`` (the LMDB tier's layout: header and payload stored apart) writes,
+    for each item, byte for byte the header ``encode_record`` puts before that payload, one after
+    another, and touches nothing else; a destination too small for all of them gets nothing."""
+    ns = Namespace(model="m")
+    items = [(ns.key(H, g), bytes((g * 5 + i) % 251 for i in range(n))) for g, n in enumerate(SIZES)]
+    views = [(k, memoryview(p)) for k, p in items]
+    heads = bytearray(b"\xaa" * (HEADER_SIZE * len(items) + 3))
+    fmt.encode_heads_into(memoryview(heads), views)
+    for i, (key, payload) in enumerate(items):
+        assert heads[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] == encode_record(key, payload)[:HEADER_SIZE]
+    assert heads[-3:] == b"\xaa" * 3
+    short = bytearray(b"\xaa" * (HEADER_SIZE * len(items) - 1))
+    with pytest.raises(ValueError, match="smaller"):
+        fmt.encode_heads_into(memoryview(short), views)
+    assert short == b"\xaa" * len(short)
+
+
+def test_a_record_kept_apart_is_checked_as_a_whole_one_is(record_path: str) -> None:
+    """``verify_many_parts_into`` answers for a (header, payload) pair what ``verify_many_into``
+    answers for the whole record: good ones land whole; a damaged payload byte or header byte,
+    a header of another key, a header that is not 64 bytes and a payload of another length are
+    each a CorruptRecordError with nothing left where it landed; one too large is -1, its
+    buffer untouched."""
+    ns = Namespace(model="m")
+    keys = [ns.key(H, g) for g in range(8)]
+    payloads = [
+        bytearray((g * 11 + i) % 251 for i in range(n))
+        for g, n in enumerate([0, 100, 70_000, 300_000, 300_000, 100, 70_000, 100])
+    ]
+    heads = [bytearray(encode_record(k, p)[:HEADER_SIZE]) for k, p in zip(keys, payloads)]
+    payloads[4][-1] ^= 1  # a payload byte (300 KB: found after its copy)
+    heads[5][40] ^= 1  # the header's checksum
+    heads[6] = bytearray(encode_record(keys[0], payloads[6])[:HEADER_SIZE])  # another key's header
+    heads[7] = heads[7][:63]  # not a header
+    dsts = [bytearray(b"\xaa" * max(len(p), 1)) for p in payloads]
+    dsts[2] = bytearray(b"\xaa" * 69_999)  # one byte short
+    got = fmt.verify_many_parts_into(
+        [memoryview(h) for h in heads], [memoryview(p) for p in payloads], keys, [memoryview(d) for d in dsts]
+    )
+    assert got[:4] == [0, 100, -1, 300_000]
+    assert dsts[1] == payloads[1] and dsts[3] == payloads[3] and dsts[2] == b"\xaa" * 69_999
+    for i, why in ((4, "checksum"), (5, "checksum"), (6, "group"), (7, "")):
+        assert isinstance(got[i], CorruptRecordError) and why in str(got[i]), (i, got[i])
+        assert dsts[i] in (bytearray(b"\xaa" * len(dsts[i])), bytearray(len(dsts[i]))), i
+    longer = fmt.verify_many_parts_into([memoryview(heads[1])], [memoryview(payloads[1] + b"!")], [keys[1]], [dsts[1]])
+    assert isinstance(longer[0], CorruptRecordError)
+    assert fmt.verify_many_parts_into([], [], [], []) == []
+
+
+def test_the_c_parts_check_refuses_bad_arguments_before_it_copies_anything() -> None:
+    if _NATIVE is None:
+        pytest.skip("no C helper on this machine")
+    key = Namespace(model="m").key(H, 1)
+    rec = encode_record(key, b"x" * 100)
+    head, body = rec[:HEADER_SIZE], rec[HEADER_SIZE:]
+    dst = bytearray(b"\xaa" * 100)
+    for args, message in [
+        (([head], [body], [key], []), "of one length"),
+        (([head, head], [body, body], [key, "k"], [dst, dst]), "key must be bytes"),
+        (([head, head], [body, body], [key, key], [dst, b"read-only"]), "writable"),
+        (((head,), (body,), (key,), (dst,)), "list"),
+    ]:
+        with pytest.raises((TypeError, BufferError, ValueError), match=message):
+            _NATIVE.verify_parts_many(*args)
+        assert dst == b"\xaa" * 100

@@ -1,5 +1,6 @@
 /* tieredkv._fastrec: a record's encode and its checked copy in one call each, the GIL released
- * for the copy and the checksum.
+ * for the copy and the checksum; also a record's header alone (heads_many) and the checked copy
+ * of a record kept as header and payload apart (verify_parts_many), for the LMDB tier's layout.
  *
  * The record format is tieredkv/format.py's (a 64-byte header, then the payload); this module
  * computes exactly what format.py computes, and tests/unit/test_format.py checks both ways (a
@@ -101,6 +102,10 @@ static uint64_t copy_checksum(uint8_t *dst, const uint8_t *src, size_t n, const 
     XXH3_64bits_reset(st);
     XXH3_UPDATE(st, key, klen);
     XXH3_UPDATE(st, head, PREFIX);
+    if (dst == NULL) { /* the checksum alone: the payload stays where it is */
+        XXH3_UPDATE(st, src, n);
+        n = 0;
+    }
     for (size_t off = 0; off < n; off += STEP) {
         size_t len = n - off < STEP ? n - off : STEP;
 #if CAN_STREAM
@@ -295,6 +300,77 @@ done:
     return result;
 }
 
+/* heads_many(dst, items) -> list of record ends
+ * Writes the 64-byte header of each (key, payload) of the list ``items`` (flags 0), one after
+ * another from the start of ``dst``, the payloads left where they are: a record kept as its
+ * header and its payload apart (the LMDB tier's layout). The GIL is released once for every
+ * checksum of the call; returns the payload lengths. Nothing is written unless every item is
+ * good and all headers fit. */
+static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "heads_many(dst, items: list)");
+        return NULL;
+    }
+    PyObject *items = args[1], *result = NULL;
+    Py_ssize_t count = PyList_GET_SIZE(items), held = 0, total = 0;
+    int ok = 1;
+    Py_buffer dst;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
+    /* per item its payload's buffer and its key (a reference held: the list may change while
+     * the GIL is let go, the keys and buffers stay) */
+    Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    Py_ssize_t *ends = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
+    if (bufs == NULL || keys == NULL || ends == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        PyObject *item = PyList_GET_ITEM(items, held);
+        const uint8_t *key;
+        Py_ssize_t klen;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "item %zd is not a (key, payload) pair", held);
+            goto done;
+        }
+        if (key_arg(PyTuple_GET_ITEM(item, 0), &key, &klen) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
+        keys[held] = Py_NewRef(PyTuple_GET_ITEM(item, 0));
+        total += bufs[held].len;
+    }
+    if (dst.len < HEADER_SIZE * count) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the headers (%zd)", dst.len,
+                     HEADER_SIZE * count);
+        goto done;
+    }
+    PyThreadState *state = unlocked(total);
+    uint8_t *out = (uint8_t *)dst.buf;
+    for (Py_ssize_t i = 0; i < count && ok; i++) {
+        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
+        size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]), n = (size_t)bufs[i].len;
+        write_header(out, key, klen, n, 0);
+        uint64_t h = copy_checksum(NULL, bufs[i].buf, n, key, klen, out, 0, &ok);
+        put_le(out + 40, h, 8);
+        out += HEADER_SIZE;
+        ends[i] = (Py_ssize_t)n;
+    }
+    relock(state);
+    if (!ok)
+        PyErr_NoMemory();
+    else
+        result = int_list(ends, count);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+        Py_XDECREF(keys[i]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(keys);
+    PyMem_Free(ends);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 /* verify_copy(record, key, dst) -> payload length, -1 (not a good record for key), -2 (does not
  * fit dst)
  * Checks the header against ``key`` and copies the payload to the start of ``dst`` with its
@@ -305,25 +381,29 @@ done:
 /* The work of verify_copy on plain memory, the GIL held or not: the payload length, -1 (not a
  * good record for key: dst's first bytes zeroed if any landed) or -2 (does not fit dst).
  * *ok is 0 when the hash state could not be allocated. */
-static Py_ssize_t check_copy(const uint8_t *r, Py_ssize_t rlen, const uint8_t *key, size_t klen, uint8_t *out,
-                             Py_ssize_t dlen, int *ok) {
+static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, const uint8_t *key, size_t klen,
+                              uint8_t *out, Py_ssize_t dlen, int *ok) {
     static const uint8_t zero[HEADER_SIZE - 48] = {0};
     uint8_t ids[FP_BYTES + GROUP_BYTES];
-    if (rlen < HEADER_SIZE) return -1;
-    Py_ssize_t n = rlen - HEADER_SIZE;
     header_ids(key, klen, ids);
-    if (memcmp(r, "TKVR", 4) != 0 || get_le(r + 4, 2) != FORMAT_VERSION || get_le(r + 6, 2) != HEADER_SIZE ||
-        memcmp(r + 8, ids, sizeof ids) != 0 || get_le(r + 32, 8) != (uint64_t)n ||
-        memcmp(r + 48, zero, sizeof zero) != 0)
+    if (memcmp(h, "TKVR", 4) != 0 || get_le(h + 4, 2) != FORMAT_VERSION || get_le(h + 6, 2) != HEADER_SIZE ||
+        memcmp(h + 8, ids, sizeof ids) != 0 || get_le(h + 32, 8) != (uint64_t)n ||
+        memcmp(h + 48, zero, sizeof zero) != 0)
         return -1;
     if (n > dlen) return -2;
-    uint64_t want = get_le(r + 40, 8);
-    uint64_t got = copy_checksum(out, r + HEADER_SIZE, (size_t)n, key, klen, r, n >= STREAM_AT, ok);
+    uint64_t want = get_le(h + 40, 8);
+    uint64_t got = copy_checksum(out, p, (size_t)n, key, klen, h, n >= STREAM_AT, ok);
     if (!*ok || got != want) {
         memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
         return -1;
     }
     return n;
+}
+
+static Py_ssize_t check_copy(const uint8_t *r, Py_ssize_t rlen, const uint8_t *key, size_t klen, uint8_t *out,
+                             Py_ssize_t dlen, int *ok) {
+    if (rlen < HEADER_SIZE) return -1;
+    return check_parts(r, r + HEADER_SIZE, rlen - HEADER_SIZE, key, klen, out, dlen, ok);
 }
 
 static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -397,6 +477,66 @@ done:
     return result;
 }
 
+/* verify_parts_many(heads, payloads, keys, dsts) -> list of verify_copy's answers
+ * verify_many for records kept as a header and a payload apart (heads[i] holds the 64-byte
+ * header of payloads[i]; a header that is not 64 bytes is not good), the GIL let go once. */
+static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
+        !PyList_Check(args[3]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "verify_parts_many(heads: list, payloads: list, keys: list, dsts: list), of one length");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0, total = 0;
+    PyObject *result = NULL;
+    int ok = 1;
+    /* per item its header's, payload's and destination's buffers and its key (held: the lists may
+     * change while the GIL is let go, the keys and buffers stay) */
+    Py_buffer *bufs = PyMem_Calloc(3 * (size_t)(count ? count : 1), sizeof(Py_buffer));
+    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    Py_ssize_t *got = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
+    if (bufs == NULL || keys == NULL || got == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        const uint8_t *key;
+        Py_ssize_t klen;
+        if (key_arg(PyList_GET_ITEM(args[2], held), &key, &klen) < 0) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(args[0], held), &bufs[3 * held], PyBUF_SIMPLE) < 0) goto done;
+        if (two_buffers(PyList_GET_ITEM(args[1], held), &bufs[3 * held + 1], PyBUF_SIMPLE,
+                        PyList_GET_ITEM(args[3], held), &bufs[3 * held + 2], PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&bufs[3 * held]);
+            goto done;
+        }
+        keys[held] = Py_NewRef(PyList_GET_ITEM(args[2], held));
+        total += bufs[3 * held + 1].len;
+    }
+    PyThreadState *state = unlocked(total);
+    for (Py_ssize_t i = 0; i < count && ok; i++) {
+        Py_buffer *b = &bufs[3 * i];
+        got[i] = b[0].len != HEADER_SIZE
+                     ? -1
+                     : check_parts(b[0].buf, b[1].buf, b[1].len, (const uint8_t *)PyBytes_AS_STRING(keys[i]),
+                                   (size_t)PyBytes_GET_SIZE(keys[i]), b[2].buf, b[2].len, &ok);
+    }
+    relock(state);
+    if (!ok)
+        PyErr_NoMemory();
+    else
+        result = int_list(got, count);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        for (int j = 0; j < 3; j++) PyBuffer_Release(&bufs[3 * i + j]);
+        Py_DECREF(keys[i]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(keys);
+    PyMem_Free(got);
+    return result;
+}
+
 /* stream_into(dst, src) -> bytes copied
  * Copies ``src`` to the start of ``dst`` with non-temporal stores where the CPU has them (see
  * stream_copy), the GIL released from RELEASE_AT bytes: for copies whose destination is not read
@@ -434,10 +574,14 @@ static PyMethodDef methods[] = {
      "encode_into(dst, key, payload, flags) -> record length"},
     {"encode_many", (PyCFunction)(void (*)(void))encode_many, METH_FASTCALL,
      "encode_many(dst, items) -> list of record ends"},
+    {"heads_many", (PyCFunction)(void (*)(void))heads_many, METH_FASTCALL,
+     "heads_many(dst, items) -> list of payload lengths (headers only, payloads left in place)"},
     {"verify_copy", (PyCFunction)(void (*)(void))verify_copy, METH_FASTCALL,
      "verify_copy(record, key, dst) -> payload length, -1 (bad record) or -2 (does not fit)"},
     {"verify_many", (PyCFunction)(void (*)(void))verify_many, METH_FASTCALL,
      "verify_many(records, keys, dsts) -> list of verify_copy's answers"},
+    {"verify_parts_many", (PyCFunction)(void (*)(void))verify_parts_many, METH_FASTCALL,
+     "verify_parts_many(heads, payloads, keys, dsts) -> list of verify_copy's answers"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {NULL, NULL, 0, NULL},

@@ -1,24 +1,36 @@
 """LMDBTier: one LMDB environment on local disk, evicted below a size cap (LRU by default).
 
-Layout: named DB ``records`` (stored key → record), named DB ``access`` (stored key →
-``<d Q`` last-access Unix time, record bytes) and, in the main DB, ``tieredkv:used-bytes``
-(``<Q``: the sum of every record's bytes, kept in the same write transaction as the records it
-counts). The access DB survives restarts; at open it is read once to rebuild the in-memory
-eviction order: an :class:`~tieredkv.eviction.EvictionPolicy` named by ``eviction_policy``
-(``lru``), fed in the order its :meth:`~tieredkv.eviction.EvictionPolicy.rank` gives the stamps.
-Below, "LRU" stands for that policy's order.
+Layout: named DB ``records`` (stored key → payload, or a whole record), named DB ``access``
+(stored key → ``<d Q`` last-access Unix time, record bytes, then the record's 64-byte header
+when the record is stored apart) and, in the main DB, ``tieredkv:used-bytes`` (``<Q``: the sum
+of every record's bytes, kept in the same write transaction as the records it counts).
+
+* **A record stored apart** (``put_many``): its payload alone in ``records``, its header
+  (:mod:`tieredkv.format`, checksum over key, header and payload) after its access stamp. The
+  two are written in one transaction, and a read checks the payload against that header. Stored
+  so, py-lmdb copies each payload once, straight from the caller's buffer: a whole record would
+  first have to be copied beside its header, because py-lmdb takes a value as one buffer and
+  cannot reserve one to fill (measured, raw py-lmdb puts in 16 MiB transactions, 12 reps
+  alternating: whole records 0.83-0.91x the bare payloads' put, apart 0.91-0.93x).
+* **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
+  given, damaged ones included): the whole record in ``records``, the access entry its stamp
+  alone. A read of either kind delivers only a payload that its header vouches for.
+
+The access DB survives restarts; at open it is read once to rebuild the in-memory eviction
+order: an :class:`~tieredkv.eviction.EvictionPolicy` named by ``eviction_policy`` (``lru``), fed
+in the order its :meth:`~tieredkv.eviction.EvictionPolicy.rank` gives the stamps. Below, "LRU"
+stands for that policy's order. (Versions before records were stored apart cannot open an
+environment that holds one: they read every access entry as 16 bytes.)
 
 * Every blocking LMDB call runs on one dedicated thread (a single-worker executor), never
   on the event loop; all LRU state is touched only from that thread.
 * ``put_many`` is one write transaction: it evicts the least-recently-used unpinned records
   until the batch fits under ``size_cap_bytes`` (or raises TierFullError having stored
-  nothing), then writes every record. py-lmdb takes a value as one buffer, so the batch's
-  records (header, then payload) are first encoded into a buffer of the tier's. A batch of
-  1 MiB or more is encoded by a helper thread: a pipeline lane keeps two batches in flight here
-  (``writes_in_flight``), and one is encoded while the tier's thread writes the one before
-  (measured, one process, 256 MiB per rep, the two ways alternating: +25 % at 64 KiB, +14 % at
-  4 MiB). A smaller one is encoded on the tier's thread, right before its transaction, unless a
-  batch before it is still with the helper (``_put_many``).
+  nothing), then writes every record. The headers of a batch of 1 MiB or more are computed by
+  a helper thread: a pipeline lane keeps two batches in flight here (``writes_in_flight``), and
+  one batch's checksums run while the tier's thread writes the one before. A smaller batch's
+  are computed on the tier's thread, right before its transaction, unless a batch before it is
+  still with the helper (``_put_many``).
 * ``get_many`` reads in a read transaction with ``buffers=True``: each record's payload is copied
   straight from the memory map into the caller's buffer (one copy) and verified — a small one
   first, a large one (128 KiB and more) right after the copy, in the buffer, while the bytes are
@@ -79,7 +91,14 @@ from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
-from tieredkv.format import HEADER_SIZE, encode_records_into, verify_many_into, verify_record
+from tieredkv.format import (
+    HEADER_SIZE,
+    encode_heads_into,
+    verify_many_into,
+    verify_many_parts_into,
+    verify_parts,
+    verify_record,
+)
 
 __all__ = ["LMDBTier"]
 
@@ -99,7 +118,6 @@ def _disk_full(exc: BaseException) -> bool:
 
 _T = TypeVar("_T")
 _SCAN_PAGE = 1024
-_SPARE_BUFFERS = 2  # encode buffers kept between batches: one per batch a lane keeps in flight
 _ENCODE_ON_HELPER_FROM = 1 << 20  # payload bytes of a batch from which the helper thread encodes it
 
 
@@ -278,7 +296,7 @@ def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEn
                 shared.acc = env.open_db(b"access")
                 with env.begin(write=True) as txn:
                     if txn.get(_USED_KEY) is None:  # created by an older version: count once
-                        total = sum(_ACCESS.unpack(v)[1] for v in txn.cursor(db=shared.acc).iternext(keys=False))
+                        total = sum(_ACCESS.unpack_from(v)[1] for v in txn.cursor(db=shared.acc).iternext(keys=False))
                         txn.put(_USED_KEY, _USED.pack(total))
                 break
             except lmdb.MapResizedError:
@@ -297,6 +315,18 @@ def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEn
 #: either way: 3.18 -> 3.23; interleaved A/B through the pipeline, median of 8.)
 _SPLIT_RECORD_BYTES = 128 << 10
 _SPLIT_BATCH_BYTES = 2 << 20
+
+
+def _head(meta: Any) -> memoryview | None:
+    """The record header kept in an access entry ``meta`` (None: the record is stored whole)."""
+    if meta is None or len(meta) <= _ACCESS.size:
+        return None
+    return memoryview(meta)[_ACCESS.size :]
+
+
+def _dst(view: _T | None) -> _T:
+    assert view is not None
+    return view
 
 
 def _release_env(shared: _SharedEnv) -> None:
@@ -333,7 +363,6 @@ class LMDBTier(Tier):
         self._shared: _SharedEnv | None = None
         self._policy: EvictionPolicy = make_policy(cfg.eviction_policy)  # key -> record bytes
         self._dirty: dict[bytes, float] = {}
-        self._spares: list[bytearray] = []  # encode buffers free for the next batch
         self._encoding = 0  # batches on the helper thread now (loop thread only)
         self._rescan: list[RecordInfo] | None = None  # shared order read by the last eviction
         self._next_scan = 0.0  # monotonic time before which only a shortfall triggers a shared scan
@@ -484,7 +513,7 @@ class LMDBTier(Tier):
 
     def _size_in(self, txn: Any, key: bytes) -> int:
         raw = txn.get(key, db=self._sh.acc)
-        return 0 if raw is None else _ACCESS.unpack(raw)[1]
+        return 0 if raw is None else _ACCESS.unpack_from(raw)[1]
 
     def _evict_in(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> None:
         """Delete the least-recently-used unpinned records (not in ``protect``) covering ``excess``
@@ -563,7 +592,7 @@ class LMDBTier(Tier):
         policy's eviction order (:meth:`~tieredkv.eviction.EvictionPolicy.rank`)."""
         infos = []
         for k, v in txn.cursor(db=self._sh.acc):
-            stamp, size = _ACCESS.unpack(v)
+            stamp, size = _ACCESS.unpack_from(v)
             infos.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
         return self._policy.rank(infos)
 
@@ -578,67 +607,62 @@ class LMDBTier(Tier):
     # ---- writes ------------------------------------------------------------------------
 
     async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
-        """Encode the batch on the helper thread, then write it on the tier's thread. A lane keeps
-        two batches in flight here (``writes_in_flight``): one is encoded while the one before is
-        in its transaction (the encode's copy and checksum let go of the GIL, and so does LMDB
-        writing its pages at commit). py-lmdb takes a value as one buffer, so a record's header
-        and payload are copied together first; this way that copy costs no time of the writer's.
+        """Compute the batch's record headers on the helper thread, then write the batch on the
+        tier's thread. A record is stored apart (see the module docstring): its payload as it is
+        in ``records``, its header beside its access stamp, so py-lmdb copies each payload
+        once, from the caller's buffer, and nothing copies it before. A lane keeps two batches in
+        flight here (``writes_in_flight``): the headers of one are computed (the checksums let go
+        of the GIL) while the one before is in its transaction.
 
-        A small batch (an engine step's few chunks) is encoded on the tier's thread right before
-        its transaction when no batch is in the helper's hands: the two thread hand-offs it saves
-        cost more than its encode (seven 64 KiB chunks: 0.54 ms a call the long way, of which
-        0.05 encoding and 0.24 in the transaction). Only then: an earlier batch still encoding
-        would otherwise be written after it, and writes land in call order.
+        A small batch (an engine step's few chunks) has its headers computed on the tier's thread
+        right before its transaction when no batch is in the helper's hands: the two thread
+        hand-offs it saves cost more than its checksums (seven 64 KiB chunks: 0.54 ms a call the
+        long way, of which 0.24 in the transaction). Only then: an earlier batch still with the
+        helper would otherwise be written after it, and writes land in call order.
 
-        Cancelled while its batch is with the helper, a call writes nothing; once its work has
-        begun on the tier's thread (for a small batch, its encode), it may still land."""
+        The payloads must stay as they are until the call returns (the pipeline holds its
+        buffers until then). Cancelled while its batch is with the helper, a call writes
+        nothing; once its work has begun on the tier's thread it may still land, and a payload
+        changed under it then fails its checksum when read (a miss, never other bytes)."""
         if self._encoding == 0 and sum(len(p) for _, p in items) < _ENCODE_ON_HELPER_FROM:
             await self._run(self._encode_put, items)
             return
         assert self._helper is not None
         self._encoding += 1  # loop thread only
         try:
-            buf, records = await asyncio.get_running_loop().run_in_executor(self._helper, self._encode, items)
+            heads = await asyncio.get_running_loop().run_in_executor(self._helper, self._heads, items)
         finally:
             self._encoding -= 1
-        await self._run(self._put_sync, records, buf)  # queued before this coroutine yields again
+        await self._run(self._put_records, items, heads)  # queued before this coroutine yields again
 
     def _encode_put(self, items: list[tuple[bytes, memoryview]]) -> None:
-        buf, records = self._encode(items)
-        self._put_sync(records, buf)
+        self._put_records(items, self._heads(items))
 
-    def _encode(self, items: list[tuple[bytes, memoryview]]) -> tuple[bytearray, list[tuple[bytes, memoryview]]]:
-        """``items`` encoded as records, one after another in an encode buffer of this tier's
-        (returned to the tier's spares by :meth:`_put_sync` once LMDB has copied them; one never
-        returned, by a cancelled call, is simply dropped)."""
-        need = sum(HEADER_SIZE + len(p) for _, p in items)
-        spares = self._spares
-        buf = spares.pop() if spares else bytearray(0)  # list.pop/append: atomic across threads
-        if len(buf) < need:
-            buf = bytearray(max(need, 2 * len(buf)))  # fresh large buffers cost page faults: reuse
-        view = memoryview(buf)
-        ends = encode_records_into(view, items)
-        records = [(k, view[a:b]) for (k, _), a, b in zip(items, [0, *ends], ends)]
-        return buf, records
+    def _heads(self, items: list[tuple[bytes, memoryview]]) -> bytearray:
+        """The 64-byte header of every item, one after another."""
+        heads = bytearray(HEADER_SIZE * len(items))
+        encode_heads_into(memoryview(heads), items)
+        return heads
 
-    def _put_sync(self, records: list[tuple[bytes, memoryview]], buf: bytearray | None = None) -> None:
-        """:meth:`_put_records`, then ``buf`` (the encode buffer ``records`` are in, if any) is
-        given back for the next batch."""
-        try:
-            self._put_records(records)
-        finally:
-            if buf is not None and len(self._spares) < _SPARE_BUFFERS:
-                self._spares.append(buf)
-
-    def _put_records(self, items: list[tuple[bytes, memoryview]]) -> None:
+    def _put_records(self, items: list[tuple[bytes, memoryview]], heads: bytearray | None = None) -> None:
         """One write transaction: evict to fit under the cap (all or nothing), then write every
-        record of ``items`` (keys unique: ``put_checked``)."""
-        sizes = {k: len(p) for k, p in items}
+        item (keys unique: ``put_checked``). With ``heads`` (the items' headers, in order), each
+        item is a payload, stored apart from its header; without, a whole record (header, then
+        payload: ``raw_put_many``, from a migration or a tool), stored as it is."""
+        apart = heads is not None
+        sizes = {k: (HEADER_SIZE if apart else 0) + len(p) for k, p in items}
         total = sum(sizes.values())
         if total > self._cap:
             raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes exceeds size_cap_bytes ({self._cap})")
         now = time.time()
-        stamps = [(k, _ACCESS.pack(now, n)) for k, n in sizes.items()]
+        if heads is None:
+            stamps = [(k, _ACCESS.pack(now, n)) for k, n in sizes.items()]
+        else:
+            hv = memoryview(heads)
+            stamps = [
+                (k, _ACCESS.pack(now, n) + hv[i * HEADER_SIZE : (i + 1) * HEADER_SIZE])
+                for i, (k, n) in enumerate(sizes.items())
+            ]
         evicted: dict[bytes, int] = {}
         sh = self._shared
         assert sh is not None
@@ -647,7 +671,7 @@ class LMDBTier(Tier):
             evicted.clear()
             used = self._used_in(txn)
             old = txn.cursor(db=sh.acc).getmulti(list(sizes))  # records about to be overwritten
-            used -= sum(_ACCESS.unpack(v)[1] for _, v in old)
+            used -= sum(_ACCESS.unpack_from(v)[1] for _, v in old)
             if used + total > self._cap:
                 self._evict_in(txn, used + total - self._cap, set(sizes), evicted)
                 used -= sum(evicted.values())
@@ -655,19 +679,20 @@ class LMDBTier(Tier):
             txn.cursor(db=sh.acc).putmulti(stamps)
             txn.put(_USED_KEY, _USED.pack(used + total))
 
-        self._write(body, protect=set(sizes))
+        self._write(body, protect=set(sizes), need=total)
         self._after_evictions(evicted)
         for k, size in sizes.items():
             self._policy.insert(k, size)
             self._dirty.pop(k, None)
 
-    def _write(self, body: Callable[[Any], None], protect: set[bytes] | None = None) -> None:
+    def _write(self, body: Callable[[Any], None], protect: set[bytes] | None = None, need: int = 0) -> None:
         """Run ``body`` in one write transaction (plus dirty stamps), handling a full map.
 
         On MapFullError stale reader slots are cleared first (their pages become reusable) and
         ``body`` retried; else the map doubles, up to ``max_map_size_bytes``; at the limit, more
-        least-recently-used records (an eighth of the used bytes) are evicted in a transaction of
-        their own (LMDB reuses freed pages only after a commit) and ``body`` is retried.
+        least-recently-used records (an eighth of the used bytes, and at least the ``need`` bytes
+        ``body`` writes) are evicted in a transaction of their own (LMDB reuses freed pages only
+        after a commit) and ``body`` is retried.
         """
         sh = self._shared
         assert sh is not None
@@ -699,7 +724,7 @@ class LMDBTier(Tier):
                     more.clear()
                     self._rescan = None
                     used = self._used_in(txn)
-                    self._evict_in(txn, max(used // 8, 1), protect or set(), more)
+                    self._evict_in(txn, max(used // 8, need, 1), protect or set(), more)
                     txn.put(_USED_KEY, _USED.pack(used - sum(more.values())))
 
                 try:
@@ -720,7 +745,8 @@ class LMDBTier(Tier):
         for k, stamp in self._dirty.items():
             raw = txn.get(k, db=acc)
             if raw is not None and k in self._policy:  # not deleted meanwhile
-                txn.put(k, _ACCESS.pack(stamp, _ACCESS.unpack(raw)[1]), db=acc, overwrite=True)
+                # the record's header, when it is kept here, stays as it is
+                txn.put(k, _ACCESS.pack(stamp, _ACCESS.unpack_from(raw)[1]) + raw[_ACCESS.size :], db=acc)
         self._dirty.clear()
 
     # ---- reads -------------------------------------------------------------------------
@@ -795,26 +821,44 @@ class LMDBTier(Tier):
         built, the GIL let go once; one that fails is zeroed where it landed: no damaged byte
         stays in a destination)."""
 
+        acc = self._sh.acc
+
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[int | None]]:
             recs = [txn.get(key) for key in keys]
+            # a record stored apart has its header after its access stamp (None: stored whole)
+            heads = [None if rec is None else _head(txn.get(key, db=acc)) for key, rec in zip(keys, recs)]
             out: list[int | bytes | None] = [None] * len(keys)
-            seen: list[int | None] = [None if rec is None else len(rec) for rec in recs]
+            seen: list[int | None] = [
+                None if rec is None else len(rec) + (0 if head is None else HEADER_SIZE)
+                for rec, head in zip(recs, heads)
+            ]
             bad: list[tuple[bytes, Exception]] = []
-            todo = [i for i, rec in enumerate(recs) if rec is not None and into[i] is not None]
-            dsts = [dst for dst in (into[i] for i in todo) if dst is not None]
-            got = verify_many_into([recs[i] for i in todo], [keys[i] for i in todo], dsts)
-            for i, n, dst in zip(todo, got, dsts):
+            whole = [i for i, rec in enumerate(recs) if rec is not None and into[i] is not None and heads[i] is None]
+            apart = [
+                i for i, rec in enumerate(recs) if rec is not None and into[i] is not None and heads[i] is not None
+            ]
+            got = verify_many_into([recs[i] for i in whole], [keys[i] for i in whole], [_dst(into[i]) for i in whole])
+            got += verify_many_parts_into(
+                [_dst(heads[i]) for i in apart],
+                [recs[i] for i in apart],
+                [keys[i] for i in apart],
+                [_dst(into[i]) for i in apart],
+            )
+            for i, n in zip(whole + apart, got):
                 if isinstance(n, CorruptRecordError):
                     bad.append((keys[i], n))
                     seen[i] = -1
                 elif n < 0:
-                    self._oversize(keys[i], len(recs[i]) - HEADER_SIZE, dst)
+                    self._oversize(keys[i], len(recs[i]) - (HEADER_SIZE if heads[i] is None else 0), _dst(into[i]))
                 else:
                     out[i] = n
             for i, rec in enumerate(recs):
                 if rec is not None and into[i] is None:
+                    head = heads[i]
                     try:
-                        out[i] = bytes(verify_record(rec, keys[i]))
+                        out[i] = bytes(
+                            verify_record(rec, keys[i]) if head is None else verify_parts(head, rec, keys[i])
+                        )
                     except CorruptRecordError as e:
                         bad.append((keys[i], e))
                         seen[i] = -1
@@ -905,7 +949,7 @@ class LMDBTier(Tier):
             for k, v in cur:
                 if fingerprint is not None and not k.startswith(fingerprint):
                     break
-                stamp, size = _ACCESS.unpack(v)
+                stamp, size = _ACCESS.unpack_from(v)
                 page.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
                 if len(page) >= _SCAN_PAGE:
                     break
@@ -949,10 +993,19 @@ class LMDBTier(Tier):
     # ---- raw records (admin, migration, fault injection) -------------------------------
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        acc = self._sh.acc
+
+        def whole(txn: Any, k: bytes) -> bytes | None:
+            rec = txn.get(k)
+            meta = None if rec is None else txn.get(k, db=acc)
+            if meta is None or len(meta) <= _ACCESS.size:
+                return rec  # a record stored whole
+            return meta[_ACCESS.size :] + rec  # header and payload, stored apart
+
         def read() -> list[bytes | None]:
-            return self._txn(lambda txn: [txn.get(k) for k in keys], db=self._sh.rec)
+            return self._txn(lambda txn: [whole(txn, k) for k in keys], db=self._sh.rec)
 
         return await self._run(read)
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
-        await self._run(self._put_sync, items)  # same cap and eviction as put_many
+        await self._run(self._put_records, items)  # same cap and eviction as put_many

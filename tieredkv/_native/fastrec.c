@@ -232,83 +232,15 @@ static PyObject *int_list(const Py_ssize_t *v, Py_ssize_t n) {
     return list;
 }
 
-/* encode_many(dst, items) -> list of record ends
- * Encodes each (key, payload) of the list ``items`` (flags 0), one record after another from the
- * start of ``dst``, the GIL released once for every copy and checksum of the call; returns where
- * each record ends in ``dst``. Nothing is written unless every item is good and all fit. */
-static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The work of encode_many (apart == 0) and heads_many (apart == 1): per (key, payload) of the
+ * list ``items`` (flags 0), one after another from the start of ``dst``, the whole record
+ * (header, then the payload copied) or the header alone (the payload left where it is), the GIL
+ * released once for every copy and checksum of the call. Returns where each record ends in
+ * ``dst`` (apart: each payload's length). Nothing is written unless every item is good and all
+ * fit. */
+static PyObject *encode_batch(PyObject *const *args, Py_ssize_t nargs, int apart) {
     if (nargs != 2 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "encode_many(dst, items: list)");
-        return NULL;
-    }
-    PyObject *items = args[1], *result = NULL;
-    Py_ssize_t count = PyList_GET_SIZE(items), held = 0, total = 0;
-    int ok = 1;
-    Py_buffer dst;
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
-    /* per item its payload's buffer and its key (a reference held: the list may change while
-     * the GIL is let go, the keys and buffers stay) */
-    Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
-    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
-    Py_ssize_t *ends = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
-    if (bufs == NULL || keys == NULL || ends == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; held < count; held++) {
-        PyObject *item = PyList_GET_ITEM(items, held);
-        const uint8_t *key;
-        Py_ssize_t klen;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            PyErr_Format(PyExc_TypeError, "item %zd is not a (key, payload) pair", held);
-            goto done;
-        }
-        if (key_arg(PyTuple_GET_ITEM(item, 0), &key, &klen) < 0) goto done;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
-        keys[held] = Py_NewRef(PyTuple_GET_ITEM(item, 0));
-        total += HEADER_SIZE + bufs[held].len;
-    }
-    if (dst.len < total) {
-        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the records (%zd)", dst.len, total);
-        goto done;
-    }
-    PyThreadState *state = unlocked(total);
-    uint8_t *out = (uint8_t *)dst.buf;
-    for (Py_ssize_t i = 0; i < count && ok; i++) {
-        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
-        size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]), n = (size_t)bufs[i].len;
-        write_header(out, key, klen, n, 0);
-        uint64_t h = copy_checksum(out + HEADER_SIZE, bufs[i].buf, n, key, klen, out, 0, &ok);
-        put_le(out + 40, h, 8);
-        out += HEADER_SIZE + n;
-        ends[i] = out - (uint8_t *)dst.buf;
-    }
-    relock(state);
-    if (!ok)
-        PyErr_NoMemory();
-    else
-        result = int_list(ends, count);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[i]);
-        Py_XDECREF(keys[i]);
-    }
-    PyMem_Free(bufs);
-    PyMem_Free(keys);
-    PyMem_Free(ends);
-    PyBuffer_Release(&dst);
-    return result;
-}
-
-/* heads_many(dst, items) -> list of record ends
- * Writes the 64-byte header of each (key, payload) of the list ``items`` (flags 0), one after
- * another from the start of ``dst``, the payloads left where they are: a record kept as its
- * header and its payload apart (the LMDB tier's layout). The GIL is released once for every
- * checksum of the call; returns the payload lengths. Nothing is written unless every item is
- * good and all headers fit. */
-static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "heads_many(dst, items: list)");
+        PyErr_SetString(PyExc_TypeError, apart ? "heads_many(dst, items: list)" : "encode_many(dst, items: list)");
         return NULL;
     }
     PyObject *items = args[1], *result = NULL;
@@ -338,9 +270,10 @@ static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t na
         keys[held] = Py_NewRef(PyTuple_GET_ITEM(item, 0));
         total += bufs[held].len;
     }
-    if (dst.len < HEADER_SIZE * count) {
-        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the headers (%zd)", dst.len,
-                     HEADER_SIZE * count);
+    Py_ssize_t need = HEADER_SIZE * count + (apart ? 0 : total);
+    if (dst.len < need) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the %s (%zd)", dst.len,
+                     apart ? "headers" : "records", need);
         goto done;
     }
     PyThreadState *state = unlocked(total);
@@ -349,10 +282,10 @@ static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t na
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
         size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]), n = (size_t)bufs[i].len;
         write_header(out, key, klen, n, 0);
-        uint64_t h = copy_checksum(NULL, bufs[i].buf, n, key, klen, out, 0, &ok);
+        uint64_t h = copy_checksum(apart ? NULL : out + HEADER_SIZE, bufs[i].buf, n, key, klen, out, 0, &ok);
         put_le(out + 40, h, 8);
-        out += HEADER_SIZE;
-        ends[i] = (Py_ssize_t)n;
+        out += HEADER_SIZE + (apart ? 0 : n);
+        ends[i] = apart ? (Py_ssize_t)n : out - (uint8_t *)dst.buf;
     }
     relock(state);
     if (!ok)
@@ -369,6 +302,21 @@ done:
     PyMem_Free(ends);
     PyBuffer_Release(&dst);
     return result;
+}
+
+/* encode_many(dst, items) -> list of record ends
+ * Encodes each (key, payload) of the list ``items`` (flags 0), one record after another from the
+ * start of ``dst`` (encode_batch). */
+static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return encode_batch(args, nargs, 0);
+}
+
+/* heads_many(dst, items) -> list of payload lengths
+ * Writes the 64-byte header of each (key, payload) of the list ``items``, one after another from
+ * the start of ``dst``, the payloads left where they are: a record kept as its header and its
+ * payload apart (the LMDB tier's layout; encode_batch). */
+static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return encode_batch(args, nargs, 1);
 }
 
 /* verify_copy(record, key, dst) -> payload length, -1 (not a good record for key), -2 (does not
@@ -425,74 +373,28 @@ static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
     return ok ? PyLong_FromSsize_t(result) : PyErr_NoMemory();
 }
 
-/* verify_many(records, keys, dsts) -> list of verify_copy's answers
- * verify_copy for each (record, key, dst) of three lists of one length, the GIL let go once for
- * every check and copy of the call. */
-static PyObject *verify_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
-        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "verify_many(records: list, keys: list, dsts: list), of one length");
+/* The work of verify_many (apart == 0: args records, keys, dsts) and verify_parts_many
+ * (apart == 1: args heads, payloads, keys, dsts): verify_copy for each item, the GIL let go once
+ * for every check and copy of the call. A record kept apart whose header is not 64 bytes is not
+ * good (-1). */
+static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart) {
+    Py_ssize_t lists = apart ? 4 : 3, count = 0;
+    int good = nargs == lists;
+    for (Py_ssize_t j = 0; good && j < lists; j++)
+        good = PyList_Check(args[j]) && PyList_GET_SIZE(args[j]) == PyList_GET_SIZE(args[0]);
+    if (!good) {
+        PyErr_SetString(PyExc_TypeError, apart ? "verify_parts_many(heads: list, payloads: list, keys: list, "
+                                                 "dsts: list), of one length"
+                                               : "verify_many(records: list, keys: list, dsts: list), of one length");
         return NULL;
     }
-    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0, total = 0;
+    count = PyList_GET_SIZE(args[0]);
+    PyObject *const *srcs = args + apart, *keylist = args[lists - 2], *dstlist = args[lists - 1];
+    Py_ssize_t held = 0, total = 0;
     PyObject *result = NULL;
     int ok = 1;
-    /* per item its record's and destination's buffers and its key (a reference held: the lists
-     * may change while the GIL is let go, the keys and buffers stay) */
-    Py_buffer *bufs = PyMem_Calloc(2 * (size_t)(count ? count : 1), sizeof(Py_buffer));
-    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
-    Py_ssize_t *got = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
-    if (bufs == NULL || keys == NULL || got == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; held < count; held++) {
-        const uint8_t *key;
-        Py_ssize_t klen;
-        if (key_arg(PyList_GET_ITEM(args[1], held), &key, &klen) < 0) goto done;
-        if (two_buffers(PyList_GET_ITEM(args[0], held), &bufs[2 * held], PyBUF_SIMPLE, PyList_GET_ITEM(args[2], held),
-                        &bufs[2 * held + 1], PyBUF_WRITABLE) < 0)
-            goto done;
-        keys[held] = Py_NewRef(PyList_GET_ITEM(args[1], held));
-        total += bufs[2 * held].len;
-    }
-    PyThreadState *state = unlocked(total);
-    for (Py_ssize_t i = 0; i < count && ok; i++)
-        got[i] = check_copy(bufs[2 * i].buf, bufs[2 * i].len, (const uint8_t *)PyBytes_AS_STRING(keys[i]),
-                            (size_t)PyBytes_GET_SIZE(keys[i]), bufs[2 * i + 1].buf, bufs[2 * i + 1].len, &ok);
-    relock(state);
-    if (!ok)
-        PyErr_NoMemory();
-    else
-        result = int_list(got, count);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[2 * i]);
-        PyBuffer_Release(&bufs[2 * i + 1]);
-        Py_DECREF(keys[i]);
-    }
-    PyMem_Free(bufs);
-    PyMem_Free(keys);
-    PyMem_Free(got);
-    return result;
-}
-
-/* verify_parts_many(heads, payloads, keys, dsts) -> list of verify_copy's answers
- * verify_many for records kept as a header and a payload apart (heads[i] holds the 64-byte
- * header of payloads[i]; a header that is not 64 bytes is not good), the GIL let go once. */
-static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
-        !PyList_Check(args[3]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
-        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "verify_parts_many(heads: list, payloads: list, keys: list, dsts: list), of one length");
-        return NULL;
-    }
-    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0, total = 0;
-    PyObject *result = NULL;
-    int ok = 1;
-    /* per item its header's, payload's and destination's buffers and its key (held: the lists may
-     * change while the GIL is let go, the keys and buffers stay) */
+    /* per item 3 buffers (header or nothing, record or payload, destination) and its key (held:
+     * the lists may change while the GIL is let go, the keys and buffers stay) */
     Py_buffer *bufs = PyMem_Calloc(3 * (size_t)(count ? count : 1), sizeof(Py_buffer));
     PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
     Py_ssize_t *got = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
@@ -503,23 +405,28 @@ static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssi
     for (; held < count; held++) {
         const uint8_t *key;
         Py_ssize_t klen;
-        if (key_arg(PyList_GET_ITEM(args[2], held), &key, &klen) < 0) goto done;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(args[0], held), &bufs[3 * held], PyBUF_SIMPLE) < 0) goto done;
-        if (two_buffers(PyList_GET_ITEM(args[1], held), &bufs[3 * held + 1], PyBUF_SIMPLE,
-                        PyList_GET_ITEM(args[3], held), &bufs[3 * held + 2], PyBUF_WRITABLE) < 0) {
-            PyBuffer_Release(&bufs[3 * held]);
+        Py_buffer *b = &bufs[3 * held];
+        if (key_arg(PyList_GET_ITEM(keylist, held), &key, &klen) < 0) goto done;
+        if (apart && PyObject_GetBuffer(PyList_GET_ITEM(args[0], held), &b[0], PyBUF_SIMPLE) < 0) goto done;
+        if (two_buffers(PyList_GET_ITEM(srcs[0], held), &b[1], PyBUF_SIMPLE, PyList_GET_ITEM(dstlist, held), &b[2],
+                        PyBUF_WRITABLE) < 0) {
+            if (apart) PyBuffer_Release(&b[0]);
             goto done;
         }
-        keys[held] = Py_NewRef(PyList_GET_ITEM(args[2], held));
-        total += bufs[3 * held + 1].len;
+        keys[held] = Py_NewRef(PyList_GET_ITEM(keylist, held));
+        total += b[1].len;
     }
     PyThreadState *state = unlocked(total);
     for (Py_ssize_t i = 0; i < count && ok; i++) {
         Py_buffer *b = &bufs[3 * i];
-        got[i] = b[0].len != HEADER_SIZE
-                     ? -1
-                     : check_parts(b[0].buf, b[1].buf, b[1].len, (const uint8_t *)PyBytes_AS_STRING(keys[i]),
-                                   (size_t)PyBytes_GET_SIZE(keys[i]), b[2].buf, b[2].len, &ok);
+        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
+        size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]);
+        if (!apart)
+            got[i] = check_copy(b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
+        else if (b[0].len != HEADER_SIZE)
+            got[i] = -1;
+        else
+            got[i] = check_parts(b[0].buf, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
     }
     relock(state);
     if (!ok)
@@ -528,13 +435,26 @@ static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssi
         result = int_list(got, count);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
-        for (int j = 0; j < 3; j++) PyBuffer_Release(&bufs[3 * i + j]);
+        for (int j = apart ? 0 : 1; j < 3; j++) PyBuffer_Release(&bufs[3 * i + j]);
         Py_DECREF(keys[i]);
     }
     PyMem_Free(bufs);
     PyMem_Free(keys);
     PyMem_Free(got);
     return result;
+}
+
+/* verify_many(records, keys, dsts) -> list of verify_copy's answers
+ * verify_copy for each (record, key, dst) of three lists of one length (verify_batch). */
+static PyObject *verify_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return verify_batch(args, nargs, 0);
+}
+
+/* verify_parts_many(heads, payloads, keys, dsts) -> list of verify_copy's answers
+ * verify_many for records kept as a header and a payload apart (heads[i] holds the 64-byte
+ * header of payloads[i]; verify_batch). */
+static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return verify_batch(args, nargs, 1);
 }
 
 /* stream_into(dst, src) -> bytes copied

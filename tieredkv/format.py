@@ -320,23 +320,24 @@ def verify_many_into(
 
 
 def verify_many_parts_into(
-    heads: list[memoryview | bytes], payloads: list[memoryview | bytes], keys: list[bytes], dsts: list[memoryview]
+    heads: list[Any], payloads: list[Any], keys: list[bytes], dsts: list[Any], *, head_at: int = 0
 ) -> list[int | CorruptRecordError]:
-    """:func:`verify_many_into` for records kept as header and payload apart (``heads[i]`` the
-    header of ``payloads[i]``, as :func:`encode_heads_into` wrote it)."""
+    """:func:`verify_many_into` for records kept as header and payload apart: ``heads[i]``
+    holds the header of ``payloads[i]`` (as :func:`encode_heads_into` wrote it) at ``head_at``,
+    and nothing after it (a stored entry with the header at its end, passed without a copy)."""
     if _fastrec is None:
         out: list[int | CorruptRecordError] = []
         for head, payload, key, dst in zip(heads, payloads, keys, dsts, strict=True):
             try:
-                out.append(_parts_into(head, payload, key, dst))
+                out.append(_parts_into(memoryview(head)[head_at:], payload, key, dst))
             except CorruptRecordError as e:
                 out.append(e)
         return out
-    got: list[int | CorruptRecordError] = _fastrec.verify_parts_many(heads, payloads, keys, dsts)
+    got: list[int | CorruptRecordError] = _fastrec.verify_parts_many(heads, payloads, keys, dsts, head_at)
     for i, n in enumerate(got):
         if isinstance(n, int) and n < 0:
             try:
-                got[i] = _native_refusal(n, bytes(heads[i]) + bytes(payloads[i]), keys[i])
+                got[i] = _native_refusal(n, bytes(heads[i])[head_at:] + bytes(payloads[i]), keys[i])
             except CorruptRecordError as e:
                 got[i] = e
     return got

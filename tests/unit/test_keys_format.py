@@ -424,3 +424,25 @@ def test_the_c_parts_check_refuses_bad_arguments_before_it_copies_anything() -> 
         with pytest.raises((TypeError, BufferError, ValueError), match=message):
             _NATIVE.verify_parts_many(*args)
         assert dst == b"\xaa" * 100
+
+
+def test_a_header_kept_at_the_end_of_a_stored_entry_is_read_in_place(record_path: str) -> None:
+    """``head_at``: the header is the last 64 bytes of an entry that starts with other bytes
+    (the LMDB tier's access entry: stamp and size, then the header), read where it is. An entry
+    of any other length is not a header; a good one still catches every damaged payload."""
+    ns = Namespace(model="m")
+    keys = [ns.key(H, g) for g in range(3)]
+    payloads = [bytes((g * 3 + i) % 251 for i in range(70_000)) for g in range(3)]
+    entries = [b"s" * 16 + bytes(encode_record(k, p)[:HEADER_SIZE]) for k, p in zip(keys, payloads)]
+    entries[2] = entries[2] + b"!"  # one byte too long: not a header
+    dsts = [bytearray(70_000) for _ in range(3)]
+    got = fmt.verify_many_parts_into(entries, payloads, keys, [memoryview(d) for d in dsts], head_at=16)
+    assert got[:2] == [70_000, 70_000] and dsts[0] == payloads[0] and dsts[1] == payloads[1]
+    assert isinstance(got[2], CorruptRecordError) and not any(dsts[2])
+    damaged = bytearray(payloads[1])
+    damaged[12_345] ^= 4
+    (bad,) = fmt.verify_many_parts_into([entries[1]], [damaged], [keys[1]], [memoryview(dsts[1])], head_at=16)
+    assert isinstance(bad, CorruptRecordError) and "checksum" in str(bad)
+    if _NATIVE is not None:
+        with pytest.raises(ValueError, match="negative"):
+            _NATIVE.verify_parts_many([entries[0]], [payloads[0]], [keys[0]], [dsts[0]], -1)

@@ -374,19 +374,28 @@ static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 /* The work of verify_many (apart == 0: args records, keys, dsts) and verify_parts_many
- * (apart == 1: args heads, payloads, keys, dsts): verify_copy for each item, the GIL let go once
- * for every check and copy of the call. A record kept apart whose header is not 64 bytes is not
- * good (-1). */
+ * (apart == 1: args heads, payloads, keys, dsts[, head_at]): verify_copy for each item, the GIL
+ * let go once for every check and copy of the call. A record kept apart has its header at
+ * head_at (default 0) in heads[i], which must be exactly head_at + 64 bytes long, else the
+ * record is not good (-1). */
 static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart) {
-    Py_ssize_t lists = apart ? 4 : 3, count = 0;
-    int good = nargs == lists;
+    Py_ssize_t lists = apart ? 4 : 3, count = 0, head_at = 0;
+    int good = nargs == lists || (apart && nargs == lists + 1);
     for (Py_ssize_t j = 0; good && j < lists; j++)
         good = PyList_Check(args[j]) && PyList_GET_SIZE(args[j]) == PyList_GET_SIZE(args[0]);
     if (!good) {
         PyErr_SetString(PyExc_TypeError, apart ? "verify_parts_many(heads: list, payloads: list, keys: list, "
-                                                 "dsts: list), of one length"
+                                                 "dsts: list, head_at=0), of one length"
                                                : "verify_many(records: list, keys: list, dsts: list), of one length");
         return NULL;
+    }
+    if (nargs == lists + 1) {
+        head_at = PyLong_AsSsize_t(args[lists]);
+        if (head_at == -1 && PyErr_Occurred()) return NULL;
+        if (head_at < 0) {
+            PyErr_SetString(PyExc_ValueError, "head_at must not be negative");
+            return NULL;
+        }
     }
     count = PyList_GET_SIZE(args[0]);
     PyObject *const *srcs = args + apart, *keylist = args[lists - 2], *dstlist = args[lists - 1];
@@ -423,10 +432,10 @@ static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart
         size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]);
         if (!apart)
             got[i] = check_copy(b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
-        else if (b[0].len != HEADER_SIZE)
+        else if (b[0].len != head_at + HEADER_SIZE)
             got[i] = -1;
         else
-            got[i] = check_parts(b[0].buf, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
+            got[i] = check_parts((const uint8_t *)b[0].buf + head_at, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
     }
     relock(state);
     if (!ok)
@@ -450,9 +459,9 @@ static PyObject *verify_many(PyObject *self, PyObject *const *args, Py_ssize_t n
     return verify_batch(args, nargs, 0);
 }
 
-/* verify_parts_many(heads, payloads, keys, dsts) -> list of verify_copy's answers
+/* verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_copy's answers
  * verify_many for records kept as a header and a payload apart (heads[i] holds the 64-byte
- * header of payloads[i]; verify_batch). */
+ * header of payloads[i] at head_at; verify_batch). */
 static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return verify_batch(args, nargs, 1);
 }
@@ -501,7 +510,7 @@ static PyMethodDef methods[] = {
     {"verify_many", (PyCFunction)(void (*)(void))verify_many, METH_FASTCALL,
      "verify_many(records, keys, dsts) -> list of verify_copy's answers"},
     {"verify_parts_many", (PyCFunction)(void (*)(void))verify_parts_many, METH_FASTCALL,
-     "verify_parts_many(heads, payloads, keys, dsts) -> list of verify_copy's answers"},
+     "verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_copy's answers"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {NULL, NULL, 0, NULL},

@@ -324,11 +324,6 @@ def _head(meta: Any) -> memoryview | None:
     return memoryview(meta)[_ACCESS.size :]
 
 
-def _dst(view: _T | None) -> _T:
-    assert view is not None
-    return view
-
-
 def _release_env(shared: _SharedEnv) -> None:
     with _REGISTRY_LOCK:
         shared.refs -= 1
@@ -824,37 +819,48 @@ class LMDBTier(Tier):
         acc = self._sh.acc
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[tuple[bytes, Exception]], list[int | None]]:
-            recs = [txn.get(key) for key in keys]
-            # a record stored apart has its header after its access stamp (None: stored whole)
-            heads = [None if rec is None else _head(txn.get(key, db=acc)) for key, rec in zip(keys, recs)]
+            get = txn.get
+            recs = [get(key) for key in keys]
+            meta_of = txn.cursor(db=acc).get  # (a cursor's get: no keyword to parse per key)
+            metas = [meta_of(key) for key in keys]  # stamp, size, and the header of a record kept apart
             out: list[int | bytes | None] = [None] * len(keys)
-            seen: list[int | None] = [
-                None if rec is None else len(rec) + (0 if head is None else HEADER_SIZE)
-                for rec, head in zip(recs, heads)
-            ]
+            seen: list[int | None] = [None] * len(keys)
             bad: list[tuple[bytes, Exception]] = []
-            whole = [i for i, rec in enumerate(recs) if rec is not None and into[i] is not None and heads[i] is None]
-            apart = [
-                i for i, rec in enumerate(recs) if rec is not None and into[i] is not None and heads[i] is not None
-            ]
-            got = verify_many_into([recs[i] for i in whole], [keys[i] for i in whole], [_dst(into[i]) for i in whole])
+            whole: list[int] = []
+            apart: list[int] = []
+            for i, rec in enumerate(recs):
+                if rec is None:
+                    continue
+                meta = metas[i]
+                if meta is not None and len(meta) > _ACCESS.size:
+                    seen[i] = len(rec) + HEADER_SIZE
+                    if into[i] is not None:
+                        apart.append(i)
+                elif into[i] is not None:
+                    seen[i] = len(rec)
+                    whole.append(i)
+                else:
+                    seen[i] = len(rec)
+            dsts: list[Any] = into
+            got = verify_many_into([recs[i] for i in whole], [keys[i] for i in whole], [dsts[i] for i in whole])
             got += verify_many_parts_into(
-                [_dst(heads[i]) for i in apart],
+                [metas[i] for i in apart],
                 [recs[i] for i in apart],
                 [keys[i] for i in apart],
-                [_dst(into[i]) for i in apart],
+                [dsts[i] for i in apart],
+                head_at=_ACCESS.size,
             )
             for i, n in zip(whole + apart, got):
                 if isinstance(n, CorruptRecordError):
                     bad.append((keys[i], n))
                     seen[i] = -1
                 elif n < 0:
-                    self._oversize(keys[i], len(recs[i]) - (HEADER_SIZE if heads[i] is None else 0), _dst(into[i]))
+                    self._oversize(keys[i], len(recs[i]) - (0 if _head(metas[i]) is not None else HEADER_SIZE), dsts[i])
                 else:
                     out[i] = n
             for i, rec in enumerate(recs):
                 if rec is not None and into[i] is None:
-                    head = heads[i]
+                    head = _head(metas[i])
                     try:
                         out[i] = bytes(
                             verify_record(rec, keys[i]) if head is None else verify_parts(head, rec, keys[i])

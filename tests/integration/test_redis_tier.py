@@ -836,3 +836,67 @@ async def test_native_io_survives_a_server_restart_under_pooled_connections() ->
             assert await tier.get_many(keys) == [None] * 4
             await tier.put_many([(k, b"after") for k in keys])
             assert await tier.get_many(keys, into=[bytearray(5) for _ in keys]) == [5] * 4
+
+
+# ---- two writes in flight ------------------------------------------------------------------
+
+
+class _Gated(RedisTier):
+    """The real tier; the SETs of a call whose first key is in ``hold`` wait until ``release``."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.hold: set[bytes] = set()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def _set_records(self, items: list[tuple[bytes, memoryview]]) -> None:
+        if items and items[0][0] in self.hold:
+            self.entered.set()
+            await self.release.wait()
+        await super()._set_records(items)
+
+
+@pytest.mark.asyncio
+async def test_overlapping_redis_puts_land_in_call_order_on_a_shared_key(url_cluster: tuple[str, bool]) -> None:
+    """A lane keeps two batches in flight on a Redis tier, and the two go out on different
+    connections. A later call sharing a key with an earlier one still in flight waits for it:
+    the shared key ends with the later call's value, though the earlier one was held back, and
+    a later call with no shared key does not wait (it finishes while the earlier one is held)."""
+    url, cluster = url_cluster
+    assert RedisTier.capabilities.writes_in_flight == 2
+    ns = _ns()
+    a, shared, b, c = _keys(ns, 4)
+    tier = _Gated(RedisTierConfig(url=url, cluster=cluster, key_prefix=_prefix()))
+    async with tier:
+        tier.hold.add(a)
+        first = asyncio.create_task(tier.put_many([(a, b"first-a"), (shared, b"first")]))
+        await asyncio.wait_for(tier.entered.wait(), 60)
+        second = asyncio.create_task(tier.put_many([(shared, b"second"), (b, b"second-b")]))
+        await asyncio.wait_for(tier.put_many([(c, b"third-c")]), 60)  # shares nothing: not held
+        assert not first.done() and not second.done()  # the second waits behind the first
+        tier.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 60)
+        assert await tier.get_many([a, shared, b, c]) == [b"first-a", b"second", b"second-b", b"third-c"]
+        assert tier._writing == {}
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_redis_put_lets_the_one_behind_it_go(server: RedisServer) -> None:
+    """The earlier call given up while held: the later call on the same key goes on and lands;
+    nothing is left in the in-flight map."""
+    ns = _ns()
+    a, shared = _keys(ns, 2)
+    tier = _Gated(RedisTierConfig(url=server.url, key_prefix=_prefix()))
+    async with tier:
+        tier.hold.add(a)
+        first = asyncio.create_task(tier.put_many([(a, b"first-a"), (shared, b"first")]))
+        await asyncio.wait_for(tier.entered.wait(), 60)
+        second = asyncio.create_task(tier.put_many([(shared, b"second")]))
+        await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(second, 60)
+        assert await tier.get_many([a, shared]) == [None, b"second"]
+        assert tier._writing == {}

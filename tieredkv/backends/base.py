@@ -127,9 +127,10 @@ class TierCapabilities:
     #: a memory-mapped B-tree) once the tier is open; otherwise it may return None.
     sync_probe: bool = False
     #: Batches a pipeline lane may have in :meth:`Tier.put_checked` at once. More than one for a
-    #: tier whose write has a stage of its own before its writer (LMDB encodes on a second
-    #: thread), and only for one that applies its writes in the order the calls were made (a
-    #: later batch may overwrite a key of an earlier one).
+    #: tier whose write has a stage of its own before its writer (LMDB checksums on a second
+    #: thread) or whose medium takes the next batch while the last is answered (Redis), and only
+    #: for one that applies writes to a key in the order the calls were made (a later batch may
+    #: overwrite a key of an earlier one).
     writes_in_flight: int = 1
 
 

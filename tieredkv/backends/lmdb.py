@@ -118,7 +118,7 @@ def _disk_full(exc: BaseException) -> bool:
 
 _T = TypeVar("_T")
 _SCAN_PAGE = 1024
-_ENCODE_ON_HELPER_FROM = 1 << 20  # payload bytes of a batch from which the helper thread encodes it
+_HEADS_ON_HELPER_FROM = 1 << 20  # payload bytes of a batch from which the helper thread checksums it
 
 
 class _SharedEnv:
@@ -358,7 +358,7 @@ class LMDBTier(Tier):
         self._shared: _SharedEnv | None = None
         self._policy: EvictionPolicy = make_policy(cfg.eviction_policy)  # key -> record bytes
         self._dirty: dict[bytes, float] = {}
-        self._encoding = 0  # batches on the helper thread now (loop thread only)
+        self._on_helper = 0  # batches on the helper thread now (loop thread only)
         self._rescan: list[RecordInfo] | None = None  # shared order read by the last eviction
         self._next_scan = 0.0  # monotonic time before which only a shortfall triggers a shared scan
 
@@ -619,18 +619,18 @@ class LMDBTier(Tier):
         buffers until then). Cancelled while its batch is with the helper, a call writes
         nothing; once its work has begun on the tier's thread it may still land, and a payload
         changed under it then fails its checksum when read (a miss, never other bytes)."""
-        if self._encoding == 0 and sum(len(p) for _, p in items) < _ENCODE_ON_HELPER_FROM:
-            await self._run(self._encode_put, items)
+        if self._on_helper == 0 and sum(len(p) for _, p in items) < _HEADS_ON_HELPER_FROM:
+            await self._run(self._heads_put, items)
             return
         assert self._helper is not None
-        self._encoding += 1  # loop thread only
+        self._on_helper += 1  # loop thread only
         try:
             heads = await asyncio.get_running_loop().run_in_executor(self._helper, self._heads, items)
         finally:
-            self._encoding -= 1
+            self._on_helper -= 1
         await self._run(self._put_records, items, heads)  # queued before this coroutine yields again
 
-    def _encode_put(self, items: list[tuple[bytes, memoryview]]) -> None:
+    def _heads_put(self, items: list[tuple[bytes, memoryview]]) -> None:
         self._put_records(items, self._heads(items))
 
     def _heads(self, items: list[tuple[bytes, memoryview]]) -> bytearray:
@@ -655,8 +655,8 @@ class LMDBTier(Tier):
         else:
             hv = memoryview(heads)
             stamps = [
-                (k, _ACCESS.pack(now, n) + hv[i * HEADER_SIZE : (i + 1) * HEADER_SIZE])
-                for i, (k, n) in enumerate(sizes.items())
+                (k, _ACCESS.pack(now, sizes[k]) + hv[i * HEADER_SIZE : (i + 1) * HEADER_SIZE])
+                for i, (k, _) in enumerate(items)  # heads[i] is items[i]'s
             ]
         evicted: dict[bytes, int] = {}
         sh = self._shared

@@ -43,11 +43,13 @@ from tieredkv.bench import (
     BATCH_BYTES,
     KiB,
     MiB,
+    add_run_args,
     bench_blocks,
     frozen_heap,
     machine_info,
     make_tier,
     pipeline_store_load,
+    run_plan,
     size_label,
     steady_malloc,
 )
@@ -182,16 +184,10 @@ def _at_size(size: int, n: int, reps: int, ns: Namespace, work: str) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="64,256,1024,4096", help="chunk sizes in KiB")
-    ap.add_argument("--total-mib", type=int, default=256, help="bytes written per size, stage and rep")
-    ap.add_argument("--reps", type=int, default=8)
+    add_run_args(ap, total_mib=256, per="stage and rep", reps=8, quick_sizes=[64 * KiB], quick_mib=16)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny run (smoke test): 64 KiB, 16 MiB, 1 rep")
     a = ap.parse_args(argv)
-    sizes = [int(x) * KiB for x in a.sizes.split(",")]
-    total, reps = a.total_mib * MiB, a.reps
-    if a.quick:
-        sizes, total, reps = [64 * KiB], 16 * MiB, 1
+    sizes, total, reps = run_plan(a)
     steady_malloc()  # a bench process, as in tieredkv bench
     torch.set_num_threads(1)
     print(f"{'chunk':>8} " + " ".join(f"{s:>18}" for s in STAGES))

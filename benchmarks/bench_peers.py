@@ -64,7 +64,6 @@ ROOT = HERE.parent
 CHILD = HERE / "_lmcache_child.py"
 
 KiB, MiB = 1 << 10, 1 << 20
-SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 LMCACHE_VERSION = "0.5.6"
 TORCH_PIN = "2.13.0+cpu"
 TARGET = 2.0
@@ -441,10 +440,10 @@ def machine(workdir: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tieredkv.bench import add_run_args, run_plan  # (imports torch: not at module level here)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
-    ap.add_argument("--total-mib", type=int, default=128, help="bytes moved per size, tier and rep")
-    ap.add_argument("--reps", type=int, default=3, help="timed rounds per size and tier (median reported)")
+    add_run_args(ap, total_mib=128, per="tier and rep", reps=3, quick_sizes=[64 * KiB, 1 * MiB], quick_mib=8)
     ap.add_argument("--tiers", default="cpu,lmdb,redis", help="tieredkv tiers to compare (cpu, lmdb, redis)")
     ap.add_argument(
         "--lmcache-redis",
@@ -468,12 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds one LMCache round (store + retrieve of --total-mib) may take before its child is"
         " ended and its unfinished sizes run again (default: max(60, total MiB / 2))",
     )
-    ap.add_argument("--quick", action="store_true", help="smoke run: 64 KiB and 1 MiB, 8 MiB, 1 rep")
     a = ap.parse_args(argv)
-    sizes = [int(x) * KiB for x in a.sizes.split(",")]
-    total, reps = a.total_mib * MiB, a.reps
-    if a.quick:
-        sizes, total, reps = [64 * KiB, 1 * MiB], 8 * MiB, 1
+    sizes, total, reps = run_plan(a)
     kinds = [k.strip() for k in a.tiers.split(",") if k.strip()]
     bad = [k for k in kinds if k not in PAIRS]
     if bad:

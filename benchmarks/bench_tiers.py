@@ -16,15 +16,16 @@ import sys
 
 from tieredkv.backends.registry import config_model
 from tieredkv.bench import (
-    SIZES,
     BenchResult,
     KiB,
     MiB,
+    add_run_args,
     floored_figures,
     machine_info,
     plot,
     ratio_rows,
     result_row,
+    run_plan,
     run_tier_bench,
     steady_malloc,
     tier_figures,
@@ -37,21 +38,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
-    ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and figure")
-    ap.add_argument("--reps", type=int, default=3)
+    add_run_args(ap, total_mib=256, per="figure and rep", reps=3, quick_sizes=[64 * KiB, 1 * MiB], quick_mib=16)
     ap.add_argument(
         "--tiers",
         default="cpu,lmdb,lmdb:sync_mode=durable,redis",
         help="tier kinds, each with its defaults; kind:field=value[:field=value] sets fields (and names it)",
     )
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny run (smoke test): 2 sizes, 16 MiB, 1 rep")
     a = ap.parse_args(argv)
-    sizes = [int(x) * KiB for x in a.sizes.split(",")]
-    total, reps = a.total_mib * MiB, a.reps
-    if a.quick:
-        sizes, total, reps = [64 * KiB, 1 * MiB], 16 * MiB, 1
+    sizes, total, reps = run_plan(a)
     steady_malloc()  # this process is a bench: raw baselines at the medium's limit
     with RedisServer() as srv:
         tiers = [tier_config(kind, srv.url) for kind in a.tiers.split(",")]

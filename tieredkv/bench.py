@@ -61,6 +61,7 @@ __all__ = [
     "REDIS_BENCHMARK_KEYS",
     "SIZES",
     "BenchResult",
+    "add_run_args",
     "bench_config",
     "cell",
     "make_tier",
@@ -70,6 +71,7 @@ __all__ = [
     "raw_memcpy",
     "raw_redis",
     "redis_benchmark",
+    "run_plan",
     "run_tier_bench",
     "tier_figures",
 ]
@@ -391,6 +393,29 @@ def tier_figures(results: Sequence[BenchResult]) -> list[str]:
     """Every ``"<label>.store|load"`` figure of ``results``, tier by tier in config order."""
     labels = list(dict.fromkeys(label for r in results for label in r.tiers))
     return [f"{label}.{op}" for label in labels for op in OPS]
+
+
+def add_run_args(ap: Any, *, total_mib: int, per: str, reps: int, quick_sizes: Sequence[int], quick_mib: int) -> None:
+    """The options every bench script takes for what it runs: ``--sizes`` (KiB), ``--total-mib``
+    (bytes moved per size and ``per``), ``--reps`` and ``--quick`` (a smoke run of
+    ``quick_sizes``, ``quick_mib`` MiB, one rep); :func:`run_plan` reads them back."""
+    ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
+    ap.add_argument("--total-mib", type=int, default=total_mib, help=f"bytes moved per size, {per}")
+    ap.add_argument("--reps", type=int, default=reps, help="repetitions per size (the median is reported)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {', '.join(size_label(s) for s in quick_sizes)}, {quick_mib} MiB, 1 rep",
+    )
+    ap.set_defaults(quick_plan=(list(quick_sizes), quick_mib * MiB))
+
+
+def run_plan(a: Any) -> tuple[list[int], int, int]:
+    """(chunk sizes in bytes, bytes per size, reps) from the options of :func:`add_run_args`."""
+    if a.quick:
+        sizes, total = a.quick_plan
+        return sizes, total, 1
+    return [int(x) * KiB for x in a.sizes.split(",")], a.total_mib * MiB, a.reps
 
 
 def size_label(size: int) -> str:

@@ -233,6 +233,40 @@ def test_peers_bench_tieredkv_side_runs_every_kind(tmp_path: Path, redis_server:
         fig = out[64 * KiB]
         assert fig["verified"] and fig["chunks"] == 32 and fig["bytes"] == 2 << 20
         assert len(fig["store_gbps"]) == len(fig["load_gbps"]) == 2 and min(fig["load_gbps"]) > 0
+        # the medium's raw limits, measured beside every kept round, its baseline named
+        assert fig["raw_gbps"] and all(len(v) == 2 and min(v) > 0 for v in fig["raw_gbps"].values())
+        for op in ("store", "load"):
+            m = bench_peers.medium_figures(fig, op)
+            assert m is not None and m["baseline"] == fig["raw_baseline"][op]
+            assert m["fastest_gbps"] >= m["baseline_gbps"] > 0
+
+
+def test_peers_bench_lists_a_cell_as_above_the_medium_only_when_no_client_reached_its_target(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A cell below its target is listed as above the medium only when the target throughput is
+    above the medium's fastest raw figure in the run; the CPU pair's target is 1x."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def row(label: str, tkv: float, lmc: float, fastest: float) -> dict[str, object]:
+        medium = {"baseline": "lmdb_raw.store", "baseline_gbps": fastest, "fastest": "x.store", "fastest_gbps": fastest}
+        return {
+            "label": label,
+            "median_gbps": {"tieredkv.lmdb.store": tkv, "lmcache.disk.store": lmc},
+            "ratios": {"lmdb/disk.store": round(tkv / lmc, 2)},
+            "medium": {"lmdb.store": medium},
+        }
+
+    rows = [row("a", 1.0, 0.9, 1.5), row("b", 1.0, 0.9, 2.0), row("c", 2.0, 0.9, 1.0)]
+    below, above = bench_peers.print_table(rows, [("lmdb", "disk")])
+    assert [c.split()[0] for c in below] == ["a", "b"]  # c is at 2.22x
+    assert [c.split()[0] for c in above] == ["a"]  # b: the medium did 2.0, above 2x LMCache (1.8)
+    assert "a lmdb/disk.store 1.11x: 2x LMCache is 1.80 GB/s" in capsys.readouterr().out
+    assert bench_peers.TARGETS["cpu"] == 1.0
 
 
 def test_an_lmdb_tier_in_durable_mode_is_judged_against_a_durable_raw_put(

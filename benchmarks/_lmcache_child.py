@@ -2,7 +2,7 @@
 
     .venv-lmcache/bin/python benchmarks/_lmcache_child.py --backend cpu|disk|redis|resp \
         --sizes 65536,262144 --total-bytes 134217728 --reps 3 --out result.json \
-        [--redis-url redis://127.0.0.1:PORT/0] [--workdir DIR] [--batch-bytes 16777216]
+        [--redis-url redis://127.0.0.1:PORT/0] [--workdir DIR] [--batch-bytes 16777216] [--turns R,W]
 
 (``redis``/``resp`` empty the Redis database after each round: give it a private server only, as
 ``bench_peers.py`` does.)
@@ -43,6 +43,11 @@ for Redis a FLUSHDB of the private server the parent started), as tieredkv start
 an empty tier.
 Prints nothing on stdout but LMCache's own logging; the results go to ``--out`` as JSON, rewritten
 after every size so a later failure keeps what was measured.
+
+With ``--turns`` (as ``bench_peers.py`` runs it) every step waits for the parent's go and
+reports back when it is over: an engine's set-up with its warm-up round, then each timed round.
+The parent runs tieredkv's round of the same size and rep in between, so the two sides'
+rounds are interleaved and never overlap (this machine's state drifts over minutes).
 
 A watchdog ends the process (exit 3, every thread's stack on stderr) when one round (store +
 retrieve of ``total`` bytes, or the engine's set-up or close) runs past ``--round-timeout``. Seen with ``resp``: ``RESPConnector.batched_contains`` (called by
@@ -253,10 +258,16 @@ def run_size(
     seed: int,
     notes: list[str],
     dog: _Watchdog,
+    turns: _Turns,
 ) -> dict[str, Any]:
+    """One chunk size: the engine's set-up and warm-up round in one turn, then each timed round in
+    a turn of its own; the last turn is given back by the caller (after the close and the
+    result's file)."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     tag = f"peers-{backend}-{size}-{os.getpid()}"
+    turns.take(dog)
+    dog.arm(f"LMCache {backend} {size} B set-up")
     eng, hidden = _engine(backend, size, n, reps, workdir, redis_url, tag)
     try:
         be = _backend_obj(eng, backend)
@@ -322,7 +333,11 @@ def run_size(
         gc.freeze()
         try:
             one_round(0)  # warm-up, untimed
-            samples = [one_round(k) for k in range(1, reps + 1)]
+            samples = []
+            for k in range(1, reps + 1):
+                turns.give()
+                turns.take(dog)
+                samples.append(one_round(k))
         finally:
             gc.unfreeze()
         dog.arm(f"LMCache {backend} {size} B close")
@@ -346,6 +361,27 @@ def _flush_private_redis(url: str) -> None:
         r.close()
 
 
+class _Turns:
+    """Rounds taken in turn with the parent (``--turns R,W``: two pipe descriptors it passed):
+    :meth:`take` waits for its ``g`` on R before a step, :meth:`give` writes ``d`` on W after it,
+    so no step of this process runs while the parent measures tieredkv. Without ``--turns``
+    every step runs at once."""
+
+    def __init__(self, fds: str | None) -> None:
+        self._fds = tuple(int(x) for x in fds.split(",")) if fds else None
+
+    def take(self, dog: _Watchdog) -> None:
+        if self._fds is None:
+            return
+        dog.disarm()  # waiting for a turn is no step of ours
+        if os.read(self._fds[0], 1) != b"g":
+            raise SystemExit("the parent closed its turns pipe")
+
+    def give(self) -> None:
+        if self._fds is not None:
+            os.write(self._fds[1], b"d")
+
+
 class _Watchdog:
     """Ends the process if one armed step runs past ``seconds``: dumps every thread's stack to stderr
     (the parent's log), writes what was measured so far with the error, then ``os._exit(3)``."""
@@ -360,6 +396,10 @@ class _Watchdog:
     def arm(self, what: str) -> None:
         with self._lock:
             self.what, self._deadline = what, time.monotonic() + self.seconds
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.what, self._deadline = "", float("inf")
 
     def _run(self) -> None:
         while True:
@@ -396,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (same as the tieredkv side)")
     ap.add_argument("--out", required=True)
     ap.add_argument(
+        "--turns",
+        help="R,W: pipe descriptors to take turns with the parent on (one byte per step each way)",
+    )
+    ap.add_argument(
         "--round-timeout",
         type=float,
         default=120.0,
@@ -421,15 +465,25 @@ def main(argv: list[str] | None = None) -> int:
         pass
     work = a.workdir or tempfile.mkdtemp(prefix="lmcache-peers-")
     dog = _Watchdog(a.round_timeout, out, a.out)
+    turns = _Turns(a.turns)
     try:
         for i, size in enumerate(int(s) for s in a.sizes.split(",")):
             if size % (2 * TOKENS_PER_CHUNK):
                 raise SystemExit(f"chunk size {size} is not a multiple of {2 * TOKENS_PER_CHUNK} bytes")
             n = max(4, a.total_bytes // size)
-            dog.arm(f"LMCache {a.backend} {size} B set-up")
             out["results"].append(
                 run_size(
-                    a.backend, size, n, a.reps, a.batch_bytes, work, a.redis_url, seed=i, notes=out["notes"], dog=dog
+                    a.backend,
+                    size,
+                    n,
+                    a.reps,
+                    a.batch_bytes,
+                    work,
+                    a.redis_url,
+                    seed=i,
+                    notes=out["notes"],
+                    dog=dog,
+                    turns=turns,
                 )
             )
             print(
@@ -439,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             _write(a.out, out)  # what is measured survives a later failure
+            turns.give()
     except BaseException as e:  # noqa: BLE001 - report what failed; the parent prints it and marks the backend
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()

@@ -21,12 +21,15 @@ What it does:
    upgrade torch. ``LMCACHE_TRACK_USAGE=false`` everywhere. Reused when it already imports
    lmcache 0.5.6 beside torch 2.13.0+cpu.
 2. Starts one private ``redis-server`` on a free loopback port (stopped at the end, also on error).
-3. For each pair, tieredkv first: ``tieredkv.bench.pipeline_store_load`` (the real asyncio
-   pipeline with one tier, ``PolicyRule(tiers=[name])``, a CPU "device" tensor of
-   ``[chunks, chunk_bytes]`` uint8, store jobs of 16 MiB, ``drain()``, load jobs into another
-   tensor, bytes compared); then LMCache in ``.venv-lmcache`` (``benchmarks/_lmcache_child.py``:
+3. For each pair, round by round, interleaved: tieredkv's round
+   (``tieredkv.bench.pipeline_store_load``: the real asyncio pipeline with one tier,
+   ``PolicyRule(tiers=[name])``, a CPU "device" tensor of ``[chunks, chunk_bytes]`` uint8, store
+   jobs of 16 MiB, ``drain()``, load jobs into another tensor, bytes compared) and LMCache's
+   round of the same size in ``.venv-lmcache`` (``benchmarks/_lmcache_child.py``:
    ``LMCacheEngine.store`` / ``retrieve`` of the same bytes in calls of the same 16 MiB, see its
-   docstring for the API used and why). Disk figures of both sides use the same directory.
+   docstring for the API used and why), which runs a step at a time on this process's word
+   (``--turns``; LMCache first on even rounds, second on odd), never beside tieredkv's.
+   Disk figures of both sides use the same directory.
 4. Beside each tieredkv round (in turn before and after it), measures the medium's raw limits
    with the tier class's own ``raw_limits``, as ``tieredkv bench`` does: py-lmdb put/get and
    plain file writes/reads for ``lmdb``; pipelined redis-py SET/GET and ``redis-benchmark`` on
@@ -54,6 +57,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -61,6 +65,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,9 +186,19 @@ def ensure_lmcache_venv(venv: Path) -> tuple[Path, dict[str, Any]]:
 # ---- the two sides -----------------------------------------------------------------------------
 
 
-def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: str, redis_url: str) -> dict[int, Any]:
+def run_tieredkv(
+    kind: str,
+    sizes: list[int],
+    total: int,
+    reps: int,
+    workdir: str,
+    redis_url: str,
+    lmcache: Sequence[LMCacheSide] = (),
+) -> dict[int, Any]:
     """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first),
-    and the medium's raw limits measured beside each rep (:func:`medium_figures`)."""
+    and the medium's raw limits measured beside each rep (:func:`medium_figures`). Each round of
+    the ``lmcache`` sides runs between tieredkv's, in turn before and after them (LMCache, raw,
+    tieredkv on even rounds; tieredkv, raw, LMCache on odd)."""
     import torch
 
     from tieredkv.backends.registry import get_tier_class
@@ -214,7 +229,9 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
         baseline: dict[str, str] = {}
         with frozen_heap():  # as in vLLM's engine (and in LMCache's child, for its side)
             for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
-                if r % 2 == 0:  # the medium first on even rounds, second on odd (as tieredkv bench)
+                if r % 2 == 0:  # the others first on even rounds, second on odd (as tieredkv bench)
+                    for side in lmcache:
+                        side.turn()
                     _medium_round(tier_class, raw_cfg, src, dst, workdir, raw if r else {}, baseline)
                 dst.zero_()
                 tier = make_tier(cfg, size, n, workdir)
@@ -227,6 +244,10 @@ def run_tieredkv(kind: str, sizes: list[int], total: int, reps: int, workdir: st
                     samples.append((ts, tl))
                 if r % 2 == 1:
                     _medium_round(tier_class, raw_cfg, src, dst, workdir, raw, baseline)
+                    for side in lmcache:
+                        side.turn()
+        for side in lmcache:
+            side.finish(size)
         nbytes = n * size
         out[size] = side_figures(n, nbytes, samples) | {"raw_gbps": raw, "raw_baseline": baseline}
         log(
@@ -277,127 +298,161 @@ def medium_figures(t: dict[str, Any], op: str) -> dict[str, Any] | None:
     }
 
 
-def _run_child(
-    py: Path,
-    backend: str,
-    sizes: list[int],
-    total: int,
-    reps: int,
-    workdir: str,
-    redis_url: str,
-    threads: int,
-    batch_bytes: int,
-    attempt: int,
-    round_timeout: int,
-) -> dict[str, Any]:
-    """One ``_lmcache_child.py`` process; returns its JSON (``error`` and ``log_tail`` when it failed)."""
-    fd, out = tempfile.mkstemp(prefix=f"lmcache-{backend}-", suffix=".json", dir=workdir)
-    os.close(fd)
-    logf = Path(workdir) / f"lmcache-{backend}-{attempt}.log"
-    cmd = [
-        str(py),
-        str(CHILD),
-        "--backend",
-        backend,
-        "--sizes",
-        ",".join(map(str, sizes)),
-        "--total-bytes",
-        str(total),
-        "--reps",
-        str(reps),
-        "--batch-bytes",
-        str(batch_bytes),
-        "--threads",
-        str(threads),
-        "--workdir",
-        workdir,
-        "--redis-url",
-        redis_url,
-        "--out",
-        out,
-        "--round-timeout",
-        str(round_timeout),
-    ]
-    with open(logf, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=str(ROOT))
+class LMCacheSide:
+    """One LMCache backend, run a step at a time in ``_lmcache_child.py`` processes (``--turns``):
+    :meth:`turn` lets the child run its next step (an engine's set-up and warm-up round, or one
+    timed round) and waits until it is over, so tieredkv's rounds run between LMCache's and never
+    beside them. A child that fails or hangs (its watchdog ends it; this side ends it past the
+    step's deadline too) is recorded as an incident, and the next turn starts a fresh child for
+    the sizes not yet measured, up to ``CHILD_ATTEMPTS`` children; :meth:`finish` gives a size
+    the turns it still needs after such a restart. :meth:`close` returns the results."""
+
+    def __init__(
+        self,
+        py: Path,
+        backend: str,
+        sizes: list[int],
+        total: int,
+        reps: int,
+        workdir: str,
+        redis_url: str,
+        threads: int,
+        batch_bytes: int,
+        round_timeout: int = 0,
+    ) -> None:
+        self.py, self.backend, self.sizes, self.total, self.reps = py, backend, sizes, total, reps
+        self.workdir, self.redis_url, self.threads, self.batch_bytes = workdir, redis_url, threads, batch_bytes
+        self.round_timeout = round_timeout or max(60, total // MiB // 2)
+        self.done: dict[int, Any] = {}
+        self.agg: dict[str, Any] = {"backend": backend, "notes": [], "incidents": []}
+        self.attempt = 0
+        self.t0 = time.perf_counter()
+        self._child: tuple[subprocess.Popen[bytes], int, int, str, Path, list[int]] | None = None
+
+    def _start(self) -> bool:
+        todo = [s for s in self.sizes if s not in self.done]
+        if not todo or self.attempt >= CHILD_ATTEMPTS:
+            return False
+        self.attempt += 1
+        fd, out = tempfile.mkstemp(prefix=f"lmcache-{self.backend}-", suffix=".json", dir=self.workdir)
+        os.close(fd)
+        logf = Path(self.workdir) / f"lmcache-{self.backend}-{self.attempt}.log"
+        go_r, go_w = os.pipe()
+        done_r, done_w = os.pipe()
+        # fmt: off
+        cmd = [
+            str(self.py), str(CHILD), "--backend", self.backend, "--sizes", ",".join(map(str, todo)),
+            "--total-bytes", str(self.total), "--reps", str(self.reps), "--batch-bytes", str(self.batch_bytes),
+            "--threads", str(self.threads), "--workdir", self.workdir, "--redis-url", self.redis_url,
+            "--out", out, "--round-timeout", str(self.round_timeout), "--turns", f"{go_r},{done_w}",
+        ]
+        # fmt: on
+        with open(logf, "w") as lf:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **ENV},
+                cwd=str(ROOT),
+                pass_fds=(go_r, done_w),
+            )
+        os.close(go_r)
+        os.close(done_w)
+        self._child = (proc, go_w, done_r, out, logf, todo)
+        return True
+
+    def turn(self) -> bool:
+        """One step of the child (a fresh child first when none runs); False when there is none
+        left to run (every size measured, or the attempts spent)."""
+        if self._child is None and not self._start():
+            return False
+        assert self._child is not None
+        _, go_w, done_r, out, _, _ = self._child
         try:
-            rc = proc.wait(timeout=round_timeout * (reps + 3) * len(sizes) + 120)
+            os.write(go_w, b"g")
+        except BrokenPipeError:
+            self._end()
+            return True
+        # the child's own watchdog ends a step at round_timeout; this deadline is the backstop
+        ready, _, _ = select.select([done_r], [], [], self.round_timeout + 60)
+        if not ready or os.read(done_r, 1) != b"d":
+            self._end()
+            return True
+        self._collect(out)
+        return True
+
+    def finish(self, size: int) -> None:
+        """Turns until ``size`` is measured (or no child is left to measure it)."""
+        while size not in self.done and self.turn():
+            pass
+
+    def _collect(self, out: str) -> dict[str, Any]:
+        try:
+            res = json.loads(Path(out).read_text())
+        except (OSError, json.JSONDecodeError):
+            res = {"backend": self.backend, "results": []}
+        for r in res.get("results", []):
+            self.done[r["size"]] = r
+        return res
+
+    def _end(self) -> None:
+        """The child is over (its sizes done, failed or hung): reap it, keep what it measured."""
+        assert self._child is not None
+        proc, go_w, done_r, out, logf, todo = self._child
+        self._child = None
+        os.close(go_w)  # a child still waiting for a turn reads EOF and leaves
+        os.close(done_r)
+        try:
+            rc = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
             rc = -9
-    text = logf.read_text(errors="replace")
-    for line in text.splitlines():
-        if line.startswith("lmcache "):
-            log(line)
-    try:
-        res = json.loads(Path(out).read_text())
-    except (OSError, json.JSONDecodeError):
-        res = {"backend": backend, "results": []}
-    if rc != 0 and "error" not in res:
-        res["error"] = f"child exited with {rc}" + (" (deadline)" if rc == -9 else "")
-    if "error" in res:
-        lines = [x for x in text.splitlines(keepends=True) if "LMCache WARNING" not in x]
-        res["log_tail"] = "".join(lines[-150:])
-        log(
-            f"LMCache {backend} attempt {attempt} FAILED: {res['error']}\n{res.get('traceback', '')}"
-            + "".join(lines[-40:])
-        )
-    return res
-
-
-def run_lmcache(
-    py: Path,
-    backend: str,
-    sizes: list[int],
-    total: int,
-    reps: int,
-    workdir: str,
-    redis_url: str,
-    threads: int,
-    batch_bytes: int,
-    round_timeout: int = 0,
-) -> dict[str, Any]:
-    """All sizes of one LMCache backend. A child that fails or hangs (its watchdog ends it) is
-    recorded as an incident and the sizes it did not finish are run again in a fresh process, up
-    to ``CHILD_ATTEMPTS`` times; ``error`` is set only when some size never completed."""
-    t0 = time.perf_counter()
-    round_timeout = round_timeout or max(60, total // MiB // 2)
-    done: dict[int, Any] = {}
-    agg: dict[str, Any] = {"backend": backend, "notes": [], "incidents": []}
-    for attempt in range(1, CHILD_ATTEMPTS + 1):
-        todo = [s for s in sizes if s not in done]
-        if not todo:
-            break
-        res = _run_child(
-            py, backend, todo, total, reps, workdir, redis_url, threads, batch_bytes, attempt, round_timeout
-        )
-        for r in res.get("results", []):
-            done[r["size"]] = r
+        text = logf.read_text(errors="replace")
+        for line in text.splitlines():
+            if line.startswith("lmcache "):
+                log(line)
+        res = self._collect(out)
+        if rc != 0 and "error" not in res:
+            res["error"] = f"child exited with {rc}" + (" (deadline)" if rc == -9 else "")
         for k in ("lmcache", "torch", "python"):
             if k in res:
-                agg[k] = res[k]
-        agg["notes"] += [n for n in res.get("notes", []) if n not in agg["notes"]]
+                self.agg[k] = res[k]
+        self.agg["notes"] += [n for n in res.get("notes", []) if n not in self.agg["notes"]]
         if "error" in res:
-            agg["incidents"].append(
+            lines = [x for x in text.splitlines(keepends=True) if "LMCache WARNING" not in x]
+            log(
+                f"LMCache {self.backend} attempt {self.attempt} FAILED: {res['error']}\n{res.get('traceback', '')}"
+                + "".join(lines[-40:])
+            )
+            self.agg["incidents"].append(
                 {
-                    "attempt": attempt,
+                    "attempt": self.attempt,
                     "sizes": todo,
                     "error": res["error"],
                     "traceback": res.get("traceback", ""),
-                    "log_tail": res.get("log_tail", ""),
+                    "log_tail": "".join(lines[-150:]),
                 }
             )
-    agg["results"] = [done[s] for s in sizes if s in done]
-    missing = [s for s in sizes if s not in done]
-    if missing:
-        agg["error"] = (
-            f"sizes {[_label(s) for s in missing]} not measured after {CHILD_ATTEMPTS} attempts; last: "
-            + agg["incidents"][-1]["error"]
-        )
-    agg["attempts"] = len(agg["incidents"]) + (0 if missing else 1)
-    agg["wall_s"] = round(time.perf_counter() - t0, 1)
-    return agg
+
+    def close(self) -> dict[str, Any]:
+        """Every size's figures, as one child of the old kind reported them; ``error`` is set
+        only when some size was never measured."""
+        for size in self.sizes:
+            self.finish(size)
+        if self._child is not None:
+            self._end()
+        agg = self.agg
+        agg["results"] = [self.done[s] for s in self.sizes if s in self.done]
+        missing = [s for s in self.sizes if s not in self.done]
+        if missing:
+            last = agg["incidents"][-1]["error"] if agg["incidents"] else "no child ran"
+            agg["error"] = (
+                f"sizes {[_label(s) for s in missing]} not measured after {self.attempt} attempts; last: {last}"
+            )
+        agg["attempts"] = self.attempt
+        agg["wall_s"] = round(time.perf_counter() - self.t0, 1)
+        return agg
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -607,18 +662,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with RedisServer() as srv:
             log(f"==> redis-server on {srv.url}; disk files under {work} ({info['workdir_fs']['fstype']})")
-            for kind in kinds:  # tieredkv then LMCache, pair by pair (load drifts hit both sides alike)
+            for kind in kinds:  # tieredkv's rounds interleaved with LMCache's, pair by pair
+                sides = [
+                    LMCacheSide(
+                        py, b, sizes, total, reps, work, srv.url, a.threads, batch_bytes, a.lmcache_round_timeout
+                    )
+                    for k, b in pairs
+                    if k == kind
+                ]
                 try:
-                    tkv[kind] = run_tieredkv(kind, sizes, total, reps, work, srv.url)
+                    tkv[kind] = run_tieredkv(kind, sizes, total, reps, work, srv.url, lmcache=sides)
                 except Exception as e:  # noqa: BLE001 - report it, keep measuring the other pairs
                     errors[f"tieredkv.{kind}"] = f"{type(e).__name__}: {e}"
                     log(f"tieredkv {kind} FAILED: {errors[f'tieredkv.{kind}']}")
-                for backend in [b for k, b in pairs if k == kind]:
-                    lmc[backend] = run_lmcache(
-                        py, backend, sizes, total, reps, work, srv.url, a.threads, batch_bytes, a.lmcache_round_timeout
-                    )
-                    if "error" in lmc[backend]:
-                        errors[f"lmcache.{backend}"] = lmc[backend]["error"]
+                for side in sides:
+                    lmc[side.backend] = side.close()  # (the turns tieredkv did not give, if it failed)
+                    if "error" in lmc[side.backend]:
+                        errors[f"lmcache.{side.backend}"] = lmc[side.backend]["error"]
     finally:
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

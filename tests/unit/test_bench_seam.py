@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -405,3 +406,95 @@ def test_the_lmdb_stages_bench_measures_every_stage_on_records_that_read_back(tm
     assert set(got[64 * KiB]) == set(stages.STAGES)
     assert all(len(v) == 1 and v[0] > 0 for v in got[64 * KiB].values())
     assert len(lines) == 1 and lines[0].split()[:2] == ["64", "KiB"] and "(1.00x)" in lines[0]
+
+
+#: A stand-in for ``_lmcache_child.py`` in the peers bench's turn-taking test: LMCache is not
+#: installed in the suite, so this child keeps the real one's steps and turns (``_Turns`` and
+#: ``_Watchdog`` are the real child's) and logs when each step runs instead of measuring.
+_STANDIN_CHILD = """
+import argparse, json, os, sys, time
+sys.path.insert(0, sys.argv.pop(1))
+from _lmcache_child import _Turns, _Watchdog, _write
+ap = argparse.ArgumentParser()
+for opt in ("--backend", "--sizes", "--total-bytes", "--reps", "--batch-bytes", "--threads", "--workdir",
+            "--redis-url", "--out", "--round-timeout", "--turns"):
+    ap.add_argument(opt)
+a = ap.parse_args()
+out = {"backend": a.backend, "results": [], "notes": []}
+dog, turns = _Watchdog(float(a.round_timeout), out, a.out), _Turns(a.turns)
+steps = os.path.join(a.workdir, "steps.log")
+crash = os.path.join(a.workdir, "crash-once")
+
+def step(size, k):
+    with open(steps, "a") as f:
+        f.write(f"{os.getpid()} {size} {k} {time.monotonic_ns()}\\n")
+    if k == 1 and size == 2048 and os.path.exists(crash):
+        os.remove(crash)
+        os._exit(3)  # a child that dies mid-size (as a hung resp:// retrieve's watchdog ends it)
+    time.sleep(0.01)
+    with open(steps, "a") as f:
+        f.write(f"{os.getpid()} {size} {k} {time.monotonic_ns()}\\n")
+
+for size in map(int, a.sizes.split(",")):
+    turns.take(dog)
+    step(size, 0)
+    for k in range(1, int(a.reps) + 1):
+        turns.give()
+        turns.take(dog)
+        step(size, k)
+    out["results"].append({"size": size, "store_gbps": [1.0] * int(a.reps), "load_gbps": [1.0] * int(a.reps)})
+    _write(a.out, out)
+    turns.give()
+"""
+
+
+def test_peers_bench_runs_lmcache_a_step_at_a_time_between_its_own_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``./scripts/bench peers`` interleaves the two sides: the LMCache child runs one step per
+    turn (set-up with its warm-up round, then each timed round) and none while the parent runs
+    its own rounds. A child that dies mid-size is an incident, and a fresh one measures that
+    size and the rest with the turns it still needs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    child = tmp_path / "standin_child.py"
+    child.write_text(_STANDIN_CHILD)
+    monkeypatch.setattr(bench_peers, "CHILD", child)
+    (tmp_path / "crash-once").write_text("")
+    sizes, reps = [1024, 2048, 4096], 2
+    py = Path(sys.executable)
+    side = bench_peers.LMCacheSide(py, "cpu", sizes, 1 << 20, reps, str(tmp_path), "redis://unused", 1, 1 << 20, 30)
+    # the stand-in takes the benchmarks directory as its first argument (for the real child's classes)
+    monkeypatch.setattr(bench_peers, "ROOT", ROOT)
+    real_popen = bench_peers.subprocess.Popen
+
+    def popen(cmd: list[str], **kw: object) -> object:
+        return real_popen([cmd[0], cmd[1], str(ROOT / "benchmarks"), *cmd[2:]], **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(bench_peers.subprocess, "Popen", popen)
+    steps = tmp_path / "steps.log"
+    mine = []
+    for size in sizes:
+        for _ in range(reps + 1):
+            assert side.turn()
+            a = time.monotonic_ns()
+            time.sleep(0.02)  # "tieredkv's round"
+            mine.append((a, time.monotonic_ns()))
+        side.finish(size)
+    res = side.close()
+    assert [r["size"] for r in res["results"]] == sizes and "error" not in res
+    assert res["attempts"] == 2 and [i["sizes"] for i in res["incidents"]] == [sizes]  # the first child's
+    # every finished step of the child lies outside every round of the parent
+    lines = [ln.split() for ln in steps.read_text().splitlines()]
+    spans, open_at = [], {}
+    for pid, size, k, t in lines:
+        if (pid, size, k) in open_at:
+            spans.append((open_at.pop((pid, size, k)), int(t)))
+        else:
+            open_at[(pid, size, k)] = int(t)
+    assert [key[1:] for key in open_at] == [("2048", "1")]  # the step that died
+    assert len(spans) == len(sizes) * (reps + 1) + 1  # size 2048's warm-up ran twice (a fresh engine)
+    assert all(e <= a or s >= b for s, e in spans for a, b in mine)

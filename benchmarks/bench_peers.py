@@ -37,9 +37,9 @@ What it does:
 5. Prints the medians (of ``--reps``) and the ratio tieredkv / LMCache (targets, ``TARGETS``:
    >= 1x on the CPU pair, >= 2x on the disk and Redis pairs), then the medium's fastest raw
    figure over LMCache. A cell below its target whose target throughput is above that figure
-   is listed as above the medium: no raw client on it was seen that fast in the run. Writes ``benchmarks/results/peers-<UTC time>.json``:
-   machine description, versions, install time, per-rep figures (raw ones included), medians,
-   ratios.
+   is listed as above the medium: no raw client on it was seen that fast in the run. Writes
+   ``benchmarks/results/peers-<UTC time>.json``: machine description, versions, install time,
+   per-rep figures (raw ones included), medians, ratios.
 
 Both sides run torch with one intra-op thread (``--threads``), get one untimed warm-up round per
 tier and size, and start every timed round without the previous round's chunks (tieredkv: a

@@ -468,7 +468,6 @@ def test_peers_bench_runs_lmcache_a_step_at_a_time_between_its_own_rounds(
     py = Path(sys.executable)
     side = bench_peers.LMCacheSide(py, "cpu", sizes, 1 << 20, reps, str(tmp_path), "redis://unused", 1, 1 << 20, 30)
     # the stand-in takes the benchmarks directory as its first argument (for the real child's classes)
-    monkeypatch.setattr(bench_peers, "ROOT", ROOT)
     real_popen = bench_peers.subprocess.Popen
 
     def popen(cmd: list[str], **kw: object) -> object:

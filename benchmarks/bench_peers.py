@@ -67,7 +67,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from _lmcache_child import side_figures  # benchmarks/ is on sys.path: both run as scripts from there
 
@@ -298,6 +298,18 @@ def medium_figures(t: dict[str, Any], op: str) -> dict[str, Any] | None:
     }
 
 
+class _Child(NamedTuple):
+    """One running ``_lmcache_child.py``: its process, this side's ends of the two turn pipes,
+    its result file and log, and the sizes it was given."""
+
+    proc: subprocess.Popen[bytes]
+    go_w: int
+    done_r: int
+    out: str
+    logf: Path
+    sizes: list[int]
+
+
 class LMCacheSide:
     """One LMCache backend, run a step at a time in ``_lmcache_child.py`` processes (``--turns``):
     :meth:`turn` lets the child run its next step (an engine's set-up and warm-up round, or one
@@ -327,7 +339,7 @@ class LMCacheSide:
         self.agg: dict[str, Any] = {"backend": backend, "notes": [], "incidents": []}
         self.attempt = 0
         self.t0 = time.perf_counter()
-        self._child: tuple[subprocess.Popen[bytes], int, int, str, Path, list[int]] | None = None
+        self._child: _Child | None = None
 
     def _start(self) -> bool:
         todo = [s for s in self.sizes if s not in self.done]
@@ -358,7 +370,7 @@ class LMCacheSide:
             )
         os.close(go_r)
         os.close(done_w)
-        self._child = (proc, go_w, done_r, out, logf, todo)
+        self._child = _Child(proc, go_w, done_r, out, logf, todo)
         return True
 
     def turn(self) -> bool:
@@ -366,19 +378,19 @@ class LMCacheSide:
         left to run (every size measured, or the attempts spent)."""
         if self._child is None and not self._start():
             return False
-        assert self._child is not None
-        _, go_w, done_r, out, _, _ = self._child
+        child = self._child
+        assert child is not None
         try:
-            os.write(go_w, b"g")
+            os.write(child.go_w, b"g")
         except BrokenPipeError:
             self._end()
             return True
         # the child's own watchdog ends a step at round_timeout; this deadline is the backstop
-        ready, _, _ = select.select([done_r], [], [], self.round_timeout + 60)
-        if not ready or os.read(done_r, 1) != b"d":
+        ready, _, _ = select.select([child.done_r], [], [], self.round_timeout + 60)
+        if not ready or os.read(child.done_r, 1) != b"d":
             self._end()
             return True
-        self._collect(out)
+        self._collect(child.out)
         return True
 
     def finish(self, size: int) -> None:
@@ -397,22 +409,22 @@ class LMCacheSide:
 
     def _end(self) -> None:
         """The child is over (its sizes done, failed or hung): reap it, keep what it measured."""
-        assert self._child is not None
-        proc, go_w, done_r, out, logf, todo = self._child
+        child = self._child
+        assert child is not None
         self._child = None
-        os.close(go_w)  # a child still waiting for a turn reads EOF and leaves
-        os.close(done_r)
+        os.close(child.go_w)  # a child still waiting for a turn reads EOF and leaves
+        os.close(child.done_r)
         try:
-            rc = proc.wait(timeout=30)
+            rc = child.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+            child.proc.kill()
+            child.proc.wait(timeout=30)
             rc = -9
-        text = logf.read_text(errors="replace")
+        text = child.logf.read_text(errors="replace")
         for line in text.splitlines():
             if line.startswith("lmcache "):
                 log(line)
-        res = self._collect(out)
+        res = self._collect(child.out)
         if rc != 0 and "error" not in res:
             res["error"] = f"child exited with {rc}" + (" (deadline)" if rc == -9 else "")
         for k in ("lmcache", "torch", "python"):
@@ -428,7 +440,7 @@ class LMCacheSide:
             self.agg["incidents"].append(
                 {
                     "attempt": self.attempt,
-                    "sizes": todo,
+                    "sizes": child.sizes,
                     "error": res["error"],
                     "traceback": res.get("traceback", ""),
                     "log_tail": "".join(lines[-150:]),

@@ -413,7 +413,7 @@ def test_the_lmdb_stages_bench_measures_every_stage_on_records_that_read_back(tm
 #: ``_Watchdog`` are the real child's) and logs when each step runs instead of measuring.
 _STANDIN_CHILD = """
 import argparse, json, os, sys, time
-sys.path.insert(0, sys.argv.pop(1))
+sys.path.insert(0, BENCHMARKS)
 from _lmcache_child import _Turns, _Watchdog, _write
 ap = argparse.ArgumentParser()
 for opt in ("--backend", "--sizes", "--total-bytes", "--reps", "--batch-bytes", "--threads", "--workdir",
@@ -461,19 +461,12 @@ def test_peers_bench_runs_lmcache_a_step_at_a_time_between_its_own_rounds(
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     child = tmp_path / "standin_child.py"
-    child.write_text(_STANDIN_CHILD)
+    child.write_text(f"BENCHMARKS = {str(ROOT / 'benchmarks')!r}\n" + _STANDIN_CHILD)
     monkeypatch.setattr(bench_peers, "CHILD", child)
     (tmp_path / "crash-once").write_text("")
     sizes, reps = [1024, 2048, 4096], 2
     py = Path(sys.executable)
     side = bench_peers.LMCacheSide(py, "cpu", sizes, 1 << 20, reps, str(tmp_path), "redis://unused", 1, 1 << 20, 30)
-    # the stand-in takes the benchmarks directory as its first argument (for the real child's classes)
-    real_popen = bench_peers.subprocess.Popen
-
-    def popen(cmd: list[str], **kw: object) -> object:
-        return real_popen([cmd[0], cmd[1], str(ROOT / "benchmarks"), *cmd[2:]], **kw)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(bench_peers.subprocess, "Popen", popen)
     steps = tmp_path / "steps.log"
     mine = []
     for size in sizes:

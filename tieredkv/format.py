@@ -25,6 +25,7 @@ tensors into flat writable/readable ``memoryview``\\ s of unsigned bytes without
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any
 
@@ -52,10 +53,12 @@ __all__ = [
     "encode_record",
     "encode_record_into",
     "make_header",
+    "read_records_into",
     "verify_into",
     "verify_many_parts_into",
     "verify_parts",
     "verify_record",
+    "write_records",
 ]
 
 MAGIC = b"TKVR"
@@ -369,3 +372,85 @@ def _native_refusal(n: int, record: memoryview | bytes, key: bytes) -> int:
     if n == -2:
         return -1
     raise CorruptRecordError("payload checksum mismatch")  # the record changed under the check
+
+
+# ---- record files --------------------------------------------------------------------------------
+
+
+def write_records(path: str, heads: memoryview | bytearray, payloads: list[Any], *, sync: bool) -> None:
+    """Create the file ``path`` (never an existing one) holding, one after another, each record:
+    the i-th 64-byte header of ``heads`` (as :func:`encode_heads_into` wrote them), then
+    ``payloads[i]``; ``fdatasync``'d when ``sync``. Record i starts at the sum of the records
+    before it. With the C helper the GIL is let go for the whole write.
+
+    Raises:
+        OSError: the file could not be written (it is removed: never a partial file).
+    """
+    if _fastrec is not None:
+        _fastrec.write_records(path, heads, payloads, sync)
+        return
+    hv = memoryview(heads)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        off = 0
+        for i, payload in enumerate(payloads):
+            for part in (hv[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], memoryview(payload).cast("B")):
+                while len(part):
+                    w = os.pwrite(fd, part, off)
+                    off += w
+                    part = part[w:]
+        if sync:
+            os.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def read_records_into(
+    paths: list[str], offsets: list[int], sizes: list[int], keys: list[bytes], dsts: list[Any]
+) -> list[int | CorruptRecordError | OSError]:
+    """Deliver the record of ``sizes[i]`` bytes (header and payload) at ``offsets[i]`` of file
+    ``paths[i]`` (as :func:`write_records` wrote it) into ``dsts[i]``, checked for stored key
+    ``keys[i]``: per item the payload's length, -1 when it does not fit (its header good), the
+    :class:`CorruptRecordError` of a record that is not good for its key (a wrong header or
+    size, a file that ends early, a checksum that differs: its destination zeroed where it
+    landed), or the :class:`OSError` that opening or reading the file raised
+    (``FileNotFoundError``: removed meanwhile). With the C helper, one call: the GIL is let go
+    once, and the part of a file that a run of items in it spans is mapped once."""
+    if _fastrec is not None:
+        out: list[int | CorruptRecordError | OSError] = _fastrec.read_records(paths, offsets, sizes, keys, dsts)
+        for i, n in enumerate(out):
+            if isinstance(n, int) and n < 0:
+                out[i] = -1 if n == -2 else CorruptRecordError("record in its file is not good for its key")
+        return out
+    return [_read_record(*item) for item in zip(paths, offsets, sizes, keys, dsts, strict=True)]
+
+
+def _read_record(path: str, at: int, size: int, key: bytes, dst: Any) -> int | CorruptRecordError | OSError:
+    """Pure-Python :func:`read_records_into` of one record."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            head = os.pread(f.fileno(), HEADER_SIZE, at)
+            if len(head) < HEADER_SIZE:
+                return CorruptRecordError(f"record file ends {len(head)} bytes into a header")
+            try:
+                hdr = decode_header(head, size - HEADER_SIZE)
+            except CorruptRecordError as e:
+                return e
+            view = as_writable(dst)
+            if hdr.payload_len > len(view):
+                return -1
+            landed = view[: hdr.payload_len]
+            got = os.preadv(f.fileno(), [landed], at + HEADER_SIZE)
+    except OSError as e:
+        return e
+    try:
+        if got != hdr.payload_len:
+            raise CorruptRecordError(f"record file holds {got} of the record's {hdr.payload_len} payload bytes")
+        verify_parts(head, landed, key)
+    except CorruptRecordError as e:
+        landed[:] = bytes(len(landed))
+        return e
+    return hdr.payload_len

@@ -31,9 +31,12 @@ class TestCPUTier(TierContract):
 
 
 class TestLMDBTier(TierContract):
-    @pytest.fixture
-    async def make_tier(self, tmp_path: Any) -> Any:
+    # "files": every write batch goes to a record file beside the index (file_batch_bytes=1);
+    # the default keeps the contract's small batches inside LMDB.
+    @pytest.fixture(params=["default", "files"])
+    async def make_tier(self, tmp_path: Any, request: pytest.FixtureRequest) -> Any:
         tiers: list[LMDBTier] = []
+        layout = {"file_batch_bytes": 1} if request.param == "files" else {}
 
         async def make(capacity_bytes: int | None) -> LMDBTier:
             cap = capacity_bytes or 256 << 20
@@ -41,6 +44,7 @@ class TestLMDBTier(TierContract):
                 path=str(tmp_path / f"lmdb{len(tiers)}"),
                 size_cap_bytes=cap,
                 map_size_bytes=max(2 * cap, 16 << 20),
+                **layout,
             )
             tier = LMDBTier(cfg)
             await tier.open()

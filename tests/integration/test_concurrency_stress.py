@@ -328,7 +328,12 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
 ) -> None:
     rng = random.Random(SEED)
     cpu = CPUTier(CPUTierConfig(capacity_bytes=160 << 10, segment_bytes=16 << 10, min_slot_bytes=512))
-    low = LMDBTier(LMDBTierConfig(path=str(tmp_path / "lmdb"), map_size_bytes=64 << 20, size_cap_bytes=32 << 20))
+    # file_batch_bytes: the larger batches go to record files beside the index, the rest stay in LMDB
+    low = LMDBTier(
+        LMDBTierConfig(
+            path=str(tmp_path / "lmdb"), map_size_bytes=64 << 20, size_cap_bytes=32 << 20, file_batch_bytes=4 << 10
+        )
+    )
     tiers: list[Any] = [cpu, low]
     other = "lmdb"
     red: RedisTier | None = None
@@ -446,6 +451,7 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
             f" group-1 keys in LMDB={kept}/{NKEYS[1]} wrong_bytes={f['wrong_bytes']}"
         )
         assert model.errors == [] and f["wrong_bytes"] == 0, model.errors
+        assert os.listdir(tmp_path / "lmdb" / "files"), "no batch went to a record file"
     finally:
         res.stop.set()
         res.thread.join(10)

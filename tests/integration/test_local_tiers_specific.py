@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -443,7 +444,8 @@ def value(kid, v):
     word = kid.to_bytes(4, "little") + v.to_bytes(4, "little")
     return word * ({size} // 8)
 async def main():
-    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=256 << 20, size_cap_bytes=128 << 20)
+    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=256 << 20, size_cap_bytes=128 << 20,
+                         file_batch_bytes={file_batch})
     async with LMDBTier(cfg) as tier:
         for v in range(1000, 1000 + {rounds}):
             await tier.put_many([(ns.key(kid.to_bytes(32, "big"), 0), value(kid, v)) for kid in range({keys})])
@@ -458,14 +460,22 @@ def _version_of(kid: int, buf: bytes | bytearray) -> int | None:
     return v if bytes(buf) == word * (len(buf) // 8) else None
 
 
-def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_batch", [None, 1], ids=["in-lmdb", "record-files"])
+def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path, file_batch: int | None) -> None:
     """Large records (copied, then verified in the buffer) read while they are overwritten:
     two threads, each with its own loop and tier on one directory (one shared environment), run
     writer and reader tasks on the same keys while another process writes new versions of them
-    too. Every read is a miss or exactly one written version of its own key; nothing is corrupt."""
+    too. Every read is a miss or exactly one written version of its own key; nothing is corrupt.
+    Also with every batch in a record file (``record-files``): files removed and blocks given
+    back under readers of this process and the other."""
     keys, rounds = 8, 12
     child = subprocess.Popen(
-        [sys.executable, "-c", _WRITER.format(size=_LARGE, rounds=rounds, keys=keys), str(tmp_path)],
+        [
+            sys.executable,
+            "-c",
+            _WRITER.format(size=_LARGE, rounds=rounds, keys=keys, file_batch=file_batch),
+            str(tmp_path),
+        ],
         stderr=subprocess.PIPE,
     )
     bad: list[str] = []
@@ -475,12 +485,16 @@ def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path
         return (kid.to_bytes(4, "little") + v.to_bytes(4, "little")) * (_LARGE // 8)
 
     async def engine(offset: int) -> None:
-        cfg = LMDBTierConfig(path=str(tmp_path), map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB)
+        cfg = LMDBTierConfig(
+            path=str(tmp_path), map_size_bytes=256 * MiB, size_cap_bytes=128 * MiB, file_batch_bytes=file_batch
+        )
         async with LMDBTier(cfg) as tier:
 
             async def writer(w: int) -> None:
                 for v in range(offset + w, offset + 40, 2):
-                    await tier.put_many([(k(kid), value(kid, v)) for kid in range(keys)])
+                    # batches of every other key as well: files that keep records of older ones
+                    some = range(keys) if v % 3 else range(w, keys, 2)
+                    await tier.put_many([(k(kid), value(kid, v)) for kid in some])
 
             async def reader() -> None:
                 for _ in range(25):
@@ -514,6 +528,7 @@ def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path
             bufs = [bytearray(_LARGE) for _ in range(keys)]
             assert await tier.get_many([k(kid) for kid in range(keys)], into=bufs) == [_LARGE] * keys
             assert all(_version_of(kid, b) is not None for kid, b in enumerate(bufs))
+            assert bool(os.listdir(tmp_path / "files")) == (file_batch is not None)
 
     asyncio.run(final())
 

@@ -58,10 +58,14 @@ async def _round(tier: Any, write_native: bool, read_native: bool, monkeypatch: 
 
 @pytest.mark.parametrize("write_native", [True, False])
 @pytest.mark.parametrize("read_native", [True, False])
+@pytest.mark.parametrize("file_batch", [None, 1], ids=["in-lmdb", "record-files"])
 async def test_lmdb_records_cross_between_the_paths(
-    tmp_path: Path, write_native: bool, read_native: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, write_native: bool, read_native: bool, file_batch: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tier = LMDBTier(LMDBTierConfig(path=str(tmp_path / "kv"), size_cap_bytes=64 << 20, map_size_bytes=128 << 20))
+    cfg = LMDBTierConfig(
+        path=str(tmp_path / "kv"), size_cap_bytes=64 << 20, map_size_bytes=128 << 20, file_batch_bytes=file_batch
+    )
+    tier = LMDBTier(cfg)
     await tier.open()
     try:
         await _round(tier, write_native, read_native, monkeypatch)

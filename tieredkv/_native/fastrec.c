@@ -12,8 +12,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -498,6 +504,226 @@ static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+
+/* ---- record files (the LMDB tier's large batches: a file of records beside the index) ---- */
+
+#define IOV_BATCH 512 /* iovecs per pwritev (IOV_MAX is 1024 on Linux) */
+
+/* Writes all of iov[0..cnt) at offset *off of fd (short writes resumed; *off advanced): 0, or -1
+ * with errno set. */
+static int write_all(int fd, struct iovec *iov, int cnt, off_t *off) {
+    while (cnt > 0) {
+        ssize_t w = pwritev(fd, iov, cnt, *off);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        *off += w;
+        while (cnt > 0 && (size_t)w >= iov->iov_len) {
+            w -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + w;
+            iov->iov_len -= (size_t)w;
+        }
+    }
+    return 0;
+}
+
+/* One record file: created (never an existing one), each header then its payload, synced when
+ * asked; on a failure the file is removed (never a partial file under its name). */
+static int write_records(const char *path, const uint8_t *heads, Py_buffer *bufs, Py_ssize_t count, int sync) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) return -1;
+    struct iovec iov[2 * IOV_BATCH];
+    off_t off = 0;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < count && rc == 0;) {
+        int cnt = 0;
+        for (; i < count && cnt < 2 * IOV_BATCH; i++) {
+            iov[cnt].iov_base = (void *)(heads + HEADER_SIZE * i);
+            iov[cnt++].iov_len = HEADER_SIZE;
+            iov[cnt].iov_base = bufs[i].buf;
+            iov[cnt++].iov_len = (size_t)bufs[i].len;
+        }
+        rc = write_all(fd, iov, cnt, &off);
+    }
+    if (rc == 0 && sync) rc = fdatasync(fd);
+    int saved = errno;
+    if (close(fd) < 0 && rc == 0) {
+        rc = -1;
+        saved = errno;
+    }
+    if (rc < 0) unlink(path);
+    errno = saved;
+    return rc;
+}
+
+/* write_records(path, heads, payloads, sync) -> None
+ * Creates the file ``path`` (str or bytes; must not exist) holding, one after another, each
+ * record: heads' i-th 64 bytes, then payloads[i]; fdatasync'd when ``sync``. The GIL is let go
+ * for the whole write. On a failure the file is removed and OSError, naming it, raised. */
+static PyObject *write_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "write_records(path, heads, payloads: list, sync)");
+        return NULL;
+    }
+    int sync = PyObject_IsTrue(args[3]);
+    if (sync < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(args[2]), held = 0;
+    PyObject *result = NULL, *name = NULL;
+    Py_buffer heads, *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    int have_heads = 0, rc = 0;
+    if (bufs == NULL) return PyErr_NoMemory();
+    if (!PyUnicode_FSConverter(args[0], &name)) goto done;
+    if (PyObject_GetBuffer(args[1], &heads, PyBUF_SIMPLE) < 0) goto done;
+    have_heads = 1;
+    if (heads.len < HEADER_SIZE * count) {
+        PyErr_Format(PyExc_ValueError, "heads of %zd bytes is short of %zd headers", heads.len, count);
+        goto done;
+    }
+    for (; held < count; held++)
+        if (PyObject_GetBuffer(PyList_GET_ITEM(args[2], held), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    rc = write_records(PyBytes_AS_STRING(name), heads.buf, bufs, count, sync);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, args[0]);
+    else
+        result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&bufs[i]);
+    if (have_heads) PyBuffer_Release(&heads);
+    Py_XDECREF(name);
+    PyMem_Free(bufs);
+    return result;
+}
+
+/* read_records(paths, offsets, sizes, keys, dsts) -> list
+ * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] (as
+ * write_records wrote it) into dsts[i], checked for keys[i], as verify_copy does (the header
+ * checked, the payload hashed where it is and streamed out); per item the payload length, -1
+ * (not a good record for its key, or the file ends before it), -2 (does not fit) or an OSError
+ * naming the path (FileNotFoundError: removed meanwhile). Each run of items in one file maps the
+ * part of the file they span once (read-only, populated in one go: page-cache pages, no copy into
+ * a bounce buffer). The GIL is let go once for all of them. The files must not shrink meanwhile
+ * (tieredkv never truncates one; blocks given back read as zeros: a record that fails). */
+static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int good = nargs == 5;
+    for (Py_ssize_t j = 0; good && j < 5; j++)
+        good = PyList_Check(args[j]) && PyList_GET_SIZE(args[j]) == PyList_GET_SIZE(args[0]);
+    if (!good) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_records(paths: list, offsets: list, sizes: list, keys: list, dsts: list), of one length");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0;
+    size_t slots = count ? (size_t)count : 1;
+    PyObject *result = NULL, **names = PyMem_Calloc(slots, sizeof(PyObject *)),
+             **keys = PyMem_Calloc(slots, sizeof(PyObject *));
+    Py_buffer *bufs = PyMem_Calloc(slots, sizeof(Py_buffer));
+    Py_ssize_t *got = PyMem_Calloc(slots, sizeof(Py_ssize_t));
+    uint64_t *offs = PyMem_Calloc(slots, sizeof(uint64_t)), *lens = PyMem_Calloc(slots, sizeof(uint64_t));
+    int *errs = PyMem_Calloc(slots, sizeof(int));
+    int ok = 1;
+    if (names == NULL || keys == NULL || bufs == NULL || got == NULL || offs == NULL || lens == NULL || errs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        const uint8_t *key;
+        Py_ssize_t klen;
+        unsigned long long at = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(args[1], held));
+        if (at == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        unsigned long long n = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(args[2], held));
+        if (n == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        offs[held] = at;
+        lens[held] = n;
+        if (key_arg(PyList_GET_ITEM(args[3], held), &key, &klen) < 0) goto done;
+        if (!PyUnicode_FSConverter(PyList_GET_ITEM(args[0], held), &names[held])) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(args[4], held), &bufs[held], PyBUF_WRITABLE) < 0) {
+            Py_CLEAR(names[held]);
+            goto done;
+        }
+        keys[held] = Py_NewRef(PyList_GET_ITEM(args[3], held));
+    }
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    for (Py_ssize_t i = 0; i < count && ok;) {
+        const char *path = PyBytes_AS_STRING(names[i]);
+        Py_ssize_t end = i + 1;
+        while (end < count && strcmp(PyBytes_AS_STRING(names[end]), path) == 0) end++;
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        struct stat st;
+        int err = fd < 0 ? errno : (fstat(fd, &st) < 0 ? errno : 0);
+        uint64_t lo = UINT64_MAX, hi = 0, fsize = err ? 0 : (uint64_t)st.st_size;
+        for (Py_ssize_t j = i; j < end && !err; j++) {
+            if (lens[j] < HEADER_SIZE || offs[j] > fsize || lens[j] > fsize - offs[j]) continue; /* ends early */
+            if (offs[j] < lo) lo = offs[j];
+            if (offs[j] + lens[j] > hi) hi = offs[j] + lens[j];
+        }
+        uint8_t *map = NULL;
+        uint64_t base = 0;
+        if (!err && hi > 0) {
+            base = lo - lo % page;
+            void *m = mmap(NULL, (size_t)(hi - base), PROT_READ, MAP_SHARED | MAP_POPULATE, fd, (off_t)base);
+            if (m == MAP_FAILED)
+                err = errno;
+            else
+                map = m;
+        }
+        for (Py_ssize_t j = i; j < end && ok; j++) {
+            if (err) {
+                got[j] = -3;
+                errs[j] = err;
+            } else if (lens[j] < HEADER_SIZE || offs[j] > fsize || lens[j] > fsize - offs[j]) {
+                got[j] = -1;
+            } else {
+                const uint8_t *rec = map + (offs[j] - base);
+                got[j] = check_copy(rec, (Py_ssize_t)lens[j], (const uint8_t *)PyBytes_AS_STRING(keys[j]),
+                                    (size_t)PyBytes_GET_SIZE(keys[j]), bufs[j].buf, bufs[j].len, &ok);
+            }
+        }
+        if (map != NULL) munmap(map, (size_t)(hi - base));
+        if (fd >= 0) close(fd);
+        i = end;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
+        PyObject *item;
+        if (got[i] == -3)
+            item = PyObject_CallFunction(PyExc_OSError, "isO", errs[i], strerror(errs[i]), PyList_GET_ITEM(args[0], i));
+        else
+            item = PyLong_FromSsize_t(got[i]);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, item);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+        Py_DECREF(names[i]);
+        Py_DECREF(keys[i]);
+    }
+    PyMem_Free(names);
+    PyMem_Free(keys);
+    PyMem_Free(bufs);
+    PyMem_Free(got);
+    PyMem_Free(offs);
+    PyMem_Free(lens);
+    PyMem_Free(errs);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode_into", (PyCFunction)(void (*)(void))encode_into, METH_FASTCALL,
      "encode_into(dst, key, payload, flags) -> record length"},
@@ -513,6 +739,10 @@ static PyMethodDef methods[] = {
      "verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_copy's answers"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
+    {"write_records", (PyCFunction)(void (*)(void))write_records_py, METH_FASTCALL,
+     "write_records(path, heads, payloads, sync) -> None (one file of records)"},
+    {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,
+     "read_records(paths, offsets, sizes, keys, dsts) -> list of payload lengths, -1, -2 or OSError"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,189 @@
+"""The LMDB tier's record files: a write batch of ``file_batch_bytes`` or more goes to one file
+beside the LMDB index (``files/``), each record named by its place there. Real files, real LMDB."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tieredkv import format as fmt
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import LMDBTierConfig
+from tieredkv.errors import TierFullError
+from tieredkv.format import HEADER_SIZE, verify_record
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+
+NS = Namespace(model="record-files")
+KiB, MiB = 1024, 1024 * 1024
+SIZE = 64 * KiB
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def record_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on the C helper's file reads and writes and on the pure-Python ones."""
+    if request.param == "python":
+        monkeypatch.setattr(fmt, "_fastrec", None)
+    elif fmt._fastrec is None:
+        pytest.skip("the C helper is not built here (tests/unit/test_keys_format.py says whether it must be)")
+    return str(request.param)
+
+
+def k(i: int) -> bytes:
+    return NS.key(i.to_bytes(32, "big"), 0)
+
+
+def cfg(path: Path, **kw: object) -> LMDBTierConfig:
+    base: dict[str, object] = {"path": str(path), "file_batch_bytes": 256 * KiB, "size_cap_bytes": 64 * MiB}
+    return LMDBTierConfig(**{**base, **kw})
+
+
+def data(n: int, seed: int) -> bytes:
+    return payload(n, seed).numpy().tobytes()
+
+
+def flip(path: Path, at: int) -> None:
+    """Flip one bit of the byte at ``at`` of the file."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+    finally:
+        os.close(fd)
+
+
+def files(path: Path) -> list[str]:
+    return sorted(os.listdir(path / "files"))
+
+
+async def read_all(tier: LMDBTier, ids: range) -> list[bytes | None]:
+    bufs = [bytearray(b"\xee" * SIZE) for _ in ids]
+    got = await tier.get_many([k(i) for i in ids], into=bufs)
+    return [None if n is None else bytes(b[:n]) for n, b in zip(got, bufs)]
+
+
+async def test_a_large_batch_goes_to_one_file_a_small_one_stays_in_lmdb(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])  # 512 KiB: a file
+        assert len(files(tmp_path)) == 1
+        assert os.path.getsize(tmp_path / "files" / files(tmp_path)[0]) == 8 * (HEADER_SIZE + SIZE)
+        await tier.put_many([(k(100 + i), payload(SIZE, 100 + i)) for i in range(2)])  # 128 KiB: inside LMDB
+        assert len(files(tmp_path)) == 1
+        assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+        assert await read_all(tier, range(100, 102)) == [data(SIZE, 100 + i) for i in range(2)]
+        # raw records (tools, migration) come back whole: header and payload, verifiable
+        raw = await tier.raw_get_many([k(3), k(100)])
+        assert [bytes(verify_record(r, key)) for r, key in zip(raw, [k(3), k(100)]) if r is not None] == [
+            data(SIZE, 3),
+            data(SIZE, 100),
+        ]
+        # a read without a buffer gets the payload as bytes
+        assert await tier.get_many([k(5)]) == [data(SIZE, 5)]
+        st = await tier.stats()
+        assert st.records == 10 and st.used_bytes == 10 * (HEADER_SIZE + SIZE)
+    # and after a reopen
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+
+
+async def test_a_damaged_record_in_a_file_is_a_miss_and_only_it_goes(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        (name,) = files(tmp_path)
+        flip(tmp_path / "files" / name, 3 * (HEADER_SIZE + SIZE) + HEADER_SIZE + 1000)  # in record 3's payload
+        bufs = [bytearray(b"\xee" * SIZE) for _ in range(8)]
+        got = await tier.get_many([k(i) for i in range(8)], into=bufs)
+        assert got == [SIZE if i != 3 else None for i in range(8)]
+        assert bufs[3] == bytes(SIZE)  # nothing unchecked stays where it landed
+        assert all(bytes(bufs[i]) == data(SIZE, i) for i in range(8) if i != 3)
+        assert tier.counters["corrupt"] == 1
+        assert await tier.contains_many([k(3), k(4)]) == [False, True]
+        assert len(files(tmp_path)) == 1  # the others still live there
+
+
+async def test_a_lost_file_is_a_miss_and_its_records_go(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(4)])
+        await tier.put_many([(k(10 + i), payload(SIZE, 10 + i)) for i in range(4)])
+        first = [n for n in files(tmp_path)]
+        assert len(first) == 2
+        # which file holds keys 0..3: the one whose records verify for k(0)
+        raw = (await tier.raw_get_many([k(0)]))[0]
+        assert raw is not None
+        for name in first:
+            if (tmp_path / "files" / name).read_bytes()[: HEADER_SIZE + SIZE] == raw:
+                os.unlink(tmp_path / "files" / name)
+        assert len(files(tmp_path)) == 1
+        assert await read_all(tier, range(4)) == [None] * 4
+        assert tier.counters["corrupt"] == 4  # bytes the store held are gone: counted, never served
+        assert await tier.contains_many([k(i) for i in range(4)]) == [False] * 4
+        assert await read_all(tier, range(10, 14)) == [data(SIZE, 10 + i) for i in range(4)]
+        assert (await tier.stats()).used_bytes == 4 * (HEADER_SIZE + SIZE)
+
+
+async def test_a_file_goes_with_its_last_record_and_gives_back_the_blocks_of_the_others(tmp_path: Path) -> None:
+    size = 1 * MiB
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(size, i)) for i in range(8)])
+        (name,) = files(tmp_path)
+        path = tmp_path / "files" / name
+        blocks = os.stat(path).st_blocks
+        assert await tier.delete_many([k(i) for i in range(4)]) == 4
+        assert files(tmp_path) == [name]
+        assert os.stat(path).st_blocks < blocks  # the deleted records' blocks were given back
+        bufs = [bytearray(size) for _ in range(4)]
+        assert await tier.get_many([k(4 + i) for i in range(4)], into=bufs) == [size] * 4
+        assert all(bytes(b) == data(size, 4 + i) for i, b in enumerate(bufs))
+        # overwriting the rest moves them to a new file; the old one goes with its last record
+        await tier.put_many([(k(4 + i), payload(size, 40 + i)) for i in range(4)])
+        assert len(files(tmp_path)) == 1 and files(tmp_path) != [name]
+        assert await tier.get_many([k(4 + i) for i in range(4)], into=bufs) == [size] * 4
+        assert all(bytes(b) == data(size, 40 + i) for i, b in enumerate(bufs))
+        assert tier.counters["corrupt"] == 0
+
+
+async def test_eviction_removes_the_files_of_evicted_batches(tmp_path: Path) -> None:
+    cap = 2 * MiB
+    async with LMDBTier(cfg(tmp_path, size_cap_bytes=cap, map_size_bytes=16 * MiB)) as tier:
+        for b in range(12):  # 512 KiB batches: four fit under the cap
+            await tier.put_many([(k(8 * b + i), payload(SIZE, 8 * b + i)) for i in range(8)])
+            st = await tier.stats()
+            assert st.used_bytes <= cap
+            assert len(files(tmp_path)) <= 4
+        assert tier.counters["evictions"] > 0
+        assert await read_all(tier, range(88, 96)) == [data(SIZE, i) for i in range(88, 96)]
+        assert await read_all(tier, range(8)) == [None] * 8
+
+
+async def test_open_sweeps_files_no_record_names_once_they_are_old(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+    (named,) = files(tmp_path)
+    old, young = tmp_path / "files" / ("ab" * 16), tmp_path / "files" / ("cd" * 16)
+    for p in (old, young):
+        p.write_bytes(b"left by a crash between a write and its commit")
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    os.utime(tmp_path / "files" / named, (hour_ago, hour_ago))  # old, but a record names it
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        assert tier.counters["orphan_files_removed"] == 1
+        assert files(tmp_path) == sorted([named, young.name])
+        assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+
+
+async def test_a_batch_the_transaction_refuses_leaves_no_file(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path, size_cap_bytes=1 * MiB, map_size_bytes=16 * MiB)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        tier.pin_many([k(i) for i in range(8)])
+        with pytest.raises(TierFullError):  # everything that could make room is pinned
+            await tier.put_many([(k(100 + i), payload(SIZE, i)) for i in range(8)])
+        assert len(files(tmp_path)) == 1
+
+
+async def test_durable_mode_writes_and_reads_record_files(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path, sync_mode="durable")) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        assert len(files(tmp_path)) == 1
+        assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]

@@ -12,6 +12,7 @@ import asyncio
 import os
 import queue
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -192,7 +193,8 @@ async def test_reader_keeps_reading_while_another_process_grows_the_map(tmp_path
 WRITER = """
 async def main():
     base, cap = int(sys.argv[2]), int(sys.argv[3])
-    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=8 * cap, size_cap_bytes=cap, max_map_size_bytes=16 * cap)
+    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=8 * cap, size_cap_bytes=cap, max_map_size_bytes=16 * cap,
+                         file_batch_bytes=FILE_BATCH)
     async with LMDBTier(cfg) as tier:
         say("open")
         last = []
@@ -210,33 +212,45 @@ asyncio.run(main())
 
 
 def env_figures(path: Path) -> dict[str, int]:
-    """What any process sees in the environment: record bytes summed, pages of the record and
-    access B-trees, the file's high-water mark."""
-    env = lmdb.open(str(path), max_dbs=2, readonly=True, lock=True)
+    """What any process sees in the environment: record bytes summed (the size each access entry
+    gives), pages of the record and access B-trees, the file's high-water mark; the record files
+    the files DB counts, those on disk and the disk blocks they hold."""
+    env = lmdb.open(str(path), max_dbs=3, readonly=True, lock=True)
     try:
         rec = env.open_db(b"records", create=False)
         acc = env.open_db(b"access", create=False)
+        files = env.open_db(b"files", create=False)
         with env.begin() as txn:
-            total = sum(len(v) for v in txn.cursor(db=rec).iternext(keys=False))
+            total = sum(struct.unpack_from("<dQ", v)[1] for v in txn.cursor(db=acc).iternext(keys=False))
             entries = txn.stat(rec)["entries"]
             pages = sum(txn.stat(db)[f] for db in (rec, acc) for f in ("branch_pages", "leaf_pages", "overflow_pages"))
+            named = {bytes(t).hex() for t in txn.cursor(db=files).iternext(values=False)}
         info, psize = env.info(), env.stat()["psize"]
+        on_disk = os.listdir(path / "files")
         return {
             "record_bytes": total,
             "records": entries,
             "data_pages_bytes": pages * psize,
             "file_high_water_bytes": (info["last_pgno"] + 1) * psize,
+            "record_files_named": len(named),
+            "record_files_unnamed": len(set(on_disk) - named),
+            "record_files_missing": len(named - set(on_disk)),
+            "record_file_blocks_bytes": sum(os.stat(path / "files" / n).st_blocks * 512 for n in on_disk),
         }
     finally:
         env.close()
 
 
-def test_two_writer_processes_share_one_size_cap(tmp_path: Path, children: list[Child]) -> None:
+@pytest.mark.parametrize("file_batch", [None, 200_000], ids=["in-lmdb", "record-files"])
+def test_two_writer_processes_share_one_size_cap(tmp_path: Path, children: list[Child], file_batch: int | None) -> None:
     """Two engines with size_cap_bytes=C on one directory each write 2×C: the environment holds at
-    most C of records (before: each process counted only its own, so the file held 2×C)."""
+    most C of records (before: each process counted only its own, so the file held 2×C). With
+    record files (each 240 KB batch one file): the files either process evicted from are
+    punched or removed, so the disk holds about C of them too, and every file on disk is one the
+    files DB names."""
     cap, rec = 4 * MiB, 60000 + HEADER_SIZE
     rounds = (2 * cap // rec) // 4 + 1
-    code = WRITER.replace("sys.argv[1]", repr(str(tmp_path)))
+    code = WRITER.replace("sys.argv[1]", repr(str(tmp_path))).replace("FILE_BATCH", repr(file_batch))
     ws = [Child(code.replace("sys.argv[2]", str(base)).replace("sys.argv[3]", str(cap))) for base in (0, 1_000_000)]
     children.extend(ws)
     for w in ws:
@@ -258,14 +272,23 @@ def test_two_writer_processes_share_one_size_cap(tmp_path: Path, children: list[
         f" env holds {fig['records']} records, {fig['record_bytes']} B of records"
         f" ({fig['record_bytes'] / cap:.3f} of the cap), {fig['data_pages_bytes']} B of data pages,"
         f" file high-water {fig['file_high_water_bytes']} B; per writer [evictions, shared-LRU scans,"
-        f" used, newest-of-4 present, map]: {done}"
+        f" used, newest-of-4 present, map]: {done}; record files {fig['record_files_named']} holding"
+        f" {fig['record_file_blocks_bytes']} B of disk blocks"
     )
     assert fig["record_bytes"] <= cap, "the environment holds more than one size cap of records"
     assert fig["record_bytes"] >= cap - 2 * 4 * rec, "evicted far more than needed"
     slack = 0.05  # 60064-byte records take 15 overflow pages (61440 B) plus B-tree leaves
-    assert fig["data_pages_bytes"] <= cap * (1 + slack)
     assert fig["file_high_water_bytes"] < 2 * cap
     assert all(d[3] == 4 for d in done), "a writer lost its newest records"
+    assert fig["record_files_unnamed"] == 0 and fig["record_files_missing"] == 0
+    if file_batch is None:
+        assert fig["data_pages_bytes"] <= cap * (1 + slack)
+        assert fig["record_files_named"] == 0
+    else:
+        assert fig["data_pages_bytes"] < cap // 16  # the index alone
+        assert 0 < fig["record_files_named"] <= rounds * 2
+        # a punched record keeps the blocks it shares with its neighbours: up to 2 x 4 KiB each
+        assert fig["record_file_blocks_bytes"] <= cap * (1 + slack) + 2 * 4096 * fig["records"]
 
 
 # ---- 3: a SIGKILLed reader ------------------------------------------------------------------------

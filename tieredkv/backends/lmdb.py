@@ -1236,14 +1236,14 @@ class LMDBTier(Tier):
         sh = self._shared
         assert sh is not None
 
-        def read(txn: Any) -> tuple[int, int, int]:
+        def read(txn: Any) -> tuple[int, int, int, int]:
             pages = 0
             for db in (sh.rec, sh.acc):
                 st = txn.stat(db)
                 pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-            return txn.stat(sh.rec)["entries"], self._used_in(txn), pages
+            return txn.stat(sh.rec)["entries"], self._used_in(txn), pages, txn.stat(sh.files)["entries"]
 
-        records, used, pages = self._txn(read)
+        records, used, pages, files = self._txn(read)
         info = sh.env.info()
         psize = sh.env.stat()["psize"]
         return TierStats(
@@ -1259,6 +1259,7 @@ class LMDBTier(Tier):
                 "data_pages_bytes": pages * psize,  # B-tree pages of records and access stamps
                 "file_high_water_bytes": (info["last_pgno"] + 1) * psize,
                 "readers": info["num_readers"],
+                "record_files": files,  # files under files/ that hold records (large write batches)
             },
         )
 

@@ -377,20 +377,24 @@ def _native_refusal(n: int, record: memoryview | bytes, key: bytes) -> int:
 # ---- record files --------------------------------------------------------------------------------
 
 
-def write_records(path: str, heads: memoryview | bytearray, payloads: list[Any], *, sync: bool) -> None:
-    """Create the file ``path`` (never an existing one) holding, one after another, each record:
-    the i-th 64-byte header of ``heads`` (as :func:`encode_heads_into` wrote them), then
-    ``payloads[i]``; ``fdatasync``'d when ``sync``. Record i starts at the sum of the records
-    before it. With the C helper the GIL is let go for the whole write.
+def write_records(
+    path: str, heads: memoryview | bytearray, payloads: list[Any], *, sync: bool, reuse: bool = False
+) -> None:
+    """Create the file ``path`` (never an existing one; with ``reuse``, overwrite the existing
+    file from its start, never shortening it: a reader may have it mapped) holding, one after another, each record: the i-th
+    64-byte header of ``heads`` (as :func:`encode_heads_into` wrote them), then ``payloads[i]``;
+    ``fdatasync``'d when ``sync``. Record i starts at the sum of the records before it. With the
+    C helper the GIL is let go for the whole write.
 
     Raises:
         OSError: the file could not be written (it is removed: never a partial file).
     """
     if _fastrec is not None:
-        _fastrec.write_records(path, heads, payloads, sync)
+        _fastrec.write_records(path, heads, payloads, sync, reuse)
         return
     hv = memoryview(heads)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_CLOEXEC if reuse else os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
     try:
         off = 0
         for i, payload in enumerate(payloads):

@@ -451,7 +451,7 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
             f" group-1 keys in LMDB={kept}/{NKEYS[1]} wrong_bytes={f['wrong_bytes']}"
         )
         assert model.errors == [] and f["wrong_bytes"] == 0, model.errors
-        assert os.listdir(tmp_path / "lmdb" / "files"), "no batch went to a record file"
+        assert set(os.listdir(tmp_path / "lmdb" / "files")) - {"spare"}, "no batch went to a record file"
     finally:
         res.stop.set()
         res.thread.join(10)

@@ -55,7 +55,12 @@ def flip(path: Path, at: int) -> None:
 
 
 def files(path: Path) -> list[str]:
-    return sorted(os.listdir(path / "files"))
+    """The record files named by records (files/spare/ holds those kept to be written again)."""
+    return sorted(n for n in os.listdir(path / "files") if n != "spare")
+
+
+def spares(path: Path) -> list[str]:
+    return sorted(os.listdir(path / "files" / "spare"))
 
 
 async def read_all(tier: LMDBTier, ids: range) -> list[bytes | None]:
@@ -187,3 +192,30 @@ async def test_durable_mode_writes_and_reads_record_files(tmp_path: Path) -> Non
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
         assert len(files(tmp_path)) == 1
         assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+
+
+async def test_a_file_whose_records_all_went_is_written_again_by_the_next_batch(tmp_path: Path) -> None:
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        (first,) = files(tmp_path)
+        inode = os.stat(tmp_path / "files" / first).st_ino
+        assert await tier.delete_many([k(i) for i in range(8)]) == 8
+        assert files(tmp_path) == [] and spares(tmp_path) == [first]  # its name gone: no reader finds it
+        await tier.put_many([(k(100 + i), payload(SIZE, 100 + i)) for i in range(8)])
+        (second,) = files(tmp_path)
+        assert second != first and spares(tmp_path) == []
+        assert os.stat(tmp_path / "files" / second).st_ino == inode  # written over, not created
+        assert await read_all(tier, range(100, 108)) == [data(SIZE, 100 + i) for i in range(8)]
+        assert await read_all(tier, range(8)) == [None] * 8
+        # a smaller batch in a larger spare: the file is not shortened, its records read right
+        await tier.delete_many([k(100 + i) for i in range(8)])
+        await tier.put_many([(k(200 + i), payload(SIZE, 200 + i)) for i in range(5)])
+        (third,) = files(tmp_path)
+        assert os.path.getsize(tmp_path / "files" / third) == 8 * (HEADER_SIZE + SIZE)
+        assert await read_all(tier, range(200, 205)) == [data(SIZE, 200 + i) for i in range(5)]
+        assert tier.counters["corrupt"] == 0
+        # at most eight spares are kept; the rest are removed
+        for b in range(12):
+            await tier.put_many([(k(1000 + 8 * b + i), payload(SIZE, i)) for i in range(8)])
+        await tier.delete_many([k(1000 + i) for i in range(96)])
+        assert len(spares(tmp_path)) == 8 and len(files(tmp_path)) == 1

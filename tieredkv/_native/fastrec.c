@@ -532,10 +532,13 @@ static int write_all(int fd, struct iovec *iov, int cnt, off_t *off) {
     return 0;
 }
 
-/* One record file: created (never an existing one), each header then its payload, synced when
- * asked; on a failure the file is removed (never a partial file under its name). */
-static int write_records(const char *path, const uint8_t *heads, Py_buffer *bufs, Py_ssize_t count, int sync) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+/* One record file: created (never an existing one), or with ``reuse`` an existing file
+ * overwritten from its start (never made shorter: a reader may have it mapped, and a map past
+ * the end of its file faults); each header then its payload, synced when asked; on a failure
+ * the file is removed (never a partial file under its name). */
+static int write_records(const char *path, const uint8_t *heads, Py_buffer *bufs, Py_ssize_t count, int sync,
+                         int reuse) {
+    int fd = open(path, reuse ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) return -1;
     struct iovec iov[2 * IOV_BATCH];
     off_t off = 0;
@@ -561,17 +564,20 @@ static int write_records(const char *path, const uint8_t *heads, Py_buffer *bufs
     return rc;
 }
 
-/* write_records(path, heads, payloads, sync) -> None
- * Creates the file ``path`` (str or bytes; must not exist) holding, one after another, each
- * record: heads' i-th 64 bytes, then payloads[i]; fdatasync'd when ``sync``. The GIL is let go
- * for the whole write. On a failure the file is removed and OSError, naming it, raised. */
+/* write_records(path, heads, payloads, sync, reuse=False) -> None
+ * Creates the file ``path`` (str or bytes; must not exist; with ``reuse``, an existing file
+ * overwritten from its start, never shortened) holding, one after another, each record: heads' i-th 64 bytes,
+ * then payloads[i]; fdatasync'd when ``sync``. The GIL is let go for the whole write. On a
+ * failure the file is removed and OSError, naming it, raised. */
 static PyObject *write_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "write_records(path, heads, payloads: list, sync)");
+    if ((nargs != 4 && nargs != 5) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "write_records(path, heads, payloads: list, sync, reuse=False)");
         return NULL;
     }
     int sync = PyObject_IsTrue(args[3]);
     if (sync < 0) return NULL;
+    int reuse = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (reuse < 0) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(args[2]), held = 0;
     PyObject *result = NULL, *name = NULL;
     Py_buffer heads, *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
@@ -587,7 +593,7 @@ static PyObject *write_records_py(PyObject *self, PyObject *const *args, Py_ssiz
     for (; held < count; held++)
         if (PyObject_GetBuffer(PyList_GET_ITEM(args[2], held), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
-    rc = write_records(PyBytes_AS_STRING(name), heads.buf, bufs, count, sync);
+    rc = write_records(PyBytes_AS_STRING(name), heads.buf, bufs, count, sync, reuse);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, args[0]);
@@ -740,7 +746,7 @@ static PyMethodDef methods[] = {
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {"write_records", (PyCFunction)(void (*)(void))write_records_py, METH_FASTCALL,
-     "write_records(path, heads, payloads, sync) -> None (one file of records)"},
+     "write_records(path, heads, payloads, sync, reuse=False) -> None (one file of records)"},
     {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,
      "read_records(paths, offsets, sizes, keys, dsts) -> list of payload lengths, -1, -2 or OSError"},
     {NULL, NULL, 0, NULL},

@@ -131,6 +131,8 @@ _TOKEN = 16  # bytes of a record file's name token (random: a name is never used
 _PLACE = struct.Struct("<16sQ")  # where a record in a file is: the file's token, the record's offset
 _LIVE = struct.Struct("<Q")  # files DB: a record file's token -> how many records it still holds
 _FILES = "files"  # record files, under the environment's directory
+_SPARE = "spare"  # record files that lost their last record, kept (in files/spare/) to be written again
+_SPARES_KEPT = 8  # at most this many spare files in an environment
 _ORPHAN_AFTER_S = 60.0  # an unreferenced record file this old is swept at open (younger: a write in flight)
 _RESIZE_RETRIES = 3  # adopt a map another process grew, then retry (a few times: it may grow again)
 _READER_CHECK_EVERY_S = 1.0
@@ -363,6 +365,18 @@ def _place(meta: Any) -> tuple[bytes, int] | None:
     return token, at
 
 
+def _merged(holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) ranges with those that touch joined: records evicted together, in the
+    order they were written, are one range (one call)."""
+    out: list[tuple[int, int]] = []
+    for at, n in sorted(holes):
+        if out and out[-1][0] + out[-1][1] == at:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((at, n))
+    return out
+
+
 def _punch(path: str, holes: list[tuple[int, int]]) -> None:
     """Give back the disk blocks of the (offset, length) ranges of a record file (their bytes
     read as zeros afterwards); where the file system cannot, they stay until the file goes."""
@@ -434,6 +448,7 @@ class LMDBTier(Tier):
         self._rescan: list[RecordInfo] | None = None  # shared order read by the last eviction
         self._next_scan = 0.0  # monotonic time before which only a shortfall triggers a shared scan
         self._files = os.path.join(self.path, _FILES)
+        self._spares = os.path.join(self._files, _SPARE)
         self._file_min = None if cfg.file_batch_bytes is None else int(cfg.file_batch_bytes)
         # what the open write transaction frees in record files: whole files, and records in files
         self._doomed: list[bytes] = []
@@ -529,7 +544,7 @@ class LMDBTier(Tier):
 
     def _open_sync(self) -> None:
         try:
-            os.makedirs(self._files, exist_ok=True)
+            os.makedirs(self._spares, exist_ok=True)
             # A name of its own per open: several processes open one directory at once.
             fd, probe = tempfile.mkstemp(prefix=".tieredkv-write-test-", dir=self.path)
             os.close(fd)
@@ -613,10 +628,43 @@ class LMDBTier(Tier):
         reads a removed one whole; one reading a record whose blocks went reads zeros: a miss)."""
         for token in self._doomed:
             self._holes.pop(token, None)
-            self._unlink(token)
+            self._retire(token)
         for token, holes in self._holes.items():
-            _punch(self._file_path(token), holes)
+            _punch(self._file_path(token), _merged(holes))
         self._forget_freed()
+
+    def _retire(self, token: bytes) -> None:
+        """A file that lost its last record: kept as a spare (renamed into ``files/spare/``: its
+        name is gone, so no reader finds it by its token again) while fewer than
+        :data:`_SPARES_KEPT` are there, else removed. The next batch's file is a spare written
+        over when there is one: creating a file costs 0.5-0.9 ms of kernel CPU on ext4 while
+        files are being deleted (it skips inodes freed in the last seconds), a rename 15 µs, and
+        pages already in the page cache are written over at about twice the speed of new ones."""
+        try:
+            if len(os.listdir(self._spares)) < _SPARES_KEPT:
+                os.rename(self._file_path(token), os.path.join(self._spares, token.hex()))
+                return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("tier %s: record file %s not kept as a spare: %s", self.name, token.hex(), e)
+        self._unlink(token)
+
+    def _claim(self, path: str) -> bool:
+        """Rename a spare file (if any is left: another process may take it first) to ``path``."""
+        try:
+            names = os.listdir(self._spares)
+        except OSError:
+            return False
+        for name in names:
+            try:
+                os.rename(os.path.join(self._spares, name), path)
+                return True
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+        return False
 
     def _unlink(self, token: bytes) -> None:
         try:
@@ -644,7 +692,7 @@ class LMDBTier(Tier):
         cutoff = time.time() - _ORPHAN_AFTER_S
         removed = 0
         for name in names:
-            if name in known:
+            if name in known or name == _SPARE:
                 continue
             path = os.path.join(self._files, name)
             try:
@@ -660,8 +708,15 @@ class LMDBTier(Tier):
         new record file; return its token. Durable: the file synced, then its directory, before
         the commit that names it. On a failure nothing is left."""
         token = os.urandom(_TOKEN)
+        path = self._file_path(token)
         durable = self.config.sync_mode == "durable"
-        write_records(self._file_path(token), heads, payloads, sync=durable)
+        reuse = self._claim(path)
+        try:
+            write_records(path, heads, payloads, sync=durable, reuse=reuse)
+        except BaseException:
+            if reuse:
+                self._unlink(token)  # (a new file is removed by write_records itself)
+            raise
         if durable:
             try:
                 fd = os.open(self._files, os.O_RDONLY | os.O_DIRECTORY)

@@ -261,7 +261,7 @@ class LMDBTierConfig(TierConfigBase):
     max_readers: int = Field(126, gt=0, description="LMDB reader slots.")
     eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
     file_batch_bytes: Size | None = Field(
-        ByteSize(4 << 20),
+        ByteSize(16 << 20),
         description=(
             "A write batch whose payloads add up to this many bytes or more is written as one record"
             " file beside the LMDB index (files/ under path: each payload copied once, where LMDB"

@@ -101,7 +101,8 @@ async def test_a_damaged_record_in_a_file_is_a_miss_and_only_it_goes(tmp_path: P
         bufs = [bytearray(b"\xee" * SIZE) for _ in range(8)]
         got = await tier.get_many([k(i) for i in range(8)], into=bufs)
         assert got == [SIZE if i != 3 else None for i in range(8)]
-        assert bufs[3] == bytes(SIZE)  # nothing unchecked stays where it landed
+        # nothing unchecked stays where it landed: zeroed (C helper), or never copied (pure Python)
+        assert bufs[3] in (bytes(SIZE), b"\xee" * SIZE)
         assert all(bytes(bufs[i]) == data(SIZE, i) for i in range(8) if i != 3)
         assert tier.counters["corrupt"] == 1
         assert await tier.contains_many([k(3), k(4)]) == [False, True]

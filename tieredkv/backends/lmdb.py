@@ -23,7 +23,7 @@ write transaction as the records it counts).
   page cache at commit; a file is written once (measured in ``tieredkv bench``: 64 KiB-4 MiB
   stores 1.13-1.33x py-lmdb's put, against 0.68-0.79x stored apart). A deleted, replaced or
   evicted record's blocks are given back (punched) after the commit, and a file goes with its
-  last record; a reader that lost that race reads zeros or finds no file, a miss
+  last record (kept as a spare for a later batch to write over: :meth:`LMDBTier._retire`); a reader that lost that race reads zeros or finds no file, a miss
   (``record_files_moved_on``), and a record is deleted as corrupt only while it still names the
   place that failed. Files no record names (a crash between the write and the commit) are swept
   at open once :data:`_ORPHAN_AFTER_S` old.

@@ -381,10 +381,10 @@ def write_records(
     path: str, heads: memoryview | bytearray, payloads: list[Any], *, sync: bool, reuse: bool = False
 ) -> None:
     """Create the file ``path`` (never an existing one; with ``reuse``, overwrite the existing
-    file from its start, never shortening it: a reader may have it mapped) holding, one after another, each record: the i-th
-    64-byte header of ``heads`` (as :func:`encode_heads_into` wrote them), then ``payloads[i]``;
-    ``fdatasync``'d when ``sync``. Record i starts at the sum of the records before it. With the
-    C helper the GIL is let go for the whole write.
+    file from its start, never shortening it: a reader may have it mapped) holding, one after
+    another, each record: the i-th 64-byte header of ``heads`` (as :func:`encode_heads_into`
+    wrote them), then ``payloads[i]``; ``fdatasync``'d when ``sync``. Record i starts at the sum
+    of the records before it. With the C helper the GIL is let go for the whole write.
 
     Raises:
         OSError: the file could not be written (it is removed: never a partial file).

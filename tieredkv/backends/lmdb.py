@@ -145,7 +145,7 @@ def _disk_full(exc: BaseException) -> bool:
 
 
 _T = TypeVar("_T")
-#: A record that failed a read: its key, what was wrong, and the token of its record file (if one).
+#: A record that failed a read: its key, what was wrong, and its place in a record file (if in one).
 _Bad = tuple[bytes, Exception, tuple[bytes, int] | None]
 _SCAN_PAGE = 1024
 _HEADS_ON_HELPER_FROM = 1 << 20  # payload bytes of a batch from which the helper thread checksums it
@@ -714,8 +714,7 @@ class LMDBTier(Tier):
         try:
             write_records(path, heads, payloads, sync=durable, reuse=reuse)
         except BaseException:
-            if reuse:
-                self._unlink(token)  # (a new file is removed by write_records itself)
+            self._unlink(token)  # (write_records removes a file it fails to write, not one it fails to open)
             raise
         if durable:
             try:

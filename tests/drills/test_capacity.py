@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -192,7 +193,10 @@ def test_lmdb_disk_full_refuses_cleanly_then_recovers(tmp_path: Path) -> None:
     )
 
 
-async def test_lmdb_disk_full_is_tier_full(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_batch", [None, 256 * KiB], ids=["in-lmdb", "record-files"])
+async def test_lmdb_disk_full_is_tier_full(tmp_path: Path, file_batch: int | None) -> None:
+    """A full disk is TierFullError, whether LMDB's commit or a record file's write meets it; a
+    refused record file leaves nothing behind, and what was stored before still verifies."""
     with small_fs(tmp_path) as (mnt, why):
         if mnt is None:
             pytest.skip(f"needs a small filesystem: {why}")
@@ -202,13 +206,18 @@ async def test_lmdb_disk_full_is_tier_full(tmp_path: Path) -> None:
             map_size_bytes=32 * MiB,
             size_cap_bytes=24 * MiB,
             max_map_size_bytes=64 * MiB,
+            file_batch_bytes=file_batch,
         )
         async with LMDBTier(cfg) as tier:
-            await tier.put_many([(_key(0), payload(0, 1, 64 * KiB))])
+            await tier.put_many([(_key(i), payload(i, 1, 64 * KiB)) for i in range(8)])
             _fill(mnt)
             with pytest.raises(TierFullError):
                 for b in range(8, 400, 8):
                     await tier.put_many([(_key(i), payload(i, 1, 64 * KiB)) for i in range(b, b + 8)])
+            files = [n for n in os.listdir(mnt / "env" / "files") if n != "spare"]
+            assert len(files) == (await tier.stats()).extra["record_files"]  # none half-written left
+            got = await tier.get_many([_key(i) for i in range(8)])
+            assert [check_payload(i, g) for i, g in enumerate(got) if g is not None] == [1] * 8
 
 
 _FAST_WRITER = textwrap.dedent("""

@@ -7,6 +7,8 @@ After every kill the environment is reopened by this process and checked:
 * the LRU index (the ``access`` DB) agrees with the records: same keys, and ``used_bytes`` is
   the sum of their sizes; nothing was counted corrupt;
 * durable mode: the last put the writer reported committed is there (nothing committed lost);
+  also with record files (``-files``: puts of 16 KiB or more go to a file beside the index,
+  written before the commit that names it);
   fast mode: the same is measured and reported — it may lose the last unsynced writes on a
   power loss, though a process crash alone leaves committed pages in the page cache.
 * the environment takes a new write and closes cleanly.
@@ -121,12 +123,13 @@ async def _verify(path: Path, mode: str, lines: list[str], first_seq: int) -> di
             and (last_put is None or lines.index(last_w) > lines.index(last_put))
             and not any(x.startswith(("P ", "D ")) and x.split()[1] == last_w.split()[1] for x in lines)
         )
-        if mode == "durable" and not in_flight:
+        if mode.startswith("durable") and not in_flight:
             assert lost == 0, f"{lost} records of the last committed put were lost in durable mode"
         # The environment is writable after the crash.
         await tier.put_many([(skey(0), payload(0, next_seq))])
         assert check_payload(0, (await tier.get_many([skey(0)]))[0]) == next_seq
     return {
+        "record_files": st.extra["record_files"],
         "records": len(infos),
         "last_put_survived": survived,
         "last_put_lost": lost,
@@ -134,11 +137,18 @@ async def _verify(path: Path, mode: str, lines: list[str], first_seq: int) -> di
     }
 
 
-@pytest.mark.parametrize("mode", ["durable", "fast"])
+@pytest.mark.parametrize("mode", ["durable", "fast", "durable-files", "fast-files"])
 def test_sigkilled_writer_leaves_only_verified_records(tmp_path: Path, mode: str) -> None:
     rng = random.Random(f"crash-{mode}")
     path = tmp_path / "env"
-    totals = {"kills": 0, "records_checked": 0, "commits_seen": 0, "last_put_survived": 0, "last_put_lost": 0}
+    totals = {
+        "kills": 0,
+        "records_checked": 0,
+        "commits_seen": 0,
+        "last_put_survived": 0,
+        "last_put_lost": 0,
+        "record_files": 0,
+    }
     t0 = time.monotonic()
     for n in range(KILLS):
         first = (n + 1) * 10_000_000
@@ -146,7 +156,9 @@ def test_sigkilled_writer_leaves_only_verified_records(tmp_path: Path, mode: str
         res = asyncio.run(_verify(path, mode, lines, first))
         totals["kills"] += 1
         totals["records_checked"] += res["records"]
-        for k in ("commits_seen", "last_put_survived", "last_put_lost"):
+        for k in ("commits_seen", "last_put_survived", "last_put_lost", "record_files"):
             totals[k] += res[k]
     assert totals["commits_seen"] > KILLS, "the writer should commit something before most kills"
+    # with -files, records in record files were there after the kills (and all verified above)
+    assert (totals["record_files"] > 0) == mode.endswith("-files")
     report(f"lmdb-crash[{mode}]", **totals, seconds=round(time.monotonic() - t0, 1))

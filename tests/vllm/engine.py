@@ -54,7 +54,8 @@ small pool (``DEFAULT_GPU_BLOCKS``: 32 / 44 / 56 blocks) so requests are preempt
 phase ends when the engine is idle. If its requests all finished but it is not idle
 ``idle_grace_steps`` steps later, the phase is recorded not idle and the next one starts anyway (GPU
 zeroing then only if no transfer is in flight). If requests remain but nothing was scheduled for
-``stall_steps`` steps with no transfer in flight, ``RunResult.stalled`` says what was left and the
+``stall_steps`` steps with no transfer or lookup in flight (:meth:`Engine.no_transfers`),
+``RunResult.stalled`` says what was left and the
 run stops (vLLM 0.33 can deadlock so; see ``test_engine_harness_smoke.test_no_progress_is_reported``).
 ``step_budget`` bounds the whole run (``budget_exhausted``, ``idle_reached`` False; no exception).
 
@@ -1110,8 +1111,24 @@ class Engine:
         return [rid for rid, rec in self.records.items() if rec.finish_step is None]
 
     def no_transfers(self) -> bool:
+        """Nothing on its way: no job of the connector scheduler, and no transfer, promotion or
+        lookup of the offloading manager or of its secondary tiers. (A secondary tier's lookup
+        still in flight keeps a request waiting: counted as quiet steps alone, a slow one on a
+        busy machine read as a stall.)"""
         cs = self.connector_scheduler
-        return cs is None or not cs._jobs
+        if cs is None:
+            return True
+        if cs._jobs:
+            return False
+        mgr = getattr(cs, "manager", None)
+        for obj in [mgr, *getattr(mgr, "secondary_tiers", ())]:
+            pending = getattr(obj, "has_pending_work", None)
+            if pending is not None and pending():
+                return False
+            wait_idle = getattr(obj, "wait_idle", None)  # tieredkv's managers: transfers and lookups
+            if wait_idle is not None and not wait_idle(0):
+                return False
+        return True
 
     def describe_stall(self) -> str:
         s = self.scheduler

@@ -55,8 +55,8 @@ phase ends when the engine is idle. If its requests all finished but it is not i
 ``idle_grace_steps`` steps later, the phase is recorded not idle and the next one starts anyway (GPU
 zeroing then only if no transfer is in flight). If requests remain but nothing was scheduled for
 ``stall_steps`` steps with no transfer or lookup in flight (:meth:`Engine.no_transfers`),
-``RunResult.stalled`` says what was left and the
-run stops (vLLM 0.33 can deadlock so; see ``test_engine_harness_smoke.test_no_progress_is_reported``).
+``RunResult.stalled`` says what was left and the run stops (vLLM 0.33 can deadlock so; see
+``test_engine_harness_smoke.test_no_progress_is_reported``).
 ``step_budget`` bounds the whole run (``budget_exhausted``, ``idle_reached`` False; no exception).
 
 The emulated model runner

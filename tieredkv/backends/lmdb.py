@@ -91,6 +91,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import functools
 import logging
 import os
 import struct
@@ -395,19 +396,16 @@ def _punch(path: str, holes: list[tuple[int, int]]) -> None:
         os.close(fd)
 
 
-_FALLOCATE: list[Any] = []
-
-
+@functools.cache
 def _libc_fallocate() -> Any:
-    if not _FALLOCATE:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).fallocate
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-        except (AttributeError, OSError):
-            fn = None
-        _FALLOCATE.append(fn)
-    return _FALLOCATE[0]
+    """libc's ``fallocate`` (None where there is none)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _release_env(shared: _SharedEnv) -> None:
@@ -734,10 +732,6 @@ class LMDBTier(Tier):
         raw = txn.get(_USED_KEY)
         return 0 if raw is None else _USED.unpack(raw)[0]
 
-    def _size_in(self, txn: Any, key: bytes) -> int:
-        raw = txn.get(key, db=self._sh.acc)
-        return 0 if raw is None else _ACCESS.unpack_from(raw)[1]
-
     def _evict_in(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> None:
         """Delete the least-recently-used unpinned records (not in ``protect``) covering ``excess``
         bytes of the environment, adding them to ``evicted`` (keys already gone map to 0). This
@@ -749,8 +743,8 @@ class LMDBTier(Tier):
         sh = self._shared
         assert sh is not None
 
-        def take(k: bytes, size: int) -> None:
-            self._doom(txn, txn.get(k, db=sh.acc))
+        def take(k: bytes, size: int, meta: Any = None) -> None:
+            self._doom(txn, txn.get(k, db=sh.acc) if meta is None else meta)
             txn.delete(k, db=sh.rec)
             txn.delete(k, db=sh.acc)
             evicted[k] = size
@@ -764,9 +758,10 @@ class LMDBTier(Tier):
                 return
             if k in protect or k in evicted or self.is_pinned(k):
                 continue
-            size = self._size_in(txn, k)
+            meta = txn.get(k, db=sh.acc)  # (read once: its size, and its place in a record file)
+            size = 0 if meta is None else _ACCESS.unpack_from(meta)[1]
             if size:
-                take(k, size)
+                take(k, size, meta)
                 excess -= size
             else:  # already gone: another process deleted or evicted it
                 evicted[k] = 0

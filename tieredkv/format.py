@@ -422,7 +422,12 @@ def read_records_into(
     size, a file that ends early, a checksum that differs: its destination zeroed where it
     landed), or the :class:`OSError` that opening or reading the file raised
     (``FileNotFoundError``: removed meanwhile). With the C helper, one call: the GIL is let go
-    once, and the part of a file that a run of items in it spans is mapped once."""
+    once, and the part of a file that a run of items in it spans is mapped once.
+
+    No writer may change a record while it is read: the C helper hashes each piece of a payload
+    in the map, then streams it out, so a piece changed in between would be delivered as
+    checked. A caller whose files other writers change (punch, write over) confirms afterwards
+    that each record is still where it was read (as the LMDB tier does)."""
     if _fastrec is not None:
         out: list[int | CorruptRecordError | OSError] = _fastrec.read_records(paths, offsets, sizes, keys, dsts)
         for i, n in enumerate(out):

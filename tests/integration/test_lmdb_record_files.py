@@ -3,13 +3,17 @@ beside the LMDB index (``files/``), each record named by its place there. Real f
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tieredkv import format as fmt
+from tieredkv.backends import lmdb as lmdb_tier
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import TierFullError
@@ -220,3 +224,78 @@ async def test_a_file_whose_records_all_went_is_written_again_by_the_next_batch(
             await tier.put_many([(k(1000 + 8 * b + i), payload(SIZE, i)) for i in range(8)])
         await tier.delete_many([k(1000 + i) for i in range(96)])
         assert len(spares(tmp_path)) == 8 and len(files(tmp_path)) == 1
+
+
+async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records in a file are copied after the transaction that found them; a writer that replaced
+    them meanwhile may have changed the file under the copy. The tier looks again once the copies
+    are done: a record no longer where it was read is a miss (its destination zeroed, counted
+    ``record_files_moved_on``, not corrupt), and its new version stays."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        real = lmdb_tier.read_records_into
+
+        def copy_then_replace(*args: object) -> object:
+            got = real(*args)  # the copies are done; the records are replaced before the tier looks again
+            monkeypatch.setattr(lmdb_tier, "read_records_into", real)
+            tier._heads_put([(k(i), memoryview(data(SIZE, 100 + i))) for i in range(0, 8, 2)])
+            return got
+
+        monkeypatch.setattr(lmdb_tier, "read_records_into", copy_then_replace)
+        bufs = [bytearray(b"\xee" * SIZE) for _ in range(8)]
+        assert await tier.get_many([k(i) for i in range(8)], into=bufs) == [None, SIZE] * 4
+        assert [bytes(b) for b in bufs[::2]] == [bytes(SIZE)] * 4  # nothing the copies got stays
+        assert [bytes(b) for b in bufs[1::2]] == [data(SIZE, i) for i in range(1, 8, 2)]
+        assert tier.counters["record_files_moved_on"] == 4 and tier.counters["corrupt"] == 0
+        assert await read_all(tier, range(8)) == [data(SIZE, 100 + i if i % 2 == 0 else i) for i in range(8)]
+
+
+def test_a_record_replaced_while_it_is_read_is_a_miss_or_a_written_version(tmp_path: Path) -> None:
+    """A record file can change under a reader's map: the blocks of records replaced are given
+    back at once (read as zeros after), and a file whose records all went is kept as a spare and
+    written over by a later batch. A reader that found a record just before may still be copying
+    it. A thread with a tier of its own on the same directory writes the same two keys again
+    and again, each time in a batch with two new keys (their file stays, the replaced records'
+    blocks are punched), while this thread's tier reads the two keys. Every read is a miss or
+    exactly one written version of its key."""
+    n, ids, versions = 1 * MiB, range(2), (1, 2, 3)
+    written = {(i, v): data(n, 10 * v + i) for i in ids for v in versions}
+    filler = data(n, 99)
+    stop, rounds = threading.Event(), [0]
+
+    async def write() -> None:
+        batches = [[(k(i), memoryview(written[i, v])) for i in ids] for v in versions]
+        async with LMDBTier(cfg(tmp_path)) as tier:
+            while not stop.is_set():
+                r = rounds[0]
+                fill = [(k(100 + 2 * r + j), memoryview(filler)) for j in range(2)]
+                await tier.put_many(batches[r % len(batches)] + fill)
+                rounds[0] += 1
+
+    async def read() -> tuple[Counter[str], list[str]]:
+        seen, wrong = Counter[str](), []
+        bufs = [bytearray(n) for _ in ids]
+        async with LMDBTier(cfg(tmp_path)) as tier:
+            while seen["reads"] < 300 or rounds[0] < 400:
+                got = await tier.get_many([k(i) for i in ids], into=bufs)
+                seen["reads"] += 1
+                for i, m, buf in zip(ids, got, bufs):
+                    if m is None:
+                        seen["miss"] += 1
+                    elif m == n and any(buf == written[i, v] for v in versions):
+                        seen["hit"] += 1
+                    else:
+                        wrong.append(f"key {i}: {m} bytes, no version written")
+            return seen, wrong
+
+    thread = threading.Thread(target=asyncio.run, args=(write(),))
+    thread.start()
+    try:
+        seen, wrong = asyncio.run(read())
+    finally:
+        stop.set()
+        thread.join()
+    assert wrong == [], (len(wrong), wrong[:3], seen)
+    assert seen["hit"] > 0, seen

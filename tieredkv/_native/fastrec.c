@@ -334,11 +334,9 @@ static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t na
  * header field is wrong is for format.verify_record to say (it raises, naming it). */
 /* The work of verify_copy on plain memory, the GIL held or not: the payload length, -1 (not a
  * good record for key: dst's first bytes zeroed if any landed) or -2 (does not fit dst).
- * *ok is 0 when the hash state could not be allocated. ``stable``: the payload cannot change
- * during the call, so a large one may be hashed where it is and streamed out; else (a mapped file
- * another process may punch or write over) it is copied first and hashed where it landed. */
+ * *ok is 0 when the hash state could not be allocated. */
 static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, const uint8_t *key, size_t klen,
-                              uint8_t *out, Py_ssize_t dlen, int *ok, int stable) {
+                              uint8_t *out, Py_ssize_t dlen, int *ok) {
     static const uint8_t zero[HEADER_SIZE - 48] = {0};
     uint8_t ids[FP_BYTES + GROUP_BYTES];
     header_ids(key, klen, ids);
@@ -348,7 +346,7 @@ static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, 
         return -1;
     if (n > dlen) return -2;
     uint64_t want = get_le(h + 40, 8);
-    uint64_t got = copy_checksum(out, p, (size_t)n, key, klen, h, stable && n >= STREAM_AT, ok);
+    uint64_t got = copy_checksum(out, p, (size_t)n, key, klen, h, n >= STREAM_AT, ok);
     if (!*ok || got != want) {
         memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
         return -1;
@@ -359,7 +357,7 @@ static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, 
 static Py_ssize_t check_copy(const uint8_t *r, Py_ssize_t rlen, const uint8_t *key, size_t klen, uint8_t *out,
                              Py_ssize_t dlen, int *ok) {
     if (rlen < HEADER_SIZE) return -1;
-    return check_parts(r, r + HEADER_SIZE, rlen - HEADER_SIZE, key, klen, out, dlen, ok, 1);
+    return check_parts(r, r + HEADER_SIZE, rlen - HEADER_SIZE, key, klen, out, dlen, ok);
 }
 
 static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -443,8 +441,7 @@ static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart
         else if (b[0].len != head_at + HEADER_SIZE)
             got[i] = -1;
         else
-            got[i] = check_parts((const uint8_t *)b[0].buf + head_at, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok,
-                                 1);
+            got[i] = check_parts((const uint8_t *)b[0].buf + head_at, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
     }
     relock(state);
     if (!ok)
@@ -612,13 +609,18 @@ done:
 
 /* read_records(paths, offsets, sizes, keys, dsts) -> list
  * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] (as
- * write_records wrote it) into dsts[i], checked for keys[i] as verify_copy checks a record, but
- * the payload copied first and hashed where it landed (a file may change under its map); per item the payload length, -1
+ * write_records wrote it) into dsts[i], checked for keys[i], as verify_copy does (the header
+ * checked, the payload hashed where it is and streamed out); per item the payload length, -1
  * (not a good record for its key, or the file ends before it), -2 (does not fit) or an OSError
  * naming the path (FileNotFoundError: removed meanwhile). Each run of items in one file maps the
  * part of the file they span once (read-only, populated in one go: page-cache pages, no copy into
  * a bounce buffer). The GIL is let go once for all of them. The files must not shrink meanwhile
- * (tieredkv never truncates one; blocks given back read as zeros: a record that fails). */
+ * (tieredkv never truncates one; blocks given back read as zeros: a record that fails).
+ * A file another writer changes during the call (a dead record's blocks punched, a spare written
+ * over) can change a piece between its hash and its copy: what is delivered then verified without
+ * being what was hashed. The caller rules that out after the call (the LMDB tier checks that each
+ * record is still where it was read from: a writer changes a file only after the records there
+ * have left it). Hashing what landed instead cost a third of the read's speed (measured). */
 static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int good = nargs == 5;
     for (Py_ssize_t j = 0; good && j < 5; j++)
@@ -690,15 +692,9 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
             } else if (lens[j] < HEADER_SIZE || offs[j] > fsize || lens[j] > fsize - offs[j]) {
                 got[j] = -1;
             } else {
-                /* A file can change under its map (blocks punched, a spare written over by another
-                 * writer): the header is checked on a copy of it, and the payload copied first and
-                 * hashed where it landed, so what is checked is what was delivered. */
                 const uint8_t *rec = map + (offs[j] - base);
-                uint8_t h[HEADER_SIZE];
-                memcpy(h, rec, HEADER_SIZE);
-                got[j] = check_parts(h, rec + HEADER_SIZE, (Py_ssize_t)lens[j] - HEADER_SIZE,
-                                     (const uint8_t *)PyBytes_AS_STRING(keys[j]), (size_t)PyBytes_GET_SIZE(keys[j]),
-                                     bufs[j].buf, bufs[j].len, &ok, 0);
+                got[j] = check_copy(rec, (Py_ssize_t)lens[j], (const uint8_t *)PyBytes_AS_STRING(keys[j]),
+                                    (size_t)PyBytes_GET_SIZE(keys[j]), bufs[j].buf, bufs[j].len, &ok);
             }
         }
         if (map != NULL) munmap(map, (size_t)(hi - base));

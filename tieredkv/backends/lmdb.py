@@ -1152,7 +1152,9 @@ class LMDBTier(Tier):
         :meth:`_read_part`'s transaction) into their destinations, checked: fills in ``out``,
         ``bad`` and ``seen`` as :meth:`_read_part` does. A file removed since the transaction is
         a miss (its records were replaced or deleted meanwhile, or the file lost: then the record
-        goes too, unless it was written again since)."""
+        goes too, unless it was written again since). So is a record that is no longer where it
+        was read once the copies are done (:meth:`_still_placed`): its file may have changed
+        under the copy."""
         dsts: list[Any] = [
             into[i] if into[i] is not None else bytearray((seen[i] or 0) - HEADER_SIZE) for i, _, _ in files
         ]
@@ -1163,8 +1165,13 @@ class LMDBTier(Tier):
             [keys[i] for i, _, _ in files],
             dsts,
         )
-        for (i, token, at), n, dst in zip(files, got, dsts):
-            if isinstance(n, (CorruptRecordError, FileNotFoundError)):
+        kept = self._still_placed(keys, files)
+        for (i, token, at), n, dst, here in zip(files, got, dsts, kept):
+            if not here:  # replaced or deleted since the transaction: its file may have changed under the copy
+                dst[:] = bytes(len(dst))  # nothing unchecked stays where it landed
+                self._count("record_files_moved_on")
+                seen[i] = -1
+            elif isinstance(n, (CorruptRecordError, FileNotFoundError)):
                 bad.append((keys[i], n, (token, at)))
                 seen[i] = -1
             elif isinstance(n, OSError):  # the file could not be read now: a miss, the record kept
@@ -1175,6 +1182,20 @@ class LMDBTier(Tier):
                 self._oversize(keys[i], (seen[i] or 0) - HEADER_SIZE, dst)
             else:
                 out[i] = n if into[i] is not None else bytes(dst)
+
+    def _still_placed(self, keys: list[bytes], files: list[tuple[int, bytes, int]]) -> list[bool]:
+        """Whether each record read from a file (``files``: (index, file token, offset)) is still
+        there, in a transaction begun after the copies. A writer changes a file only after the
+        records there have left it (their blocks punched, or the file written over as a spare,
+        once the transaction that replaced or deleted them committed); a record still there was
+        not changed under its copy, and one that left is a miss, whatever its copy delivered."""
+        acc = self._sh.acc
+
+        def read(txn: Any) -> list[bool]:
+            meta_of = txn.cursor(db=acc).get
+            return [_place(meta_of(keys[i])) == (token, at) for i, token, at in files]
+
+        return self._txn(read, db=acc)
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         return await self._run(self._contains_sync, keys)

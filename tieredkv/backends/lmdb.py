@@ -130,6 +130,7 @@ _USED_KEY = b"tieredkv:used-bytes"  # main DB: sum of record bytes in the enviro
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _TOKEN = 16  # bytes of a record file's name token (random: a name is never used twice)
 _PLACE = struct.Struct("<16sQ")  # where a record in a file is: the file's token, the record's offset
+_FILED = struct.Struct("<dQ16sQ")  # the access entry of a record in a file: _ACCESS, then _PLACE
 _LIVE = struct.Struct("<Q")  # files DB: a record file's token -> how many records it still holds
 _FILES = "files"  # record files, under the environment's directory
 _SPARE = "spare"  # record files that lost their last record, kept (in files/spare/) to be written again
@@ -1025,18 +1026,19 @@ class LMDBTier(Tier):
             seen += rest[2]
         now = time.time()
         gone = []
+        policy, dirty = self._policy, self._dirty
         for key, size in zip(keys, seen):
             if size is None:
-                if key in self._policy:
+                if key in policy:
                     gone.append(key)  # deleted (or evicted) by another process
                 continue
             if size < 0:  # found but failed verification
                 continue
-            if key in self._policy:
-                self._policy.touch(key)
+            if key in policy:
+                policy.touch(key)
             else:  # written by another process
-                self._policy.insert(key, size)
-            self._dirty[key] = now
+                policy.insert(key, size)
+            dirty[key] = now
         self._forget(gone)
         if bad:
             # A record in a file that failed is deleted only while it is still there: a record
@@ -1074,27 +1076,29 @@ class LMDBTier(Tier):
 
         acc = self._sh.acc
         files: list[tuple[int, bytes, int]] = []
+        snapshot = [0]  # the read transaction's id
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[_Bad], list[int | None]]:
+            snapshot[0] = txn.id()
             get = txn.get
-            recs = [get(key) for key in keys]
             meta_of = txn.cursor(db=acc).get  # (a cursor's get: no keyword to parse per key)
-            metas = [meta_of(key) for key in keys]  # stamp, size, and the header of a record kept apart
+            metas = [meta_of(key) for key in keys]  # stamp, size, and a header kept apart or a place
+            recs: list[Any] = [None] * len(keys)
             out: list[int | bytes | None] = [None] * len(keys)
             seen: list[int | None] = [None] * len(keys)
             bad: list[_Bad] = []
             whole: list[int] = []
             apart: list[int] = []
             files.clear()
-            for i, rec in enumerate(recs):
+            for i, meta in enumerate(metas):
+                if meta is not None and len(meta) == _FILED.size:  # in a record file: read after the transaction
+                    _, seen[i], token, at = _FILED.unpack(meta)
+                    files.append((i, token, at))
+                    continue
+                rec = recs[i] = get(keys[i])
                 if rec is None:
                     continue
-                meta = metas[i]
-                place = _place(meta)
-                if place is not None:
-                    seen[i] = _ACCESS.unpack_from(meta)[1]
-                    files.append((i, *place))
-                elif meta is not None and len(meta) > _ACCESS.size:
+                if meta is not None and len(meta) > _ACCESS.size:
                     seen[i] = len(rec) + HEADER_SIZE
                     if into[i] is not None:
                         apart.append(i)
@@ -1121,7 +1125,7 @@ class LMDBTier(Tier):
                 else:
                     out[i] = n
             for i, rec in enumerate(recs):
-                if rec is not None and into[i] is None and _place(metas[i]) is None:  # (files: below)
+                if rec is not None and into[i] is None:  # (records in files: below)
                     head = _head(metas[i])
                     try:
                         out[i] = bytes(
@@ -1136,7 +1140,7 @@ class LMDBTier(Tier):
             return [], [], []
         out, bad, seen = self._txn(read, db=self._sh.rec, buffers=True)
         if files:
-            self._read_files(keys, into, files, out, bad, seen)
+            self._read_files(keys, into, files, out, bad, seen, snapshot[0])
         return out, bad, seen
 
     def _read_files(
@@ -1147,9 +1151,10 @@ class LMDBTier(Tier):
         out: list[int | bytes | None],
         bad: list[_Bad],
         seen: list[int | None],
+        snapshot: int,
     ) -> None:
         """Read the records in record files ``files`` ((index, file token, offset), found by
-        :meth:`_read_part`'s transaction) into their destinations, checked: fills in ``out``,
+        :meth:`_read_part`'s transaction, of id ``snapshot``) into their destinations, checked: fills in ``out``,
         ``bad`` and ``seen`` as :meth:`_read_part` does. A file removed since the transaction is
         a miss (its records were replaced or deleted meanwhile, or the file lost: then the record
         goes too, unless it was written again since). So is a record that is no longer where it
@@ -1158,16 +1163,19 @@ class LMDBTier(Tier):
         dsts: list[Any] = [
             into[i] if into[i] is not None else bytearray((seen[i] or 0) - HEADER_SIZE) for i, _, _ in files
         ]
+        paths = {t: self._file_path(t) for t in {t for _, t, _ in files}}  # a batch's records share a file
         got = read_records_into(
-            [self._file_path(t) for _, t, _ in files],
+            [paths[t] for _, t, _ in files],
             [at for _, _, at in files],
             [seen[i] or 0 for i, _, _ in files],
             [keys[i] for i, _, _ in files],
             dsts,
         )
-        kept = self._still_placed(keys, files)
+        kept = self._still_placed(keys, files, snapshot)
         for (i, token, at), n, dst, here in zip(files, got, dsts, kept):
-            if not here:  # replaced or deleted since the transaction: its file may have changed under the copy
+            if here and type(n) is int and n >= 0:
+                out[i] = n if into[i] is not None else bytes(dst)
+            elif not here:  # replaced or deleted since the transaction: its file may have changed under the copy
                 dst[:] = bytes(len(dst))  # nothing unchecked stays where it landed
                 self._count("record_files_moved_on")
                 seen[i] = -1
@@ -1178,22 +1186,28 @@ class LMDBTier(Tier):
                 log.warning("tier %s: record file %s not read: %s", self.name, token.hex(), n)
                 self._count("record_file_errors")
                 seen[i] = -1
-            elif n < 0:
+            else:  # a good header, a payload longer than its destination
                 self._oversize(keys[i], (seen[i] or 0) - HEADER_SIZE, dst)
-            else:
-                out[i] = n if into[i] is not None else bytes(dst)
 
-    def _still_placed(self, keys: list[bytes], files: list[tuple[int, bytes, int]]) -> list[bool]:
+    def _still_placed(self, keys: list[bytes], files: list[tuple[int, bytes, int]], snapshot: int) -> list[bool]:
         """Whether each record read from a file (``files``: (index, file token, offset)) is still
         there, in a transaction begun after the copies. A writer changes a file only after the
         records there have left it (their blocks punched, or the file written over as a spare,
         once the transaction that replaced or deleted them committed); a record still there was
-        not changed under its copy, and one that left is a miss, whatever its copy delivered."""
+        not changed under its copy, and one that left is a miss, whatever its copy delivered.
+        When no transaction has committed since the read transaction ``snapshot`` (the
+        environment's last one is still it), none left: nothing to look up."""
+        if self._sh.env.info()["last_txnid"] == snapshot:
+            return [True] * len(files)
         acc = self._sh.acc
+        places = [_PLACE.pack(token, at) for _, token, at in files]
 
         def read(txn: Any) -> list[bool]:
             meta_of = txn.cursor(db=acc).get
-            return [_place(meta_of(keys[i])) == (token, at) for i, token, at in files]
+            return [
+                (meta := meta_of(keys[i])) is not None and meta[_ACCESS.size :] == place
+                for (i, _, _), place in zip(files, places)
+            ]
 
         return self._txn(read, db=acc)
 

@@ -23,9 +23,11 @@ write transaction as the records it counts).
   page cache at commit; a file is written once (measured in ``tieredkv bench``: 64 KiB-4 MiB
   stores 1.13-1.33x py-lmdb's put, against 0.68-0.79x stored apart). A deleted, replaced or
   evicted record's blocks are given back (punched) after the commit, and a file goes with its
-  last record (kept as a spare for a later batch to write over: :meth:`LMDBTier._retire`); a reader that lost that race reads zeros or finds no file, a miss
-  (``record_files_moved_on``), and a record is deleted as corrupt only while it still names the
-  place that failed. Files no record names (a crash between the write and the commit) are swept
+  last record (kept as a spare for a later batch to write over: :meth:`LMDBTier._retire`). A
+  file changes only after its records left it, so a reader looks again once its copies are
+  done (:meth:`LMDBTier._still_placed`): a record no longer where it was read is a miss
+  (``record_files_moved_on``) whatever its copy got, and a record is deleted as corrupt only
+  while it still names the place that failed. Files no record names (a crash between the write and the commit) are swept
   at open once :data:`_ORPHAN_AFTER_S` old.
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
@@ -1154,8 +1156,8 @@ class LMDBTier(Tier):
         snapshot: int,
     ) -> None:
         """Read the records in record files ``files`` ((index, file token, offset), found by
-        :meth:`_read_part`'s transaction, of id ``snapshot``) into their destinations, checked: fills in ``out``,
-        ``bad`` and ``seen`` as :meth:`_read_part` does. A file removed since the transaction is
+        :meth:`_read_part`'s transaction, of id ``snapshot``) into their destinations, checked:
+        fills in ``out``, ``bad`` and ``seen`` as :meth:`_read_part` does. A file removed since the transaction is
         a miss (its records were replaced or deleted meanwhile, or the file lost: then the record
         goes too, unless it was written again since). So is a record that is no longer where it
         was read once the copies are done (:meth:`_still_placed`): its file may have changed

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -226,13 +228,32 @@ async def test_a_file_whose_records_all_went_is_written_again_by_the_next_batch(
         assert len(spares(tmp_path)) == 8 and len(files(tmp_path)) == 1
 
 
+#: Another process replacing records 0, 2, 4 and 6 (as the test below does in this one).
+_REPLACER = """
+import asyncio, sys
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import LMDBTierConfig
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+ns = Namespace(model="record-files")
+async def main():
+    cfg = LMDBTierConfig(path=sys.argv[1], file_batch_bytes={file_batch}, size_cap_bytes={cap})
+    async with LMDBTier(cfg) as tier:
+        await tier.put_many([(ns.key(i.to_bytes(32, "big"), 0), payload({size}, 100 + i)) for i in range(0, 8, 2)])
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("writer", ["this-process", "another-process"])
 async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
     """Records in a file are copied after the transaction that found them; a writer that replaced
     them meanwhile may have changed the file under the copy. The tier looks again once the copies
     are done: a record no longer where it was read is a miss (its destination zeroed, counted
-    ``record_files_moved_on``, not corrupt), and its new version stays."""
+    ``record_files_moved_on``, not corrupt), and its new version stays. The writer is this
+    process (the tier's own thread) or another process on the same directory, whose commit the
+    look must see too."""
     async with LMDBTier(cfg(tmp_path)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
         real = lmdb_tier.read_records_into
@@ -240,7 +261,12 @@ async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got
         def copy_then_replace(*args: object) -> object:
             got = real(*args)  # the copies are done; the records are replaced before the tier looks again
             monkeypatch.setattr(lmdb_tier, "read_records_into", real)
-            tier._heads_put([(k(i), memoryview(data(SIZE, 100 + i))) for i in range(0, 8, 2)])
+            if writer == "this-process":
+                tier._heads_put([(k(i), memoryview(data(SIZE, 100 + i))) for i in range(0, 8, 2)])
+            else:
+                script = _REPLACER.format(file_batch=256 * KiB, cap=64 * MiB, size=SIZE)
+                done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=False, capture_output=True)
+                assert done.returncode == 0, done.stderr.decode()[-2000:]
             return got
 
         monkeypatch.setattr(lmdb_tier, "read_records_into", copy_then_replace)

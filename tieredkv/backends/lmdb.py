@@ -27,8 +27,8 @@ write transaction as the records it counts).
   file changes only after its records left it, so a reader looks again once its copies are
   done (:meth:`LMDBTier._still_placed`): a record no longer where it was read is a miss
   (``record_files_moved_on``) whatever its copy got, and a record is deleted as corrupt only
-  while it still names the place that failed. Files no record names (a crash between the write and the commit) are swept
-  at open once :data:`_ORPHAN_AFTER_S` old.
+  while it still names the place that failed. Files no record names (a crash between the write
+  and the commit) are swept at open once :data:`_ORPHAN_AFTER_S` old.
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
   alone. A read of any kind delivers only a payload that its header vouches for.
@@ -132,7 +132,7 @@ _USED_KEY = b"tieredkv:used-bytes"  # main DB: sum of record bytes in the enviro
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _TOKEN = 16  # bytes of a record file's name token (random: a name is never used twice)
 _PLACE = struct.Struct("<16sQ")  # where a record in a file is: the file's token, the record's offset
-_FILED = struct.Struct("<dQ16sQ")  # the access entry of a record in a file: _ACCESS, then _PLACE
+_FILED = struct.Struct(_ACCESS.format + _PLACE.format[1:])  # a filed record's access entry: _ACCESS, then _PLACE
 _LIVE = struct.Struct("<Q")  # files DB: a record file's token -> how many records it still holds
 _FILES = "files"  # record files, under the environment's directory
 _SPARE = "spare"  # record files that lost their last record, kept (in files/spare/) to be written again
@@ -363,7 +363,7 @@ def _head(meta: Any) -> memoryview | None:
 def _place(meta: Any) -> tuple[bytes, int] | None:
     """Where the record of access entry ``meta`` is in a record file: (the file's token, the
     record's offset); None: the record is in LMDB."""
-    if meta is None or len(meta) != _ACCESS.size + _PLACE.size:
+    if meta is None or len(meta) != _FILED.size:
         return None
     token, at = _PLACE.unpack_from(meta, _ACCESS.size)
     return token, at
@@ -1157,11 +1157,11 @@ class LMDBTier(Tier):
     ) -> None:
         """Read the records in record files ``files`` ((index, file token, offset), found by
         :meth:`_read_part`'s transaction, of id ``snapshot``) into their destinations, checked:
-        fills in ``out``, ``bad`` and ``seen`` as :meth:`_read_part` does. A file removed since the transaction is
-        a miss (its records were replaced or deleted meanwhile, or the file lost: then the record
-        goes too, unless it was written again since). So is a record that is no longer where it
-        was read once the copies are done (:meth:`_still_placed`): its file may have changed
-        under the copy."""
+        fills in ``out``, ``bad`` and ``seen`` as :meth:`_read_part` does. A file removed since
+        the transaction is a miss (its records were replaced or deleted meanwhile, or the file
+        lost: then the record goes too, unless it was written again since). So is a record that
+        is no longer where it was read once the copies are done (:meth:`_still_placed`): its
+        file may have changed under the copy."""
         dsts: list[Any] = [
             into[i] if into[i] is not None else bytearray((seen[i] or 0) - HEADER_SIZE) for i, _, _ in files
         ]
@@ -1202,14 +1202,10 @@ class LMDBTier(Tier):
         if self._sh.env.info()["last_txnid"] == snapshot:
             return [True] * len(files)
         acc = self._sh.acc
-        places = [_PLACE.pack(token, at) for _, token, at in files]
 
         def read(txn: Any) -> list[bool]:
             meta_of = txn.cursor(db=acc).get
-            return [
-                (meta := meta_of(keys[i])) is not None and meta[_ACCESS.size :] == place
-                for (i, _, _), place in zip(files, places)
-            ]
+            return [_place(meta_of(keys[i])) == (token, at) for i, token, at in files]
 
         return self._txn(read, db=acc)
 

@@ -49,6 +49,9 @@ __all__ = [
 
 FINGERPRINT_BYTES = 16
 GROUP_BYTES = 4
+#: ``key[GROUP_SUFFIX]``: the group suffix of a chunk or stored key (one slice, no int made; a
+#: per-key hot path can key a dict by it).
+GROUP_SUFFIX = slice(-GROUP_BYTES, None)
 #: The shortest stored key: a namespace fingerprint, a block hash of at least one byte, a group.
 MIN_STORED_KEY_BYTES = FINGERPRINT_BYTES + 1 + GROUP_BYTES
 _MAX_GROUP = 2**32 - 1

@@ -104,6 +104,7 @@ DEFAULT_MAX_CHUNKS_PER_PLAN = 256
 
 # Per-chunk status bytes. WAITING chunks are also listed in _GroupState.waiting.
 _UNSEEN, _WAITING, _DONE, _DEAD = 0, 1, 2, 3
+_DONE_RUN = bytes((_DONE,))
 
 
 def _chunk_key(block_hash: bytes, group: int) -> bytes:
@@ -337,6 +338,19 @@ class ChunkLedger:
         self._set(k, _DONE)
         while self.status_of(self.scan) == _DONE:
             self.scan += 1
+
+    def mark_done_range(self, lo: int, hi: int) -> None:
+        """Chunks ``lo .. hi - 1`` are stored or present (e.g. a loaded hit): :meth:`mark_done` of
+        each, with the status bytes set and the waiting ones dropped in a few C calls."""
+        if hi <= lo:
+            return
+        if hi > len(self.status):
+            self.status.extend(bytes(hi - len(self.status)))
+        w = self.waiting
+        if w and w[0] < hi and w[-1] >= lo:
+            del w[bisect.bisect_left(w, lo) : bisect.bisect_left(w, hi)]
+        self.status[lo:hi] = _DONE_RUN * (hi - lo)
+        self.settle_scan()
 
     def mark_dead(self, k: int) -> None:
         """Chunk ``k`` can never become whole (left the window, request over)."""
@@ -1004,8 +1018,7 @@ class OffloadScheduler:
                 dst.append(gs.block_ids[b])
                 positions.append(b)
         chunks = sorted({p // bpc for p in positions})
-        for k in range(first_chunk, end_chunk):
-            gs.ledger.mark_done(k)
+        gs.ledger.mark_done_range(first_chunk, end_chunk)
         gs.hits = end_chunk
         return GroupLoadPlan(
             group=spec.index,

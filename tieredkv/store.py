@@ -110,6 +110,11 @@ class TieredStore:
         #: None: ask :meth:`lookup_async`. The pipeline's own method (vLLM's scheduler calls it
         #: once per key per step).
         self.probe: Callable[[bytes], KeyState | None] = self.pipeline.probe
+        #: ``activity()``: a number that moves whenever a counter :meth:`stats` reports may have
+        #: moved (a job, write-back or batched lookup ended, a store was refused, a group
+        #: registered): a caller polling every engine step reads the counters only when it moved.
+        #: The pipeline's own method, like ``probe``.
+        self.activity: Callable[[], int] = self.pipeline.activity
         self.metrics = TieredKVMetrics(self.tiers, pipeline=self.pipeline)
         self.metrics_server: MetricsServer | None = None
         self._ids = itertools.count(1)
@@ -298,12 +303,6 @@ class TieredStore:
         """The pipeline's typed stats (what ``/metrics`` exports): counters, per-tier lanes,
         per-group hits/misses/stores/bytes, staging."""
         return self.pipeline.stats()
-
-    def activity(self) -> int:
-        """A number that moves whenever a counter :meth:`stats` reports may have moved (a job,
-        write-back or batched lookup ended, a store was refused, a group registered): a caller
-        polling every engine step reads the counters only when it moved."""
-        return self.pipeline.activity()
 
     def live_counts(self) -> tuple[dict[str, LaneStats], dict[int, GroupStats]]:
         """Per-tier lane stats and the *live* per-group counters (read, never write): the cheap

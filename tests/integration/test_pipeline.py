@@ -137,6 +137,65 @@ def test_write_back_demotes_on_cpu_eviction(tmp_path: Path) -> None:
         assert next(iter(wait_results(p, 1).values())).ok
 
 
+def test_probe_answers_in_process_routes_at_once_and_counts_each_answer(tmp_path: Path) -> None:
+    """The scheduler's per-key probe on a CPU + LMDB route: hit (from either tier), miss and
+    pending from the calling thread, each hit and miss counted once in the group's lookups, also
+    with threads probing the same keys at once; None (ask the asynchronous lookup) while a tier's
+    breaker is not closed, for a tier that cannot answer without waiting, and once closed."""
+    top, low = cpu(), lmdb(tmp_path)
+    with make([top, low], [PolicyRule(tiers=["cpu", "lmdb"])]) as p:
+        p.register_group(0, kv(8), blocks_per_chunk=BPC)
+        cs = chunks(3)
+        keys = [c.key for c in cs]
+        p.submit_store(StoreJob(1, 0, cs[:2]))
+        assert wait_results(p, 1)[1].ok
+        assert [p.probe(k) for k in keys] == [KeyState.HIT, KeyState.HIT, KeyState.MISS]
+        assert (p.group_stats[0].hits, p.group_stats[0].misses) == (2, 1)
+        assert p.run(top.delete_many([keys[0]]), timeout=30) == 1
+        assert p.probe(keys[0]) is KeyState.HIT  # the CPU tier says no, LMDB holds it
+
+        rounds, n_threads = 2000, 4
+        before = p.group_stats[0].hits, p.group_stats[0].misses
+        answers: list[list[KeyState | None]] = [[] for _ in range(n_threads)]
+        go = threading.Barrier(n_threads)
+
+        def prober(out: list[KeyState | None]) -> None:
+            go.wait()
+            for _ in range(rounds):
+                out.extend(p.probe(k) for k in keys)
+
+        threads = [threading.Thread(target=prober, args=(a,)) for a in answers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for a in answers:
+            assert a == [KeyState.HIT, KeyState.HIT, KeyState.MISS] * rounds
+        hits, misses = p.group_stats[0].hits - before[0], p.group_stats[0].misses - before[1]
+        assert (hits, misses) == (2 * rounds * n_threads, rounds * n_threads), "a count was lost"
+
+        lane = p._lanes["cpu"]  # fault injection: the CPU tier's breaker opens
+        lane.breaker.trip()
+        assert p.probe(keys[1]) is None and p.probe(keys[2]) is None
+        lane.breaker.success()
+        assert p.probe(keys[1]) is KeyState.HIT
+
+        p.register_group(1, kv(9), blocks_per_chunk=BPC)
+        c1 = chunks(1, group=1)
+        p.inflight.begin([c1[0].key])  # a store of it in flight (what submit_store does first)
+        assert p.probe(c1[0].key) is KeyState.PENDING
+        p.inflight.unpend([c1[0].key])
+        p.inflight.end()
+        assert p.probe(c1[0].key) is KeyState.MISS
+    assert p.probe(keys[1]) is None  # closed: the asynchronous path answers (a miss)
+
+    slow = FaultyTier(lmdb(tmp_path / "faulty"))  # a wrapper cannot be probed without waiting
+    with make([slow], [PolicyRule()]) as p:
+        p.register_group(0, kv(10), blocks_per_chunk=BPC)
+        assert p.probe(keys[2]) is None
+        assert p.lookup([keys[2]]) == [(KeyState.MISS, None)]
+
+
 def test_lookup_says_pending_until_bytes_are_written(tmp_path: Path) -> None:
     slow = FaultyTier(lmdb(tmp_path), delay_s=0.5, ops={"put_many"})
     with make([slow], [PolicyRule()]) as p:

@@ -383,6 +383,39 @@ def test_ledger_rewinds_to_every_chunk_passed_as_dead_since_the_last_rewind() ->
     assert led.candidates(3) == [1, 2]  # a done chunk stays done
 
 
+def test_ledger_marks_a_range_done_as_marking_each_chunk_would() -> None:
+    """A loaded hit marks its chunks done in one call (the connector and the planner do it per
+    load): the same statuses, waiting list, scan and cursor as one ``mark_done`` per chunk, from
+    ledgers holding every mix of unseen, waiting, done and dead chunks."""
+    import random
+
+    from tieredkv.scheduler import ChunkLedger
+
+    rng = random.Random(7)
+    for _ in range(400):
+        ops = [(rng.choice("wdxc"), rng.randrange(24)) for _ in range(rng.randrange(12))]
+        lo = rng.randrange(26)
+        hi = rng.randrange(30)
+        one, each = ChunkLedger(), ChunkLedger()
+        for led in (one, each):
+            for op, k in ops:
+                if op == "w":
+                    led.mark_waiting(k)
+                elif op == "d":
+                    led.mark_done(k)
+                elif op == "x":
+                    led.mark_dead(k)
+                else:
+                    led.candidates(k, 3)
+        one.mark_done_range(lo, hi)
+        for k in range(lo, hi):
+            each.mark_done(k)
+        state = [
+            (bytes(led.status).rstrip(b"\0"), led.waiting, led.scan, led.cursor, led.first_dead) for led in (one, each)
+        ]
+        assert state[0] == state[1], (ops, lo, hi)
+
+
 def test_refused_chunk_survives_preemption() -> None:
     s = OffloadScheduler(layout(FULL))
     s.add_request("r", 8, block_hashes=hashes(2))

@@ -280,6 +280,12 @@ class Tier(ABC):
         scheduler side uses it to answer a lookup in the step it is asked instead of one later."""
         return None
 
+    def probe_key(self, key: bytes) -> bool | None:
+        """:meth:`probe` of one key (the scheduler's per-key path; a tier with an in-process index
+        answers it without building a list)."""
+        got = self.probe((key,))
+        return None if got is None else got[0]
+
     # ---- observers -----------------------------------------------------------------
 
     def add_observer(self, fn: OpObserver) -> None:

@@ -177,6 +177,11 @@ class CPUTier(Tier):
         index = self._index
         return [k in index for k in keys]
 
+    def probe_key(self, key: bytes) -> bool | None:
+        if self._closed or not self._opened:
+            return None
+        return key in self._index
+
     async def _delete_many(self, keys: list[bytes]) -> int:
         n = 0
         for k in keys:

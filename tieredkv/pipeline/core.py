@@ -7,6 +7,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, cast
@@ -16,7 +17,7 @@ from tieredkv.config import PipelineConfig
 from tieredkv.errors import TieredKVError, TierUnavailableError
 from tieredkv.format import as_readable, as_writable
 from tieredkv.groups import GroupSpec
-from tieredkv.keys import key_group
+from tieredkv.keys import GROUP_SUFFIX, key_group
 from tieredkv.pipeline.jobs import InFlight, JobResult, JobRun, KeyState, LoadJob, StoreJob, by_group
 from tieredkv.pipeline.lanes import Lanes, TierLane
 from tieredkv.pipeline.loop import LoopThread
@@ -63,7 +64,10 @@ class Pipeline:
         self.writeback = WriteBack(self._lanes, self.tiers, policy, self.inflight, self.counters)
         self.transfers = Transfers(self.copier, self._lanes, self.writeback)
         self._groups: dict[int, GroupBinding] = {}
-        self._probe_routes: dict[int, tuple[TierLane, ...]] = {}
+        # Per group suffix (``key[GROUP_SUFFIX]``): the route's (breaker, tier.probe_key) pairs and
+        # the group's stats, resolved once (probe runs once per key per engine step).
+        self._probe_plans: dict[bytes, tuple[tuple[tuple[Any, Any], ...], GroupStats]] = {}
+        self._lookup_lock = threading.Lock()  # lookup counts: from the loop and from engine threads
         # See activity(). Bumped from engine threads and the loop without a lock: a lost bump
         # still leaves a value the reader has not seen, or one read after the change it covers.
         self._events = 0
@@ -116,6 +120,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
+        self._probe_plans.clear()
         if not self.loop.running:
             return
         self.drain(timeout)
@@ -410,43 +415,56 @@ class Pipeline:
 
     def probe(self, key: bytes) -> KeyState | None:
         """Answer a lookup of ``key`` at once, from the calling thread, when every tier of its route
-        can tell without waiting (:meth:`Tier.probe`: the CPU slab, a local LMDB); None when some
-        tier cannot (a Redis server) and no earlier tier holds it: ask :meth:`lookup_future`.
+        can tell without waiting (:meth:`Tier.probe_key`: the CPU slab, a local LMDB); None when
+        some tier cannot (a Redis server) or its breaker is not closed, and no earlier tier holds
+        it: ask :meth:`lookup_future`.
 
-        vLLM's scheduler calls this once per key per step: the route's lanes are resolved once per
-        group."""
+        vLLM's scheduler calls this once per key per step: the route is resolved once per group,
+        and a probe is a dict lookup, one call per tier and the count."""
         if key in self.inflight.pending:
             return _PENDING
+        plan = self._probe_plans.get(key[GROUP_SUFFIX])
+        if plan is None:
+            plan = self._probe_plan(key)
+            if plan is None:
+                return None
+        lanes, gs = plan
+        hit = False
+        for breaker, probe_key in lanes:
+            if breaker.state is not _CLOSED:
+                return None  # let the asynchronous path (and its breaker probes) decide
+            got = probe_key(key)
+            if got:
+                hit = True
+                break
+            if got is None:
+                return None
+        with self._lookup_lock:
+            if hit:
+                gs.hits += 1
+            else:
+                gs.misses += 1
+        return _HIT if hit else _MISS
+
+    def _probe_plan(self, key: bytes) -> tuple[tuple[tuple[Any, Any], ...], GroupStats] | None:
+        """``key``'s group's probe plan, kept once every tier of its route has a lane (tiers
+        opened); None while the pipeline is not running (close drops the plans)."""
         if self._closed or not self.loop.running:
             return None
         group = key_group(key)
-        route = self._probe_routes.get(group) or self._probe_route(group)
-        if route is None:
-            return None
-        state = _MISS
-        for lane in route:
-            if lane.breaker.state is not _CLOSED:
-                return None  # let the asynchronous path (and its breaker probes) decide
-            got = lane.tier.probe((key,))
-            if got is None:
-                return None
-            if got[0]:
-                state = _HIT
-                break
-        self._count_lookup(group, state is _HIT)
-        return state
-
-    def _probe_route(self, group: int) -> tuple[TierLane, ...] | None:
-        """The lanes of ``group``'s route, kept once every one of them exists (tiers opened)."""
-        lanes = tuple(self._lanes.get(name) for name in self.policy.get(group).tiers)
+        lanes = [self._lanes.get(name) for name in self.policy.get(group).tiers]
         if any(lane is None for lane in lanes):
             return None
-        route = cast("tuple[TierLane, ...]", lanes)
-        self._probe_routes[group] = route
-        return route
+        plan = (
+            tuple((lane.breaker, lane.tier.probe_key) for lane in cast("list[TierLane]", lanes)),
+            self.group_stats[group],
+        )
+        if not self._closed:
+            self._probe_plans[key[GROUP_SUFFIX]] = plan
+        return plan
 
     def _count_lookup(self, group: int, hit: bool) -> None:
-        with self.inflight.lock:  # lookups come from the loop and from engine threads
+        with self._lookup_lock:
             gs = self.group_stats[group]
             if hit:
                 gs.hits += 1

@@ -155,6 +155,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             self.config = config._replace(alignment_tokens=math.lcm(grid, config.alignment_tokens))
         extra = spec.extra_config or {}
         self.max_store_keys_per_step = _positive(extra, "max_store_keys_per_step", 256)
+        # a store pass's budget per group (a request's groups share the step's budget)
+        self._store_share = math.ceil(self.max_store_keys_per_step / len(self.config.kv_group_configs))
         self.hold_finished_steps = _positive(extra, "hold_finished_steps", 16, allow_zero=True)
         self.hold_max_blocks = _positive(
             extra, "hold_max_blocks", max(1, kv_cache_config.num_blocks // 2), allow_zero=True
@@ -258,8 +260,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         first = 0 if chunk_level else status.num_locally_computed_tokens
         for cfg, led in zip(self.config.kv_group_configs, ledgers):
             tpc = cfg.tokens_per_chunk
-            for k in range(first // tpc, boundary // tpc):
-                led.mark_done(k)
+            led.mark_done_range(first // tpc, boundary // tpc)
 
     # ------------------------------------------------------------------ store planning
 
@@ -307,8 +308,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             if req.shared_prefix_boundary:
                 reachable += (req.shared_prefix_boundary,)
         ledgers = self._ledgers_of(req.request_id)
-        n_groups = len(self.config.kv_group_configs)
-        share = math.ceil(self.max_store_keys_per_step / n_groups)
+        share = self._store_share
         offers: list[_Offer] = []
         for pos, (cfg, gs) in enumerate(zip(self.config.kv_group_configs, status.group_states)):
             if cfg.requires_cow_source:
@@ -321,10 +321,9 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             if cands:
                 offers.extend(self._classify(status, pos, cfg, led, cands, num_chunks, prompt_offloadable, reachable))
             led.settle_scan()
-        self._sync_cursors(status, ledgers)
         if offers:
-            self._offer(status, offers, store_jobs)
-            self._sync_cursors(status, ledgers)
+            self._offer(status, offers, store_jobs)  # reads no cursor: synced once, after it
+        self._sync_cursors(status, ledgers)
 
     def _classify(
         self,

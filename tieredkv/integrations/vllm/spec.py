@@ -82,23 +82,32 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
         return f"TieredKVLoadStoreSpec({len(self.keys)} keys)"
 
 
+_HIT, _HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING  # read once per lookup
+
+
 # ---- one store per engine and process, shared by manager and worker ---------------------------
 
 
-@dataclass
 class _Shared:
     """What the manager and the worker of one engine share (same process)."""
 
-    store: TieredStore
-    namespace: Namespace
-    refs: int = 0
-    unstored: set[bytes] = field(default_factory=set)
-    """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
-    (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
+        self.store = store
+        self.refs = 0
+        self.unstored: set[bytes] = set()
+        """Whole-chunk stored keys whose store job ended without the whole chunk held by a tier
+        (refused, dropped, or only a partial record): the manager must not treat them as stored."""
+        self.namespace = namespace
 
     @property
-    def fingerprint(self) -> bytes:
-        return self.namespace.fingerprint  # computed once per Namespace
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @namespace.setter
+    def namespace(self, ns: Namespace) -> None:
+        self._namespace = ns
+        #: A plain attribute: the scheduler reads it once per lookup.
+        self.fingerprint: bytes = ns.fingerprint
 
 
 _STORES: dict[tuple[Any, ...], _Shared] = {}
@@ -211,6 +220,7 @@ class TieredKVManager(OffloadingManager):
         self.spec = spec
         self._sh = _acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
         self.store = self._sh.store
+        self._probe = self.store.probe
         self._cap = spec.max_inflight_store_chunks
         self._bpc = int(spec.blocks_per_chunk)
         self._windowed = {i for i, k in enumerate(spec.group_kinds) if k != "full"}
@@ -264,18 +274,19 @@ class TieredKVManager(OffloadingManager):
         return [skey] + [stored_key(self._fp, partial_chunk_key(bytes(key), v)) for v in range(1, self._bpc)]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # vLLM's scheduler asks every key of every waiting request on every step: this path is
+        # kept to a few dict lookups and one call into the store (its probe).
         skey = self._sh.fingerprint + key
         if skey in self._writing:
-            return LookupResult.HIT_PENDING
-        store, lookups = self.store, self._lookups
+            return _HIT_PENDING
         if self._bpc == 1 or key_group(key) not in self._windowed:  # one candidate: the common case
-            state = store.probe(skey) or lookups.answer(skey)  # the probe answers "pending" first
+            state = self._probe(skey) or self._lookups.answer(skey)  # the probe answers "pending" first
             if state == "hit":
-                return LookupResult.HIT
+                return _HIT
             return self._not_hit(key, skey, (state,))
         states = []
         for cand in self._candidates(key, skey):  # the whole record, else a partial one
-            state = store.probe(cand) or lookups.answer(cand)
+            state = self._probe(cand) or self._lookups.answer(cand)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:

@@ -168,8 +168,18 @@ class StoreStatsReporter:
         self._read_at = float("-inf")
 
     def moved(self) -> bool:
-        """May a counter have moved since the last :meth:`take` read them? (A few attribute reads.)"""
-        return self._moved(self._stores())[0]
+        """May a counter have moved since the last :meth:`take` read them? (A clock read and one
+        ``activity()`` per store: vLLM asks on every engine step.)"""
+        seen = self._seen
+        if seen is None or time.monotonic() - self._read_at >= self.reread_s:
+            return True
+        stores = self._stores()
+        if len(stores) != len(seen):
+            return True
+        for store, (was, act) in zip(stores, seen):
+            if store is not was or store.activity() != act:
+                return True
+        return False
 
     def _moved(self, stores: list[TieredStore]) -> tuple[bool, list[tuple[TieredStore, int]]]:
         seen = [(s, s.activity()) for s in stores]

@@ -53,6 +53,7 @@ __all__ = [
     "encode_record",
     "encode_record_into",
     "make_header",
+    "read_placed_into",
     "read_records_into",
     "verify_into",
     "verify_many_parts_into",
@@ -435,6 +436,43 @@ def read_records_into(
                 out[i] = -1 if n == -2 else CorruptRecordError("record in its file is not good for its key")
         return out
     return [_read_record(*item) for item in zip(paths, offsets, sizes, keys, dsts, strict=True)]
+
+
+#: Where an index entry names a record's place for :func:`read_placed_into`: (the entry's size,
+#: and the byte offsets of the record's size (u64), its file's 16-byte token and its offset (u64),
+#: little-endian).
+PlaceLayout = tuple[int, int, int, int]
+
+
+def read_placed_into(
+    directory: str, entries: list[Any], keys: list[bytes], dsts: list[Any], layout: PlaceLayout
+) -> list[int | CorruptRecordError | OSError | None]:
+    """:func:`read_records_into` for records whose place is in an index entry: ``entries[i]`` (a
+    buffer, or None), laid out as ``layout`` says, names the record's size, its file
+    (``directory/<token as 32 hex digits>``) and its offset. Per item None where ``entries[i]`` is
+    not of the layout's size or ``dsts[i]`` is None (nothing read), else what
+    :func:`read_records_into` answers for it. With the C helper, one call that parses the entries
+    too: a caller reading many small records in files spends no Python per record on their
+    places (the LMDB tier, in its read transaction). The same caveat as :func:`read_records_into`
+    on files other writers change."""
+    size, size_at, token_at, offset_at = layout
+    if _fastrec is not None:
+        out: list[int | CorruptRecordError | OSError | None] = _fastrec.read_placed(
+            os.fsencode(directory), entries, keys, dsts, layout
+        )
+        for i, n in enumerate(out):
+            if type(n) is int and n < 0:
+                out[i] = -1 if n == -2 else CorruptRecordError("record in its file is not good for its key")
+        return out
+    found: list[int | CorruptRecordError | OSError | None] = [None] * len(entries)
+    for i, (entry, key, dst) in enumerate(zip(entries, keys, dsts, strict=True)):
+        if entry is None or dst is None or len(entry) != size:
+            continue
+        e = bytes(entry)
+        path = os.path.join(directory, e[token_at : token_at + 16].hex())
+        at = int.from_bytes(e[offset_at : offset_at + 8], "little")
+        found[i] = _read_record(path, at, int.from_bytes(e[size_at : size_at + 8], "little"), key, dst)
+    return found
 
 
 def _read_record(path: str, at: int, size: int, key: bytes, dst: Any) -> int | CorruptRecordError | OSError:

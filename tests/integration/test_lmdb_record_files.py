@@ -248,19 +248,19 @@ asyncio.run(main())
 async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
-    """Records in a file are copied after the transaction that found them; a writer that replaced
-    them meanwhile may have changed the file under the copy. The tier looks again once the copies
+    """Records in a file are copied while a read transaction that found them is open; a writer
+    that replaced them meanwhile may have changed the file under the copy. The tier looks again once the copies
     are done: a record no longer where it was read is a miss (its destination zeroed, counted
     ``record_files_moved_on``, not corrupt), and its new version stays. The writer is this
     process (the tier's own thread) or another process on the same directory, whose commit the
     look must see too."""
     async with LMDBTier(cfg(tmp_path)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
-        real = lmdb_tier.read_records_into
+        real = lmdb_tier.read_placed_into
 
         def copy_then_replace(*args: object) -> object:
             got = real(*args)  # the copies are done; the records are replaced before the tier looks again
-            monkeypatch.setattr(lmdb_tier, "read_records_into", real)
+            monkeypatch.setattr(lmdb_tier, "read_placed_into", real)
             if writer == "this-process":
                 tier._heads_put([(k(i), memoryview(data(SIZE, 100 + i))) for i in range(0, 8, 2)])
             else:
@@ -269,7 +269,7 @@ async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got
                 assert done.returncode == 0, done.stderr.decode()[-2000:]
             return got
 
-        monkeypatch.setattr(lmdb_tier, "read_records_into", copy_then_replace)
+        monkeypatch.setattr(lmdb_tier, "read_placed_into", copy_then_replace)
         bufs = [bytearray(b"\xee" * SIZE) for _ in range(8)]
         assert await tier.get_many([k(i) for i in range(8)], into=bufs) == [None, SIZE] * 4
         assert [bytes(b) for b in bufs[::2]] == [bytes(SIZE)] * 4  # nothing the copies got stays

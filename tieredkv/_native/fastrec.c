@@ -621,51 +621,17 @@ done:
  * being what was hashed. The caller rules that out after the call (the LMDB tier checks that each
  * record is still where it was read from: a writer changes a file only after the records there
  * have left it). Hashing what landed instead cost a third of the read's speed (measured). */
-static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int good = nargs == 5;
-    for (Py_ssize_t j = 0; good && j < 5; j++)
-        good = PyList_Check(args[j]) && PyList_GET_SIZE(args[j]) == PyList_GET_SIZE(args[0]);
-    if (!good) {
-        PyErr_SetString(PyExc_TypeError,
-                        "read_records(paths: list, offsets: list, sizes: list, keys: list, dsts: list), of one length");
-        return NULL;
-    }
-    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0;
-    size_t slots = count ? (size_t)count : 1;
-    PyObject *result = NULL, **names = PyMem_Calloc(slots, sizeof(PyObject *)),
-             **keys = PyMem_Calloc(slots, sizeof(PyObject *));
-    Py_buffer *bufs = PyMem_Calloc(slots, sizeof(Py_buffer));
-    Py_ssize_t *got = PyMem_Calloc(slots, sizeof(Py_ssize_t));
-    uint64_t *offs = PyMem_Calloc(slots, sizeof(uint64_t)), *lens = PyMem_Calloc(slots, sizeof(uint64_t));
-    int *errs = PyMem_Calloc(slots, sizeof(int));
-    int ok = 1;
-    if (names == NULL || keys == NULL || bufs == NULL || got == NULL || offs == NULL || lens == NULL || errs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; held < count; held++) {
-        const uint8_t *key;
-        Py_ssize_t klen;
-        unsigned long long at = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(args[1], held));
-        if (at == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-        unsigned long long n = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(args[2], held));
-        if (n == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-        offs[held] = at;
-        lens[held] = n;
-        if (key_arg(PyList_GET_ITEM(args[3], held), &key, &klen) < 0) goto done;
-        if (!PyUnicode_FSConverter(PyList_GET_ITEM(args[0], held), &names[held])) goto done;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(args[4], held), &bufs[held], PyBUF_WRITABLE) < 0) {
-            Py_CLEAR(names[held]);
-            goto done;
-        }
-        keys[held] = Py_NewRef(PyList_GET_ITEM(args[3], held));
-    }
-    Py_BEGIN_ALLOW_THREADS
+/* The reads of read_records and read_placed, the GIL let go by the caller: item i is the record of
+ * lens[i] bytes at offs[i] of file paths[i] (a run of items in one file, next to each other, maps
+ * the part of it they span once), delivered into bufs[i] checked for keys[i]; got[i] as
+ * read_records returns it, -3 for an OSError of errno errs[i]. */
+static void read_core(Py_ssize_t count, char *const *paths, const uint64_t *offs, const uint64_t *lens,
+                      PyObject *const *keys, Py_buffer *bufs, Py_ssize_t *got, int *errs, int *ok) {
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
-    for (Py_ssize_t i = 0; i < count && ok;) {
-        const char *path = PyBytes_AS_STRING(names[i]);
+    for (Py_ssize_t i = 0; i < count && *ok;) {
+        const char *path = paths[i];
         Py_ssize_t end = i + 1;
-        while (end < count && strcmp(PyBytes_AS_STRING(names[end]), path) == 0) end++;
+        while (end < count && strcmp(paths[end], path) == 0) end++;
         int fd = open(path, O_RDONLY | O_CLOEXEC);
         struct stat st;
         int err = fd < 0 ? errno : (fstat(fd, &st) < 0 ? errno : 0);
@@ -685,7 +651,7 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
             else
                 map = m;
         }
-        for (Py_ssize_t j = i; j < end && ok; j++) {
+        for (Py_ssize_t j = i; j < end && *ok; j++) {
             if (err) {
                 got[j] = -3;
                 errs[j] = err;
@@ -694,13 +660,114 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
             } else {
                 const uint8_t *rec = map + (offs[j] - base);
                 got[j] = check_copy(rec, (Py_ssize_t)lens[j], (const uint8_t *)PyBytes_AS_STRING(keys[j]),
-                                    (size_t)PyBytes_GET_SIZE(keys[j]), bufs[j].buf, bufs[j].len, &ok);
+                                    (size_t)PyBytes_GET_SIZE(keys[j]), bufs[j].buf, bufs[j].len, ok);
             }
         }
         if (map != NULL) munmap(map, (size_t)(hi - base));
         if (fd >= 0) close(fd);
         i = end;
     }
+}
+
+/* What read_core found for an item, as a Python object (an int, or the OSError naming ``path``). */
+static PyObject *read_result(Py_ssize_t got, int err, PyObject *path) {
+    if (got == -3) return PyObject_CallFunction(PyExc_OSError, "isO", err, strerror(err), path);
+    return PyLong_FromSsize_t(got);
+}
+
+/* Per-item arrays of a read (count items), freed by read_arrays_free; 0, or -1 with MemoryError. */
+typedef struct {
+    char **paths;
+    PyObject **keys;
+    Py_buffer *bufs;
+    Py_ssize_t *got;
+    uint64_t *offs, *lens;
+    int *errs;
+} read_arrays;
+
+static int read_arrays_new(read_arrays *a, Py_ssize_t count) {
+    size_t slots = count ? (size_t)count : 1;
+    a->paths = PyMem_Calloc(slots, sizeof(char *));
+    a->keys = PyMem_Calloc(slots, sizeof(PyObject *));
+    a->bufs = PyMem_Calloc(slots, sizeof(Py_buffer));
+    a->got = PyMem_Calloc(slots, sizeof(Py_ssize_t));
+    a->offs = PyMem_Calloc(slots, sizeof(uint64_t));
+    a->lens = PyMem_Calloc(slots, sizeof(uint64_t));
+    a->errs = PyMem_Calloc(slots, sizeof(int));
+    if (a->paths == NULL || a->keys == NULL || a->bufs == NULL || a->got == NULL || a->offs == NULL ||
+        a->lens == NULL || a->errs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Releases the first ``held`` items' buffers and keys, then the arrays. */
+static void read_arrays_free(read_arrays *a, Py_ssize_t held) {
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&a->bufs[i]);
+        Py_DECREF(a->keys[i]);
+    }
+    PyMem_Free(a->paths);
+    PyMem_Free(a->keys);
+    PyMem_Free(a->bufs);
+    PyMem_Free(a->got);
+    PyMem_Free(a->offs);
+    PyMem_Free(a->lens);
+    PyMem_Free(a->errs);
+}
+
+/* read_records(paths, offsets, sizes, keys, dsts) -> list
+ * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] (as
+ * write_records wrote it) into dsts[i], checked for keys[i], as verify_copy does (the header
+ * checked, the payload hashed where it is and streamed out); per item the payload length, -1
+ * (not a good record for its key, or the file ends before it), -2 (does not fit) or an OSError
+ * naming the path (FileNotFoundError: removed meanwhile). Each run of items in one file maps the
+ * part of the file they span once (read-only, populated in one go: page-cache pages, no copy into
+ * a bounce buffer). The GIL is let go once for all of them. The files must not shrink meanwhile
+ * (tieredkv never truncates one; blocks given back read as zeros: a record that fails).
+ * A file another writer changes during the call (a dead record's blocks punched, a spare written
+ * over) can change a piece between its hash and its copy: what is delivered then verified without
+ * being what was hashed. The caller rules that out after the call (the LMDB tier checks that each
+ * record is still where it was read from: a writer changes a file only after the records there
+ * have left it). Hashing what landed instead cost a third of the read's speed (measured). */
+static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int good = nargs == 5;
+    for (Py_ssize_t j = 0; good && j < 5; j++)
+        good = PyList_Check(args[j]) && PyList_GET_SIZE(args[j]) == PyList_GET_SIZE(args[0]);
+    if (!good) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_records(paths: list, offsets: list, sizes: list, keys: list, dsts: list), of one length");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0;
+    PyObject *result = NULL, **names = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    read_arrays a;
+    int ok = 1;
+    if (read_arrays_new(&a, count) < 0 || names == NULL) {
+        if (names == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        const uint8_t *key;
+        Py_ssize_t klen;
+        unsigned long long at = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(args[1], held));
+        if (at == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        unsigned long long n = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(args[2], held));
+        if (n == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        a.offs[held] = at;
+        a.lens[held] = n;
+        if (key_arg(PyList_GET_ITEM(args[3], held), &key, &klen) < 0) goto done;
+        if (!PyUnicode_FSConverter(PyList_GET_ITEM(args[0], held), &names[held])) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(args[4], held), &a.bufs[held], PyBUF_WRITABLE) < 0) {
+            Py_CLEAR(names[held]);
+            goto done;
+        }
+        a.paths[held] = PyBytes_AS_STRING(names[held]);
+        a.keys[held] = Py_NewRef(PyList_GET_ITEM(args[3], held));
+    }
+    Py_BEGIN_ALLOW_THREADS
+    read_core(count, a.paths, a.offs, a.lens, a.keys, a.bufs, a.got, a.errs, &ok);
     Py_END_ALLOW_THREADS
     if (!ok) {
         PyErr_NoMemory();
@@ -708,11 +775,7 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
     }
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
-        PyObject *item;
-        if (got[i] == -3)
-            item = PyObject_CallFunction(PyExc_OSError, "isO", errs[i], strerror(errs[i]), PyList_GET_ITEM(args[0], i));
-        else
-            item = PyLong_FromSsize_t(got[i]);
+        PyObject *item = read_result(a.got[i], a.errs[i], PyList_GET_ITEM(args[0], i));
         if (item == NULL) {
             Py_CLEAR(result);
             break;
@@ -720,18 +783,101 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
         PyList_SET_ITEM(result, i, item);
     }
 done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[i]);
-        Py_DECREF(names[i]);
-        Py_DECREF(keys[i]);
-    }
+    if (names != NULL)
+        for (Py_ssize_t i = 0; i < held; i++) Py_DECREF(names[i]);
     PyMem_Free(names);
-    PyMem_Free(keys);
-    PyMem_Free(bufs);
-    PyMem_Free(got);
-    PyMem_Free(offs);
-    PyMem_Free(lens);
-    PyMem_Free(errs);
+    read_arrays_free(&a, held);
+    return result;
+}
+
+/* read_placed(directory, entries, keys, dsts, layout) -> list
+ * read_records for records whose place is in an index entry: entries[i] (a buffer, or None) of
+ * layout = (entry_size, size_at, token_at, offset_at) names the record's size (u64 LE), its file
+ * (a 16-byte token: the file is directory/<token as 32 hex digits>) and its offset (u64 LE). Per
+ * item None where entries[i] is not of entry_size bytes or dsts[i] is None (not read here), else
+ * what read_records returns for it. For the LMDB tier's reads of records in record files: the
+ * entries are read in its read transaction and their places never reach Python. */
+static PyObject *read_placed_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t esize, size_at, token_at, offset_at;
+    int good = nargs == 5 && PyBytes_Check(args[0]) && PyList_Check(args[1]) && PyList_Check(args[2]) &&
+               PyList_Check(args[3]) && PyList_GET_SIZE(args[2]) == PyList_GET_SIZE(args[1]) &&
+               PyList_GET_SIZE(args[3]) == PyList_GET_SIZE(args[1]) &&
+               PyArg_ParseTuple(args[4], "nnnn", &esize, &size_at, &token_at, &offset_at);
+    if (good)
+        good = size_at >= 0 && token_at >= 0 && offset_at >= 0 && size_at + 8 <= esize && token_at + 16 <= esize &&
+               offset_at + 8 <= esize;
+    if (!good) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "read_placed(directory: bytes, entries: list, keys: list, dsts: list, "
+                                             "layout: (entry_size, size_at, token_at, offset_at)), lists of one length");
+        return NULL;
+    }
+    static const char hex[] = "0123456789abcdef";
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, dlen = PyBytes_GET_SIZE(args[0]);
+    size_t plen = (size_t)dlen + 1 + 32 + 1;
+    Py_ssize_t *which = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
+    char *names = PyMem_Malloc((count ? (size_t)count : 1) * plen);
+    PyObject *result = NULL;
+    read_arrays a;
+    int ok = 1;
+    if (read_arrays_new(&a, count) < 0 || which == NULL || names == NULL) {
+        if (which == NULL || names == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *entry = PyList_GET_ITEM(args[1], i), *dst = PyList_GET_ITEM(args[3], i);
+        if (entry == Py_None || dst == Py_None) continue;
+        Py_buffer e;
+        if (PyObject_GetBuffer(entry, &e, PyBUF_SIMPLE) < 0) goto done;
+        int placed = e.len == esize;
+        const uint8_t *p = e.buf;
+        if (placed) {
+            a.lens[held] = get_le(p + size_at, 8);
+            a.offs[held] = get_le(p + offset_at, 8);
+            char *path = names + (size_t)held * plen;
+            memcpy(path, PyBytes_AS_STRING(args[0]), (size_t)dlen);
+            path[dlen] = '/';
+            for (int b = 0; b < 16; b++) {
+                path[dlen + 1 + 2 * b] = hex[p[token_at + b] >> 4];
+                path[dlen + 2 + 2 * b] = hex[p[token_at + b] & 15];
+            }
+            path[dlen + 33] = '\0';
+        }
+        PyBuffer_Release(&e);
+        if (!placed) continue;
+        const uint8_t *key;
+        Py_ssize_t klen;
+        if (key_arg(PyList_GET_ITEM(args[2], i), &key, &klen) < 0) goto done;
+        if (PyObject_GetBuffer(dst, &a.bufs[held], PyBUF_WRITABLE) < 0) goto done;
+        a.paths[held] = names + (size_t)held * plen;
+        a.keys[held] = Py_NewRef(PyList_GET_ITEM(args[2], i));
+        which[held++] = i;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    read_core(held, a.paths, a.offs, a.lens, a.keys, a.bufs, a.got, a.errs, &ok);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++) PyList_SET_ITEM(result, i, Py_NewRef(Py_None));
+    for (Py_ssize_t j = 0; result != NULL && j < held; j++) {
+        PyObject *path = a.got[j] == -3 ? PyUnicode_DecodeFSDefault(a.paths[j]) : NULL;
+        PyObject *item = a.got[j] == -3 && path == NULL ? NULL : read_result(a.got[j], a.errs[j], path);
+        Py_XDECREF(path);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyObject *none = PyList_GET_ITEM(result, which[j]);
+        PyList_SET_ITEM(result, which[j], item);
+        Py_DECREF(none);
+    }
+done:
+    PyMem_Free(which);
+    PyMem_Free(names);
+    read_arrays_free(&a, held);
     return result;
 }
 
@@ -752,6 +898,8 @@ static PyMethodDef methods[] = {
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {"write_records", (PyCFunction)(void (*)(void))write_records_py, METH_FASTCALL,
      "write_records(path, heads, payloads, sync, reuse=False) -> None (one file of records)"},
+    {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,
+     "read_placed(directory, entries, keys, dsts, layout) -> list: read_records of records placed by index entries"},
     {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,
      "read_records(paths, offsets, sizes, keys, dsts) -> list of payload lengths, -1, -2 or OSError"},
     {NULL, NULL, 0, NULL},

@@ -24,8 +24,11 @@ write transaction as the records it counts).
   stores 1.13-1.33x py-lmdb's put, against 0.68-0.79x stored apart). A deleted, replaced or
   evicted record's blocks are given back (punched) after the commit, and a file goes with its
   last record (kept as a spare for a later batch to write over: :meth:`LMDBTier._retire`). A
-  file changes only after its records left it, so a reader looks again once its copies are
-  done (:meth:`LMDBTier._still_placed`): a record no longer where it was read is a miss
+  read copies the records of a batch out of their files in one C call, inside the read
+  transaction that found their places (:func:`~tieredkv.format.read_placed_into`: the access
+  entries are parsed there, no Python per record). A file changes only after its records left
+  it, so a reader looks again once its copies are done if anything committed meanwhile
+  (:meth:`LMDBTier._still_placed`): a record no longer where it was read is a miss
   (``record_files_moved_on``) whatever its copy got, and a record is deleted as corrupt only
   while it still names the place that failed. Files no record names (a crash between the write
   and the commit) are swept at open once :data:`_ORPHAN_AFTER_S` old.
@@ -114,6 +117,7 @@ from tieredkv.eviction import EvictionPolicy, make_policy
 from tieredkv.format import (
     HEADER_SIZE,
     encode_heads_into,
+    read_placed_into,
     read_records_into,
     verify_many_into,
     verify_many_parts_into,
@@ -133,6 +137,9 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _TOKEN = 16  # bytes of a record file's name token (random: a name is never used twice)
 _PLACE = struct.Struct("<16sQ")  # where a record in a file is: the file's token, the record's offset
 _FILED = struct.Struct(_ACCESS.format + _PLACE.format[1:])  # a filed record's access entry: _ACCESS, then _PLACE
+# For format.read_placed_into: a filed access entry's size, and where its record's size, file token
+# and offset are in it.
+_FILED_LAYOUT = (_FILED.size, struct.calcsize("<d"), _ACCESS.size, _ACCESS.size + struct.calcsize("<16s"))
 _LIVE = struct.Struct("<Q")  # files DB: a record file's token -> how many records it still holds
 _FILES = "files"  # record files, under the environment's directory
 _SPARE = "spare"  # record files that lost their last record, kept (in files/spare/) to be written again
@@ -1073,27 +1080,48 @@ class LMDBTier(Tier):
         record's size (None: not there; -1: failed). The records are checked and copied by
         :func:`~tieredkv.format.verify_many_into` (one C call for all of them where the helper is
         built, the GIL let go once; one that fails is zeroed where it landed: no damaged byte
-        stays in a destination). Record files are read after the transaction
-        (:meth:`_read_files`)."""
+        stays in a destination). Records in record files are read inside the transaction, all
+        of them in one C call that takes their places from the access entries
+        (:func:`~tieredkv.format.read_placed_into`), and looked for again after it if anything
+        committed during the copies (:meth:`_placed_outcomes`); those without a destination are
+        read after it (:meth:`_read_files`)."""
 
         acc = self._sh.acc
         files: list[tuple[int, bytes, int]] = []
         snapshot = [0]  # the read transaction's id
+        odd: list[tuple[int, Any, tuple[bytes, int], int]] = []  # filed records not delivered
+        placed: list[tuple[int, bytes, int]] = []  # filed records to look for again (a commit came)
+        files_dir, env = self._files, self._sh.env
 
         def read(txn: Any) -> tuple[list[int | bytes | None], list[_Bad], list[int | None]]:
             snapshot[0] = txn.id()
             get = txn.get
             meta_of = txn.cursor(db=acc).get  # (a cursor's get: no keyword to parse per key)
             metas = [meta_of(key) for key in keys]  # stamp, size, and a header kept apart or a place
+            # Records in record files, in one C call that parses their places (no Python per record)
+            filed = read_placed_into(files_dir, metas, keys, into, _FILED_LAYOUT)
             recs: list[Any] = [None] * len(keys)
             out: list[int | bytes | None] = [None] * len(keys)
             seen: list[int | None] = [None] * len(keys)
             bad: list[_Bad] = []
             whole: list[int] = []
             apart: list[int] = []
+            any_filed = False
             files.clear()
-            for i, meta in enumerate(metas):
-                if meta is not None and len(meta) == _FILED.size:  # in a record file: read after the transaction
+            odd.clear()
+            placed.clear()
+            for i, r in enumerate(filed):
+                if r is not None:  # in a record file, read above
+                    any_filed = True
+                    if type(r) is int and r >= 0:
+                        out[i] = r
+                        seen[i] = r + HEADER_SIZE
+                    else:
+                        meta = metas[i]
+                        odd.append((i, r, _PLACE.unpack_from(meta, _ACCESS.size), _ACCESS.unpack_from(meta)[1]))
+                    continue
+                meta = metas[i]
+                if meta is not None and len(meta) == _FILED.size:  # in a file, no destination: read after
                     _, seen[i], token, at = _FILED.unpack(meta)
                     files.append((i, token, at))
                     continue
@@ -1109,6 +1137,12 @@ class LMDBTier(Tier):
                     whole.append(i)
                 else:
                     seen[i] = len(rec)
+            if any_filed and env.info()["last_txnid"] != snapshot[0]:
+                # A transaction committed since this one began: a record read from a file may
+                # have left it during its copy. Look again, after this transaction (below).
+                placed.extend(
+                    (i, *_PLACE.unpack_from(metas[i], _ACCESS.size)) for i, g in enumerate(filed) if g is not None
+                )
             dsts: list[Any] = into
             got = verify_many_into([recs[i] for i in whole], [keys[i] for i in whole], [dsts[i] for i in whole])
             got += verify_many_parts_into(
@@ -1141,9 +1175,53 @@ class LMDBTier(Tier):
         if not keys:
             return [], [], []
         out, bad, seen = self._txn(read, db=self._sh.rec, buffers=True)
+        if placed or odd:
+            self._placed_outcomes(keys, into, out, bad, seen, placed, odd)
         if files:
             self._read_files(keys, into, files, out, bad, seen, snapshot[0])
         return out, bad, seen
+
+    def _placed_outcomes(
+        self,
+        keys: list[bytes],
+        into: list[memoryview | None],
+        out: list[int | bytes | None],
+        bad: list[_Bad],
+        seen: list[int | None],
+        placed: list[tuple[int, bytes, int]],
+        odd: list[tuple[int, Any, tuple[bytes, int], int]],
+    ) -> None:
+        """After :meth:`_read_part`'s transaction: each record read from a file (``placed``, when a
+        commit came during the copies) that is no longer where it was read is a miss, its
+        destination zeroed (:meth:`_still_placed`), and each one that was not delivered (``odd``:
+        index, what the read answered, its place, its stored size) is sorted as
+        :meth:`_read_files` sorts them."""
+        moved: set[int] = set()
+        if placed:
+            for (i, _, _), here in zip(placed, self._still_placed(keys, placed, None)):
+                if not here:
+                    moved.add(i)
+                    dst = into[i]
+                    assert dst is not None
+                    dst[:] = bytes(len(dst))  # nothing unchecked stays where it landed
+                    out[i] = None
+                    seen[i] = -1
+            if moved:
+                self._count("record_files_moved_on", len(moved))
+        for i, n, place, size in odd:
+            if i in moved:
+                continue
+            seen[i] = -1
+            if isinstance(n, (CorruptRecordError, FileNotFoundError)):
+                bad.append((keys[i], n, place))
+            elif isinstance(n, OSError):  # the file could not be read now: a miss, the record kept
+                log.warning("tier %s: record file %s not read: %s", self.name, place[0].hex(), n)
+                self._count("record_file_errors")
+            else:  # a good header, a payload longer than its destination
+                seen[i] = size
+                dst = into[i]
+                assert dst is not None  # (only records with a destination are read in the transaction)
+                self._oversize(keys[i], size - HEADER_SIZE, dst)
 
     def _read_files(
         self,
@@ -1191,15 +1269,15 @@ class LMDBTier(Tier):
             else:  # a good header, a payload longer than its destination
                 self._oversize(keys[i], (seen[i] or 0) - HEADER_SIZE, dst)
 
-    def _still_placed(self, keys: list[bytes], files: list[tuple[int, bytes, int]], snapshot: int) -> list[bool]:
+    def _still_placed(self, keys: list[bytes], files: list[tuple[int, bytes, int]], snapshot: int | None) -> list[bool]:
         """Whether each record read from a file (``files``: (index, file token, offset)) is still
         there, in a transaction begun after the copies. A writer changes a file only after the
         records there have left it (their blocks punched, or the file written over as a spare,
         once the transaction that replaced or deleted them committed); a record still there was
         not changed under its copy, and one that left is a miss, whatever its copy delivered.
         When no transaction has committed since the read transaction ``snapshot`` (the
-        environment's last one is still it), none left: nothing to look up."""
-        if self._sh.env.info()["last_txnid"] == snapshot:
+        environment's last one is still it), none left: nothing to look up (None: one did)."""
+        if snapshot is not None and self._sh.env.info()["last_txnid"] == snapshot:
             return [True] * len(files)
         acc = self._sh.acc
 

@@ -142,3 +142,57 @@ def test_a_process_without_the_helper_reads_what_one_with_it_wrote(tmp_path: Pat
 
     assert fmt._fastrec is NATIVE
     asyncio.run(write_then_read())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_reads_by_place_answer_alike_on_both_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """``read_placed_into`` (the LMDB tier's read of records in record files, its places taken from
+    index entries) per item, with and without the helper: a good record's length, nothing read
+    where the entry is not a place or there is no destination, -1 for a payload longer than its
+    destination, a damaged record refused (its destination zeroed), a file that is gone an
+    ``FileNotFoundError``; several files and offsets in one call."""
+    import struct
+
+    layout_struct = struct.Struct("<dQ16sQ")  # stamp, size, token, offset: the LMDB tier's layout
+    layout = (layout_struct.size, 8, 16, 32)
+    sizes = [4096, 70_000, 1000]
+    ks = [NS.key(bytes([7, i]) * 16, 0) for i in range(len(sizes))]
+    pays = [payload(n, seed=n).numpy().tobytes() for n in sizes]
+    heads = bytearray(fmt.HEADER_SIZE * len(sizes))
+    fmt.encode_heads_into(memoryview(heads), [(k, memoryview(p)) for k, p in zip(ks, pays)])
+    tok_a, tok_b = bytes(range(16)), bytes(range(16, 32))
+    fmt.write_records(str(tmp_path / tok_a.hex()), memoryview(heads), pays, sync=False)
+    fmt.write_records(str(tmp_path / tok_b.hex()), memoryview(heads[:64]), pays[:1], sync=False)
+    offs = [0, fmt.HEADER_SIZE + sizes[0], 2 * fmt.HEADER_SIZE + sizes[0] + sizes[1]]
+
+    def entry(token: bytes, i: int, at: int | None = None) -> memoryview:
+        return memoryview(layout_struct.pack(1.5, fmt.HEADER_SIZE + sizes[i], token, offs[i] if at is None else at))
+
+    monkeypatch.setattr(fmt, "_fastrec", NATIVE if native else None)
+    entries: list[Any] = [
+        entry(tok_a, 0),
+        entry(tok_a, 1),
+        entry(tok_a, 2),
+        entry(tok_b, 0, 0),  # the same record in a second file
+        entry(tok_a, 1),  # no destination: not read
+        memoryview(b"x" * 16),  # an access entry that is no place: not read
+        None,  # no entry
+        entry(tok_a, 1),  # a destination too small
+        entry(tok_a, 2, offs[1]),  # another record's place: not good for this key
+        entry(bytes(16), 0),  # a file that is not there
+    ]
+    order = [0, 1, 2, 0, 1, 0, 0, 1, 2, 0]
+    dsts: list[Any] = [bytearray(sizes[j] + 3) for j in order]
+    dsts[4] = None
+    dsts[7] = bytearray(sizes[1] - 1)
+    got = fmt.read_placed_into(str(tmp_path), entries, [ks[j] for j in order], dsts, layout)
+    assert got[:4] == [sizes[0], sizes[1], sizes[2], sizes[0]]
+    for i in range(4):
+        n = sizes[order[i]]
+        assert bytes(dsts[i][:n]) == pays[order[i]] and not any(dsts[i][n:])
+    assert got[4:7] == [None, None, None]
+    assert got[7] == -1
+    assert isinstance(got[8], fmt.CorruptRecordError) and not any(dsts[8])
+    assert isinstance(got[9], FileNotFoundError)

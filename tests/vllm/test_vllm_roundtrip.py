@@ -271,6 +271,38 @@ def test_spec_manager_contract(tmp_path: Path) -> None:
         runner.shutdown()
 
 
+def test_lookup_prefix_answers_as_lookup_does_key_by_key(tmp_path: Path) -> None:
+    """``TieredKVManager.lookup_prefix`` (``TieredKVConnector``'s prefix scan in one call) gives
+    ``lookup``'s answer for each key, in order, and stops after the first miss: a stored key is a
+    HIT, one being written HIT_PENDING, one no tier holds a MISS (then nothing more is asked)."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+    runner = Runner(extra_config("TieredKVOffloadingSpec", write_tiers(tmp_path / "t.yaml", "lmdb", None)))
+    try:
+        m = runner.manager_obj
+        ctx = ReqContext(req_id="x")
+        k = [make_offload_key(bytes([i + 1]) * 32, 0) for i in range(8)]
+        fp = m.spec.namespace.fingerprint
+        store = m.store
+        store.run(store.tiers[0].put_many([(fp + k[i], b"v" * 8) for i in (0, 1, 3, 6)]))
+        assert m.prepare_store([k[2], k[5]], ctx) is not None  # being written until complete_store
+        orders = [k, k[3:], [k[0], k[2], k[1]], k[4:], [], list(reversed(k))]
+        for keys in orders:
+            one_by_one = []
+            for key in keys:
+                one_by_one.append(m.lookup(key, ctx))
+                if one_by_one[-1] is LookupResult.MISS:
+                    break
+            assert m.lookup_prefix(keys, ctx) == one_by_one, keys
+        H, P, M = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+        assert m.lookup_prefix(k, ctx) == [H, H, P, H, M]
+        assert m.lookup_prefix(list(reversed(k)), ctx) == [M]
+        m.complete_store([k[2], k[5]], ctx)  # nothing reached a tier (no worker ran): now misses
+        assert m.lookup_prefix(k, ctx) == [H, H, M]
+    finally:
+        runner.shutdown()
+
+
 def test_namespace_from_offloading_config() -> None:
     """The fingerprint follows model, dtype, tokens per block, blocks per chunk, window and layout."""
     import dataclasses

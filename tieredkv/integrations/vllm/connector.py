@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         # store jobs made outside schedule() (a finished request's last pass), sent with the next
         # step's metadata
         self._early_store_jobs: dict[int, TransferJob] = {}
+        # a manager that answers a prefix scan in one call (tieredkv's); else key by key
+        self._lookup_prefix = getattr(self.manager, "lookup_prefix", None)
 
     # ------------------------------------------------------------------ ledgers
 
@@ -216,16 +218,18 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
 
     def _maximal_prefix_lookup(
         self,
-        keys: Iterable[OffloadKey],
+        keys: Sequence[OffloadKey],
         req_context: ReqContext,
         req: Request,
         group_config: GroupOffloadConfig,
         start_chunk_idx: int,
     ) -> int | None:
+        ctx = req_context
+        prefix = self._lookup_prefix
+        results = prefix(keys, ctx) if prefix is not None else _prefix_results(self.manager, keys, ctx)
         hit_count = 0
         deferred = False
-        for i, key in enumerate(keys):
-            result = self.manager.lookup(key, req_context)
+        for i, (key, result) in enumerate(zip(keys, results)):
             if result in _PRESENT:
                 self._events_tracker.record_lookup(req, group_config, start_chunk_idx + i, key)
                 hit_count += 1
@@ -628,6 +632,12 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                     led.reset()
             else:
                 del self._ledgers[req_id]
+
+
+def _prefix_results(manager: Any, keys: Sequence[OffloadKey], ctx: ReqContext) -> Iterator[LookupResult]:
+    """``manager.lookup`` of each key in order, lazily: the caller stops at the first miss."""
+    for key in keys:
+        yield manager.lookup(key, ctx)
 
 
 def _leading_nulls(blocks: tuple[int, ...]) -> int:

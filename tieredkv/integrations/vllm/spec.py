@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,16 @@ from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds, namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, metric_definitions
-from tieredkv.keys import Namespace, key_group, partial_chunk_key, partial_valid_from, stored_key, with_group
+from tieredkv.keys import (
+    GROUP_SUFFIX,
+    Namespace,
+    group_suffix,
+    key_group,
+    partial_chunk_key,
+    partial_valid_from,
+    stored_key,
+    with_group,
+)
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVLoadStoreSpec", "TieredKVManager", "TieredKVOffloadingSpec", "TieredKVWorker"]
@@ -82,7 +91,7 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
         return f"TieredKVLoadStoreSpec({len(self.keys)} keys)"
 
 
-_HIT, _HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING  # read once per lookup
+_HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS  # read once per lookup
 
 
 # ---- one store per engine and process, shared by manager and worker ---------------------------
@@ -224,6 +233,8 @@ class TieredKVManager(OffloadingManager):
         self._cap = spec.max_inflight_store_chunks
         self._bpc = int(spec.blocks_per_chunk)
         self._windowed = {i for i, k in enumerate(spec.group_kinds) if k != "full"}
+        # group suffixes of the keys that may also be found as a partial record (several candidates)
+        self._partial_groups = frozenset(group_suffix(g) for g in self._windowed) if self._bpc > 1 else frozenset()
         self._num_groups = len(spec.group_kinds)
         self._writing: collections.Counter[bytes] = collections.Counter()
         self._inflight = 0
@@ -279,20 +290,49 @@ class TieredKVManager(OffloadingManager):
         skey = self._sh.fingerprint + key
         if skey in self._writing:
             return _HIT_PENDING
-        if self._bpc == 1 or key_group(key) not in self._windowed:  # one candidate: the common case
-            state = self._probe(skey) or self._lookups.answer(skey)  # the probe answers "pending" first
-            if state == "hit":
-                return _HIT
-            return self._not_hit(key, skey, (state,))
+        if self._partial_groups and key[GROUP_SUFFIX] in self._partial_groups:
+            return self._lookup_partial(key, skey)
+        state = self._probe(skey) or self._lookups.answer(skey)  # the probe answers "pending" first
+        return _HIT if state == "hit" else self._not_hit(key, skey, (state,))
+
+    def lookup_prefix(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> list[LookupResult]:
+        """:meth:`lookup` of each key in order, up to and including the first MISS: a connector's
+        prefix scan of a group in one call (``TieredKVConnector`` calls this; it is what ``lookup``
+        answers, key by key)."""
+        fp, writing, probe, answer, partial = (
+            self._sh.fingerprint,
+            self._writing,
+            self._probe,
+            self._lookups.answer,
+            self._partial_groups,
+        )
+        out: list[LookupResult] = []
+        for key in keys:
+            skey = fp + key
+            if skey in writing:
+                result = _HIT_PENDING
+            elif partial and key[GROUP_SUFFIX] in partial:
+                result = self._lookup_partial(key, skey)
+            else:
+                state = probe(skey) or answer(skey)
+                result = _HIT if state == "hit" else self._not_hit(key, skey, (state,))
+            out.append(result)
+            if result is _MISS:
+                break
+        return out
+
+    def _lookup_partial(self, key: bytes, skey: bytes) -> LookupResult:
+        """A sliding-window or Mamba key with several chunks per block: the whole record, else
+        a partial one (leading sub-blocks invalid)."""
         states = []
-        for cand in self._candidates(key, skey):  # the whole record, else a partial one
+        for cand in self._candidates(key, skey):
             state = self._probe(cand) or self._lookups.answer(cand)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:
                         self._chosen.clear()
                     self._chosen[skey] = cand
-                return LookupResult.HIT
+                return _HIT
             states.append(state)
         return self._not_hit(key, skey, states)
 
@@ -304,7 +344,7 @@ class TieredKVManager(OffloadingManager):
         if "pending" in states:
             return LookupResult.HIT_PENDING
         self._stored.pop(skey, None)
-        return LookupResult.MISS
+        return _MISS
 
     def _prefetch_other_groups(self, key: bytes) -> None:
         """Ask the tiers, in the same batch, for this hash in every other group: vLLM looks up the

@@ -717,6 +717,19 @@ static void read_arrays_free(read_arrays *a, Py_ssize_t held) {
     PyMem_Free(a->errs);
 }
 
+/* read_core over the first n items of a, the GIL let go; 0, or -1 with MemoryError. */
+static int read_arrays_run(read_arrays *a, Py_ssize_t n) {
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    read_core(n, a->paths, a->offs, a->lens, a->keys, a->bufs, a->got, a->errs, &ok);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
 /* read_records(paths, offsets, sizes, keys, dsts) -> list
  * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] (as
  * write_records wrote it) into dsts[i], checked for keys[i], as verify_copy does (the header
@@ -743,7 +756,6 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
     Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0;
     PyObject *result = NULL, **names = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
     read_arrays a;
-    int ok = 1;
     if (read_arrays_new(&a, count) < 0 || names == NULL) {
         if (names == NULL) PyErr_NoMemory();
         goto done;
@@ -766,13 +778,7 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
         a.paths[held] = PyBytes_AS_STRING(names[held]);
         a.keys[held] = Py_NewRef(PyList_GET_ITEM(args[3], held));
     }
-    Py_BEGIN_ALLOW_THREADS
-    read_core(count, a.paths, a.offs, a.lens, a.keys, a.bufs, a.got, a.errs, &ok);
-    Py_END_ALLOW_THREADS
-    if (!ok) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (read_arrays_run(&a, count) < 0) goto done;
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
         PyObject *item = read_result(a.got[i], a.errs[i], PyList_GET_ITEM(args[0], i));
@@ -819,7 +825,6 @@ static PyObject *read_placed_py(PyObject *self, PyObject *const *args, Py_ssize_
     char *names = PyMem_Malloc((count ? (size_t)count : 1) * plen);
     PyObject *result = NULL;
     read_arrays a;
-    int ok = 1;
     if (read_arrays_new(&a, count) < 0 || which == NULL || names == NULL) {
         if (which == NULL || names == NULL) PyErr_NoMemory();
         goto done;
@@ -853,13 +858,7 @@ static PyObject *read_placed_py(PyObject *self, PyObject *const *args, Py_ssize_
         a.keys[held] = Py_NewRef(PyList_GET_ITEM(args[2], i));
         which[held++] = i;
     }
-    Py_BEGIN_ALLOW_THREADS
-    read_core(held, a.paths, a.offs, a.lens, a.keys, a.bufs, a.got, a.errs, &ok);
-    Py_END_ALLOW_THREADS
-    if (!ok) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (read_arrays_run(&a, held) < 0) goto done;
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) PyList_SET_ITEM(result, i, Py_NewRef(Py_None));
     for (Py_ssize_t j = 0; result != NULL && j < held; j++) {

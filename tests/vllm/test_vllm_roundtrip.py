@@ -271,13 +271,19 @@ def test_spec_manager_contract(tmp_path: Path) -> None:
         runner.shutdown()
 
 
-def test_lookup_prefix_answers_as_lookup_does_key_by_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_lookup_prefix_answers_as_lookup_does_key_by_key(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
     """``TieredKVManager.lookup_prefix`` (``TieredKVConnector``'s prefix scan in one call) gives
     ``lookup``'s answer for each key, in order, and stops after the first miss: a stored key is a
-    HIT, one being written HIT_PENDING, one no tier holds a MISS (then nothing more is asked)."""
+    HIT, one being written HIT_PENDING, one no tier holds a MISS (then nothing more is asked). On
+    a Redis route an unknown key is RETRY until the batched lookup sent at the end of the step
+    answers, and a RETRY does not end the scan (vLLM's connector keeps asking, to start them)."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
-    runner = Runner(extra_config("TieredKVOffloadingSpec", write_tiers(tmp_path / "t.yaml", "lmdb", None)))
+    url = request.getfixturevalue("redis_server").url if backend == "redis" else None
+    runner = Runner(extra_config("TieredKVOffloadingSpec", write_tiers(tmp_path / "t.yaml", backend, url)))
     try:
         m = runner.manager_obj
         ctx = ReqContext(req_id="x")
@@ -287,17 +293,31 @@ def test_lookup_prefix_answers_as_lookup_does_key_by_key(tmp_path: Path) -> None
         store.run(store.tiers[0].put_many([(fp + k[i], b"v" * 8) for i in (0, 1, 3, 6)]))
         assert m.prepare_store([k[2], k[5]], ctx) is not None  # being written until complete_store
         orders = [k, k[3:], [k[0], k[2], k[1]], k[4:], [], list(reversed(k))]
-        for keys in orders:
-            one_by_one = []
-            for key in keys:
-                one_by_one.append(m.lookup(key, ctx))
-                if one_by_one[-1] is LookupResult.MISS:
-                    break
-            assert m.lookup_prefix(keys, ctx) == one_by_one, keys
-        H, P, M = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+
+        def same_as_one_by_one() -> None:
+            for keys in orders:
+                one_by_one = []
+                for key in keys:
+                    one_by_one.append(m.lookup(key, ctx))
+                    if one_by_one[-1] is LookupResult.MISS:
+                        break
+                assert m.lookup_prefix(keys, ctx) == one_by_one, keys
+
+        H, P, M, R = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS, LookupResult.RETRY
+        if backend == "redis":  # nothing known yet: every key asked, none a miss
+            same_as_one_by_one()
+            assert m.lookup_prefix(k, ctx) == [R, R, P, R, R, P, R, R]
+            m.on_schedule_end(None)  # sends the batched lookup
+            assert m.wait_idle(10.0)
+        same_as_one_by_one()
         assert m.lookup_prefix(k, ctx) == [H, H, P, H, M]
         assert m.lookup_prefix(list(reversed(k)), ctx) == [M]
         m.complete_store([k[2], k[5]], ctx)  # nothing reached a tier (no worker ran): now misses
+        if backend == "redis":  # k[2] was never asked of the server (it was being written)
+            assert m.lookup_prefix(k, ctx) == [H, H, R, H, M]
+            m.on_schedule_end(None)
+            assert m.wait_idle(10.0)
+        same_as_one_by_one()
         assert m.lookup_prefix(k, ctx) == [H, H, M]
     finally:
         runner.shutdown()

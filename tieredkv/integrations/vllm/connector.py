@@ -224,9 +224,11 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         group_config: GroupOffloadConfig,
         start_chunk_idx: int,
     ) -> int | None:
-        ctx = req_context
         prefix = self._lookup_prefix
-        results = prefix(keys, ctx) if prefix is not None else _prefix_results(self.manager, keys, ctx)
+        if prefix is not None:
+            results = prefix(keys, req_context)
+        else:
+            results = _prefix_results(self.manager, keys, req_context)
         hit_count = 0
         deferred = False
         for i, (key, result) in enumerate(zip(keys, results)):

@@ -110,6 +110,10 @@ class TieredStore:
         #: None: ask :meth:`lookup_async`. The pipeline's own method (vLLM's scheduler calls it
         #: once per key per step).
         self.probe: Callable[[bytes], KeyState | None] = self.pipeline.probe
+        #: ``probe_prefix(keys, start=0, writing=())``: ``probe`` of ``keys[start:]`` in order, up
+        #: to and including the first answer that is neither HIT nor PENDING, counted once (a
+        #: scheduler's prefix scan); keys in ``writing`` are PENDING.
+        self.probe_prefix: Callable[..., list[KeyState | None]] = self.pipeline.probe_prefix
         #: ``activity()``: a number that moves whenever a counter :meth:`stats` reports may have
         #: moved (a job, write-back or batched lookup ended, a store was refused, a group
         #: registered): a caller polling every engine step reads the counters only when it moved.

@@ -196,6 +196,81 @@ def test_probe_answers_in_process_routes_at_once_and_counts_each_answer(tmp_path
         assert p.lookup([keys[2]]) == [(KeyState.MISS, None)]
 
 
+def test_probe_prefix_answers_as_probe_does_key_by_key(tmp_path: Path) -> None:
+    """``probe_prefix`` (a scheduler's prefix scan in one call) gives ``probe``'s answer for each
+    key from ``start``, in order, stopping after the first answer that is neither HIT nor PENDING;
+    keys the caller is writing are PENDING; hits and misses land in each key's own group, exactly
+    as many as key-by-key probes count (also from threads scanning at once); nothing after a stop
+    is probed or counted."""
+    H, P, M = KeyState.HIT, KeyState.PENDING, KeyState.MISS
+    with make([cpu(), lmdb(tmp_path)], [PolicyRule(tiers=["cpu", "lmdb"])]) as p:
+        p.register_group(0, kv(11), blocks_per_chunk=BPC)
+        p.register_group(1, kv(12), blocks_per_chunk=BPC)
+        g0, g1 = [c.key for c in chunks(8)], [c.key for c in chunks(4, group=1)]
+        p.submit_store(StoreJob(1, 0, tuple(chunks(8)[i] for i in (0, 1, 3, 5, 6))))
+        p.submit_store(StoreJob(2, 1, chunks(2, group=1)))
+        assert all(r.ok for r in wait_results(p, 2).values())
+        p.inflight.begin([g0[4]])  # a store of it in flight here
+        writing = {g0[2], g1[3]}  # the caller's own, not submitted yet
+
+        def counts() -> tuple[int, int, int, int]:
+            s0, s1 = p.group_stats[0], p.group_stats[1]
+            return s0.hits, s0.misses, s1.hits, s1.misses
+
+        def one_by_one(keys: list[bytes], start: int) -> list[KeyState | None]:
+            out: list[KeyState | None] = []
+            for k in keys[start:]:
+                out.append(P if k in writing else p.probe(k))
+                if out[-1] not in (H, P):
+                    break
+            return out
+
+        mixed = [g0[0], g1[0], g0[1], g1[1], g1[3], g0[2], g0[4], g1[2], g0[7]]
+        for keys, start in [(g0, 0), (g0, 3), (g0, 7), (g0, 8), (g1, 0), (mixed, 0), (mixed, 2), (g0[::-1], 0)]:
+            before = counts()
+            expect = one_by_one(keys, start)
+            by_key = [a - b for a, b in zip(counts(), before)]
+            before = counts()
+            assert p.probe_prefix(keys, start, writing) == expect, (keys, start)
+            assert [a - b for a, b in zip(counts(), before)] == by_key, "counted unlike probe"
+        assert p.probe_prefix(g0, 0, writing) == [H, H, P, H, P, H, H, M]
+        assert p.probe_prefix(mixed, 0, writing) == [H, H, H, H, P, P, P, M]
+        assert p.probe_prefix(g0, 0) == [H, H, M]  # not the caller's: a miss here
+
+        rounds, n_threads = 500, 4
+        before = counts()
+        answers: list[list[list[KeyState | None]]] = [[] for _ in range(n_threads)]
+        go = threading.Barrier(n_threads)
+
+        def scanner(out: list[list[KeyState | None]]) -> None:
+            go.wait()
+            for _ in range(rounds):
+                out.append(p.probe_prefix(mixed, 0, writing))
+
+        threads = [threading.Thread(target=scanner, args=(a,)) for a in answers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(a == [[H, H, H, H, P, P, P, M]] * rounds for a in answers)
+        n = rounds * n_threads
+        assert [a - b for a, b in zip(counts(), before)] == [2 * n, 0, 2 * n, n], "a count was lost"
+
+        lane = p._lanes["cpu"]  # fault injection: the CPU tier's breaker opens
+        lane.breaker.trip()
+        before = counts()
+        assert p.probe_prefix(g0, 0, writing) == [None]  # nothing after it probed
+        assert counts() == before
+        lane.breaker.success()
+        assert p.probe_prefix(g0, 5) == [H, H, M]
+    assert p.probe_prefix(g0, 0) == [None]  # closed: the asynchronous path answers
+
+    slow = FaultyTier(lmdb(tmp_path / "faulty"))  # a wrapper cannot be probed without waiting
+    with make([slow], [PolicyRule()]) as p:
+        p.register_group(0, kv(13), blocks_per_chunk=BPC)
+        assert p.probe_prefix(g0, 0, {g0[0]}) == [P, None]
+
+
 def test_lookup_says_pending_until_bytes_are_written(tmp_path: Path) -> None:
     slow = FaultyTier(lmdb(tmp_path), delay_s=0.5, ops={"put_many"})
     with make([slow], [PolicyRule()]) as p:

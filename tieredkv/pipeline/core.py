@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Container, Coroutine, Sequence
 from typing import Any, Self, cast
 
 from tieredkv.backends.base import Tier, check_items
@@ -420,7 +420,8 @@ class Pipeline:
         it: ask :meth:`lookup_future`.
 
         vLLM's scheduler calls this once per key per step: the route is resolved once per group,
-        and a probe is a dict lookup, one call per tier and the count."""
+        and a probe is a dict lookup, one call per tier and the count (the lock taken and released
+        by hand: ``with`` costs twice as much on this path)."""
         if key in self.inflight.pending:
             return _PENDING
         plan = self._probe_plans.get(key[GROUP_SUFFIX])
@@ -439,12 +440,75 @@ class Pipeline:
                 break
             if got is None:
                 return None
-        with self._lookup_lock:
+        lock = self._lookup_lock
+        lock.acquire()
+        try:
             if hit:
                 gs.hits += 1
             else:
                 gs.misses += 1
+        finally:
+            lock.release()
         return _HIT if hit else _MISS
+
+    def probe_prefix(
+        self, keys: Sequence[bytes], start: int = 0, writing: Container[bytes] = ()
+    ) -> list[KeyState | None]:
+        """:meth:`probe` of ``keys[start:]`` in order, up to and including the first answer that
+        is neither HIT nor PENDING (a MISS, or None: ask that one elsewhere, the rest were not
+        probed). Keys in ``writing`` (the caller's own stores not submitted yet) are PENDING, as
+        keys in flight here are; neither is counted. The counts are added under one lock at the
+        end: a scheduler's prefix scan of a group is one call instead of one per key."""
+        out: list[KeyState | None] = []
+        pending = self.inflight.pending
+        plans = self._probe_plans
+        counts: list[tuple[GroupStats, int, int]] = []
+        gs: GroupStats | None = None
+        lanes: tuple[tuple[Any, Any], ...] = ()
+        suffix = b""
+        hits = misses = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            if key in pending or key in writing:
+                out.append(_PENDING)
+                continue
+            if key[GROUP_SUFFIX] != suffix or gs is None:
+                plan = plans.get(key[GROUP_SUFFIX]) or self._probe_plan(key)
+                if plan is None:
+                    out.append(None)
+                    break
+                if gs is not None and (hits or misses):
+                    counts.append((gs, hits, misses))
+                    hits = misses = 0
+                lanes, gs = plan
+                suffix = key[GROUP_SUFFIX]
+            state: KeyState | None = _MISS
+            for breaker, probe_key in lanes:
+                if breaker.state is not _CLOSED:
+                    state = None
+                    break
+                got = probe_key(key)
+                if got:
+                    state = _HIT
+                    break
+                if got is None:
+                    state = None
+                    break
+            out.append(state)
+            if state is _HIT:
+                hits += 1
+            else:
+                if state is _MISS:
+                    misses += 1
+                break
+        if gs is not None and (hits or misses):
+            counts.append((gs, hits, misses))
+        if counts:
+            with self._lookup_lock:
+                for g, h, m in counts:
+                    g.hits += h
+                    g.misses += m
+        return out
 
     def _probe_plan(self, key: bytes) -> tuple[tuple[tuple[Any, Any], ...], GroupStats] | None:
         """``key``'s group's probe plan, kept once every tier of its route has a lane (tiers

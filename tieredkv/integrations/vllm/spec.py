@@ -63,6 +63,7 @@ from tieredkv.keys import (
     stored_key,
     with_group,
 )
+from tieredkv.pipeline import KeyState
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVLoadStoreSpec", "TieredKVManager", "TieredKVOffloadingSpec", "TieredKVWorker"]
@@ -92,6 +93,7 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 
 
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS  # read once per lookup
+_KS_HIT, _KS_PENDING = KeyState.HIT, KeyState.PENDING
 
 
 # ---- one store per engine and process, shared by manager and worker ---------------------------
@@ -230,6 +232,7 @@ class TieredKVManager(OffloadingManager):
         self._sh = _acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
         self.store = self._sh.store
         self._probe = self.store.probe
+        self._probe_prefix = self.store.probe_prefix
         self._cap = spec.max_inflight_store_chunks
         self._bpc = int(spec.blocks_per_chunk)
         self._windowed = {i for i, k in enumerate(spec.group_kinds) if k != "full"}
@@ -298,25 +301,38 @@ class TieredKVManager(OffloadingManager):
     def lookup_prefix(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> list[LookupResult]:
         """:meth:`lookup` of each key in order, up to and including the first MISS: a connector's
         prefix scan of a group in one call (``TieredKVConnector`` calls this; it is what ``lookup``
-        answers, key by key). The loop is ``lookup``'s body with its attributes read once: the
-        per-key method call and attribute reads were a third of a scan's cost."""
-        fp, writing, probe, answer, partial = (
-            self._sh.fingerprint,
-            self._writing,
-            self._probe,
-            self._lookups.answer,
-            self._partial_groups,
-        )
+        answers, key by key). The store probes the run of keys in one call
+        (``TieredStore.probe_prefix``: one route plan, one count); a key it cannot answer goes to
+        the batched lookups, as in ``lookup``, and the scan goes on after it."""
+        keys = list(keys)
+        partial = self._partial_groups
+        if partial and any(k[GROUP_SUFFIX] in partial for k in keys):
+            return self._lookup_each(keys, req_context)
+        fp = self._sh.fingerprint
+        skeys = [fp + k for k in keys]
+        probe_prefix, answer, writing = self._probe_prefix, self._lookups.answer, self._writing
+        out: list[LookupResult] = []
+        i, n = 0, len(skeys)
+        while i < n:
+            for state in probe_prefix(skeys, i, writing):
+                if state is _KS_HIT:
+                    out.append(_HIT)
+                elif state is _KS_PENDING:
+                    out.append(_HIT_PENDING)
+                else:
+                    known = answer(skeys[i]) if state is None else state
+                    result = _HIT if known == "hit" else self._not_hit(keys[i], skeys[i], (known,))
+                    out.append(result)
+                    if result is _MISS:
+                        return out
+                i += 1
+        return out
+
+    def _lookup_each(self, keys: list[OffloadKey], req_context: ReqContext) -> list[LookupResult]:
+        """:meth:`lookup_prefix` key by key (a scan with keys that may be found as partial records)."""
         out: list[LookupResult] = []
         for key in keys:
-            skey = fp + key
-            if skey in writing:
-                result = _HIT_PENDING
-            elif partial and key[GROUP_SUFFIX] in partial:
-                result = self._lookup_partial(key, skey)
-            else:
-                state = probe(skey) or answer(skey)
-                result = _HIT if state == "hit" else self._not_hit(key, skey, (state,))
+            result = self.lookup(key, req_context)
             out.append(result)
             if result is _MISS:
                 break

@@ -35,6 +35,7 @@ import logging
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,7 +164,7 @@ def wrapper_overhead(n: int = 200_000) -> float:
 
 
 @contextlib.contextmanager
-def patched_classes(timers: Timers) -> Iterator[None]:
+def patched_classes(timers: Any) -> Iterator[None]:
     """Timers on the manager classes' and the connector class's own methods (class level, so the
     bound methods the harness captures when it builds the engine are the timed ones)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -236,6 +237,22 @@ def schedules() -> dict[str, dict[str, Any]]:
     }
 
 
+def _engine_args(
+    variant: str, sched: dict[str, Any], cfg_path: Path, bpc: int, settle: bool
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The engine's extra config, connector and schedule keywords for ``variant``."""
+    if variant.startswith("O+cpu"):  # "O+cpu1": the stand-in completes each job a step later
+        extra = reference_extra_config(bpc, delay_steps=int(variant[5:] or 0))
+    else:
+        extra = tieredkv_extra_config(bpc, cfg_path)
+    if variant.endswith("0"):
+        extra["stats_interval_s"] = 0
+    kw: dict[str, Any] = dict(TKC) if variant.startswith("T+") else {}
+    eng_kw = {k: v for k, v in sched.items() if k != "workload"}
+    eng_kw["settle"] = settle
+    return extra, kw, eng_kw
+
+
 def run_once(
     variant: str, sched: dict[str, Any], cfg_path: Path, bpc: int = 1, overhead: float = 0.0, settle: bool = True
 ) -> dict[str, Any]:
@@ -247,15 +264,7 @@ def run_once(
     a step later than the synchronous stand-in: finished requests keep their blocks a step
     longer, the 3-phase full-attention schedule preempts once more and takes 138 steps instead of
     126 (``O+cpu1``, the stand-in one step late, takes the same 138)."""
-    if variant.startswith("O+cpu"):  # "O+cpu1": the stand-in completes each job a step later
-        extra = reference_extra_config(bpc, delay_steps=int(variant[5:] or 0))
-    else:
-        extra = tieredkv_extra_config(bpc, cfg_path)
-    if variant.endswith("0"):
-        extra["stats_interval_s"] = 0
-    kw: dict[str, Any] = dict(TKC) if variant.startswith("T+") else {}
-    eng_kw = {k: v for k, v in sched.items() if k != "workload"}
-    eng_kw["settle"] = settle
+    extra, kw, eng_kw = _engine_args(variant, sched, cfg_path, bpc, settle)
     res = RunResult(tuple(sched["groups"]), bpc, bool(sched.get("async_scheduling", False)))
     timers = Timers()
     phases = sched["workload"] if sched["workload"] is not None else build_workload(0)
@@ -316,6 +325,204 @@ def run_once(
     }
 
 
+# ---- instructions (callgrind): the same runs, counted instead of timed --------------------------
+
+_CG_SOURCE = """
+#include <valgrind/callgrind.h>
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void cg_zero(void) { CALLGRIND_ZERO_STATS; }
+void cg_dump(const char *s) { CALLGRIND_DUMP_STATS_AT(s); }
+int cg_running(void) { return RUNNING_ON_VALGRIND; }
+"""
+CG_VARIANTS = (("conn", "O+cpu"), ("conn", "T+tkv"), ("mgr", "O+cpu"), ("mgr", "O+tkv"))
+
+
+class Collector:
+    """Switches callgrind's collection on inside what is measured and off elsewhere.
+
+    ``counting="conn"``: inside the connector's outermost hooks; ``"mgr"``: inside the manager's
+    outermost calls. The harness's ``prepare_store`` wrapper inside a hook is not counted (the
+    manager's own ``prepare_store`` inside it is), as the timers take it off. A stack of wanted
+    states: collection follows its top, one toggle per change."""
+
+    def __init__(self, lib: Any, counting: str) -> None:
+        self.lib, self.counting = lib, counting
+        self.stack: list[bool] = []
+        self.on = False
+        self.depth: dict[str, int] = defaultdict(int)
+
+    def _push(self, want: bool) -> None:
+        self.stack.append(want)
+        self._sync()
+
+    def _pop(self) -> None:
+        self.stack.pop()
+        self._sync()
+
+    def _sync(self) -> None:
+        want = bool(self.stack) and self.stack[-1]
+        if want != self.on:
+            self.lib.cg_toggle()
+            self.on = want
+
+    def wrap(self, kind: str, name: str, fn: Any) -> Any:
+        depth = self.depth
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if kind == "harness":
+                want = False
+            elif depth[kind]:
+                return fn(*args, **kwargs)  # only the outermost call of a kind changes anything
+            elif kind == "mgr":
+                want = self.counting == "mgr" or depth["conn"] > 0
+            else:
+                want = self.counting == "conn"
+            depth[kind] += 1
+            self._push(want)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._pop()
+                depth[kind] -= 1
+
+        counted.__wrapped__ = fn  # type: ignore[attr-defined]
+        return counted
+
+
+def count_once(lib: Any, counting: str, variant: str, sched_name: str, cfg_path: Path) -> dict[str, Any]:
+    """One settled run under callgrind; its instructions (the dump) are labelled
+    ``counting|schedule|variant|steps``. The cyclic GC is off during the run (as ``timeit`` does):
+    a collection is counted in whatever hook happens to trigger it."""
+    import gc
+
+    sched = schedules()[sched_name]
+    extra, kw, eng_kw = _engine_args(variant, sched, cfg_path, 1, True)
+    res = RunResult(tuple(sched["groups"]), 1, bool(sched.get("async_scheduling", False)))
+    col = Collector(lib, counting)
+    phases = sched["workload"] if sched["workload"] is not None else build_workload(0)
+    gc.collect()
+    gc.disable()
+    try:
+        with patched_classes(col), cpu_workers(extra, False):
+            eng = Engine(extra, blocks_per_chunk=1, result=res, **kw, **eng_kw)
+            assert eng.connector_scheduler is not None
+            m = eng.connector_scheduler.manager
+            m.prepare_store = col.wrap("harness", "prepare_store", m.prepare_store)
+            lib.cg_zero()
+            try:
+                _drive(eng, phases, 20000, 200, 0.001, 200, False)
+            finally:
+                lib.cg_dump(f"{counting}|{sched_name}|{variant}|{eng.step_no}".encode())
+                res.steps = eng.step_no
+                eng.shutdown()
+    finally:
+        gc.enable()
+    return {
+        "counting": counting,
+        "variant": variant,
+        "schedule": sched_name,
+        "steps": res.steps,
+        "hits": sum(res.hit_tokens.values()),
+        "wrong_bytes": res.wrong_bytes,
+        "error": res.error,
+    }
+
+
+def build_toggle_lib(tmp: Path) -> Path:
+    src, lib = tmp / "cgtoggle.c", tmp / "libcgtoggle.so"
+    src.write_text(_CG_SOURCE)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def read_dumps(out_dir: Path) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """``{(counting, schedule, variant): (instructions, steps)}`` from the main thread's dumps."""
+    found: dict[tuple[str, str, str], tuple[int, int]] = {}
+    for f in sorted(out_dir.glob("cg.out.*")):
+        label, total = None, None
+        with f.open() as fh:
+            for line in fh:
+                if line.startswith("desc: Trigger: Client Request: "):
+                    label = line.split("Client Request: ", 1)[1].strip()
+                elif line.startswith(("totals:", "summary:")):
+                    total = int(line.split()[1])
+                    break
+        if label and total is not None and label.count("|") == 3:
+            counting, sched, variant, steps = label.split("|")
+            found[(counting, sched, variant)] = (total, int(steps))
+    return found
+
+
+def callgrind_table(found: dict[tuple[str, str, str], tuple[int, int]], names: list[str]) -> str:
+    lines = [
+        (
+            "| schedule | steps O+cpu / T+tkv | manager instr/step vLLM CPU | tieredkv | ratio "
+            "| connector instr/step O+cpu | T+tkv | ratio per step | ratio per run |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        try:
+            (co, so), (ct, st) = found[("conn", n, "O+cpu")], found[("conn", n, "T+tkv")]
+            (mo, smo), (mt, smt) = found[("mgr", n, "O+cpu")], found[("mgr", n, "O+tkv")]
+        except KeyError:
+            continue
+        lines.append(
+            f"| {n} | {so} / {st} | {mo / smo / 1e3:.0f}k | {mt / smt / 1e3:.0f}k | {mt / smt / (mo / smo):.2f} "
+            f"| {co / so / 1e3:.0f}k | {ct / st / 1e3:.0f}k | {ct / st / (co / so):.2f} | {ct / co:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run_callgrind(names: list[str], json_path: str | None) -> None:
+    """Re-run this script under ``valgrind --tool=callgrind`` (collection off at start; switched
+    on only inside what is measured) and print instructions per step: repeatable whatever else
+    the machine does, where the timed runs swing up to 2x from rep to rep on this VM."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-manager-cg-"))
+    lib = build_toggle_lib(tmp)
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        "--collect-atstart=no",
+        "--separate-threads=yes",
+        f"--callgrind-out-file={tmp}/cg.out.%p",
+        sys.executable,
+        __file__,
+        "--schedules",
+        *names,
+    ]
+    env = dict(os.environ, BENCH_MANAGER_CG_LIB=str(lib))
+    print(f"under callgrind (vLLM's import alone takes minutes): {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, env=env, check=True, stderr=subprocess.DEVNULL)
+    found = read_dumps(tmp)
+    print(callgrind_table(found, names))
+    if json_path:
+        rows = [
+            {"counting": c, "schedule": n, "variant": v, "instructions": i, "steps": st}
+            for (c, n, v), (i, st) in sorted(found.items())
+        ]
+        Path(json_path).write_text(json.dumps({"callgrind": rows}, indent=1))
+
+
+def _counted_runs(lib_path: str, names: list[str]) -> None:
+    """Inside valgrind: each schedule's four counted runs."""
+    import ctypes
+
+    lib = ctypes.CDLL(lib_path)
+    if not lib.cg_running():
+        raise SystemExit("BENCH_MANAGER_CG_LIB is set but this process is not under valgrind")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-manager-"))
+    cfg_path = write_config(tmp / "tieredkv.json")
+    for n in names:
+        for counting, v in CG_VARIANTS:
+            r = count_once(lib, counting, v, n, cfg_path)
+            print(
+                f"counted {counting:>4} {n:>28} {v:>6} steps {r['steps']:>4} hits {r['hits']:>6} "
+                f"wrong {r['wrong_bytes']}" + (f" ERROR {r['error']}" if r["error"] else ""),
+                flush=True,
+            )
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
@@ -343,6 +550,9 @@ def main() -> None:
     ap.add_argument("--json", help="write the raw runs here")
     ap.add_argument("--no-settle", action="store_true", help="report transfers as the harness steps find them")
     ap.add_argument("--profile", action="store_true", help="cProfile O+tkv and T+tkv on the first schedule")
+    ap.add_argument(
+        "--callgrind", action="store_true", help="count instructions per step under valgrind instead of timing"
+    )
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     import torch
@@ -352,6 +562,12 @@ def main() -> None:
     torch.set_num_threads(1)
     all_sched = schedules()
     names = args.schedules or list(all_sched)
+    if os.environ.get("BENCH_MANAGER_CG_LIB"):
+        _counted_runs(os.environ["BENCH_MANAGER_CG_LIB"], names)
+        return
+    if args.callgrind:
+        run_callgrind(names, args.json)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="bench-manager-"))
     cfg_path = write_config(tmp / "tieredkv.json")
     if args.profile:

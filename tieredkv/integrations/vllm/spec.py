@@ -279,9 +279,6 @@ class TieredKVManager(OffloadingManager):
     def _fp(self) -> bytes:
         return self._sh.fingerprint
 
-    def _skey(self, key: bytes) -> bytes:
-        return stored_key(self._fp, key)
-
     def _candidates(self, key: bytes, skey: bytes) -> list[bytes]:
         if key[GROUP_SUFFIX] not in self._partial_groups:
             return [skey]
@@ -376,34 +373,44 @@ class TieredKVManager(OffloadingManager):
                 for cand in self._candidates(other, stored_key(self._fp, other)):
                     self._lookups.prefetch(cand)
 
+    # Keys are vLLM's ``OffloadKey`` (bytes): a stored key is ``fingerprint + key``, one
+    # concatenation (``keys.stored_key`` copies both to bytes first).
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        fp = self._fp
-        stored = []
-        for k in keys:
-            skey = stored_key(fp, k)
-            rec = self._chosen.pop(skey, skey)
-            stored.append(rec)
-            self._loading[skey].append(rec)
+        fp = self._sh.fingerprint
+        chosen, loading = self._chosen, self._loading
+        skeys = [fp + k for k in keys]
+        stored = [chosen.pop(s, s) for s in skeys] if chosen else skeys
+        for s, rec in zip(skeys, stored):
+            loading[s].append(rec)
         self.store.pin(stored)
         self.counters["load_chunks"] += len(stored)
-        self.counters["load_partial_chunks"] += sum(len(r) != len(fp) + len(k) for r, k in zip(stored, keys))
+        if stored is not skeys:
+            self.counters["load_partial_chunks"] += sum(r is not s for r, s in zip(stored, skeys))
         return TieredKVLoadStoreSpec(list(keys), fp, stored)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        fp, loading = self._sh.fingerprint, self._loading
         recs = []
         for k in keys:
-            skey = self._skey(k)
-            q = self._loading.get(skey)
+            skey = fp + k
+            q = loading.get(skey)
             if q:
                 recs.append(q.popleft())
                 if not q:
-                    del self._loading[skey]
+                    del loading[skey]
         if recs and not self._closed:
             self.store.unpin(recs)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        fp = self._fp
-        todo = [k for k in keys if (s := stored_key(fp, k)) not in self._stored and s not in self._writing]
+        fp, stored, writing = self._sh.fingerprint, self._stored, self._writing
+        todo: list[OffloadKey] = []
+        todo_skeys: list[bytes] = []
+        for k in keys:
+            s = fp + k
+            if s not in stored and s not in writing:
+                todo.append(k)
+                todo_skeys.append(s)
         if todo and self._inflight and self._inflight + len(todo) > self._cap:
             if not any(key_group(k) in self._windowed for k in todo):
                 # Full-attention keys only: vLLM offers the same range again on a later step.
@@ -413,32 +420,32 @@ class TieredKVManager(OffloadingManager):
             # A sliding-window or Mamba key may never be offered again: take the batch; the
             # worker queues what the staging pool cannot hold yet.
             self.counters["store_over_cap_batches"] += 1
-        for k in todo:
-            self._writing[stored_key(fp, k)] += 1
+        writing.update(todo_skeys)
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo, fp), evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        skeys = [self._skey(k) for k in keys]
+        fp, writing, stored = self._sh.fingerprint, self._writing, self._stored
+        skeys = [fp + k for k in keys]
         unstored = self._sh.unstored
         for s in skeys:
-            n = self._writing.get(s, 0)
+            n = writing.get(s, 0)
             if n <= 0:
                 continue
             self._inflight -= 1
             if n == 1:
-                del self._writing[s]
+                del writing[s]
             else:
-                self._writing[s] = n - 1
+                writing[s] = n - 1
             if s in unstored:
                 unstored.discard(s)  # refused, dropped or partial: offer it again later
                 self.counters["store_chunks_not_whole"] += 1
             elif success:
-                self._stored[s] = None
+                stored[s] = None
         self._lookups.forget(skeys)
-        while len(self._stored) > (1 << 20):
-            self._stored.pop(next(iter(self._stored)))
+        while len(stored) > (1 << 20):
+            stored.pop(next(iter(stored)))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()

@@ -274,6 +274,18 @@ class TieredStore:
         self._open_jobs.add(job_id)
         return job_id
 
+    def locate(self, key: bytes) -> str | None:
+        """The name of the first tier of ``key``'s route that holds it, as far as the tiers can
+        tell without waiting (see :meth:`Pipeline.locate`); None when unknown."""
+        return self.pipeline.locate(key)
+
+    def tier_medium(self, name: str) -> str:
+        """Where tier ``name``'s records live (:attr:`TierCapabilities.medium`)."""
+        for t in self.tiers:
+            if t.name == name:
+                return t.capabilities.medium
+        return "unspecified"
+
     def pin(self, keys: Sequence[bytes]) -> None:
         """Protect ``keys`` from eviction (an accepted hit about to be loaded)."""
         self.pipeline.pin(keys)

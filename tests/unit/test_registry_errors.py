@@ -67,14 +67,15 @@ def test_every_builtin_entry_is_consistent(kind: str) -> None:
 def test_builtin_capabilities() -> None:
     caps = {k: reg.tier_capabilities(k) for k in reg.known_tiers}
     assert caps["cpu"] == TierCapabilities(
-        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True
+        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True, medium="host"
     )
     assert caps["lmdb"] == TierCapabilities(
-        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2
+        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2, medium="disk"
     )
     assert caps["cpu"].writes_in_flight == 1
     assert caps["redis"].writes_in_flight == 2  # ordered per key by the tier itself (RedisTier._put_many)
     assert not caps["redis"].local_eviction and caps["redis"].shared and not caps["redis"].in_process
+    assert caps["redis"].medium == "remote"
 
 
 def test_importing_config_or_registry_or_validating_imports_no_backend() -> None:

@@ -155,6 +155,13 @@ def test_spec_roundtrip_bytes(tiers_yaml: tuple[str, Path]) -> None:
         groups = store.stats().groups
         assert groups[0].loads == len(res["full_keys"]) and groups[1].loads == len(res["swa_keys"])
         _assert_routes(store, backend)
+        # vLLM's hits by source: LMDB is disk; Redis has no member of its own (unspecified).
+        from vllm.v1.kv_offload.base import ReqContext
+
+        m = runner.manager_obj
+        ctx = ReqContext(req_id="b")
+        sources = {g: {m.get_load_source(k, ctx) for k in res[f"{g}_keys"]} for g in ("full", "swa")}
+        assert sources == {g: {_source_table()[backend][g]} for g in ("full", "swa")}, sources
         # Never a blocking call: LMDB answers at once from its memory-mapped B-tree (Tier.probe);
         # a Redis route answers RETRY until the batched lookup is back.
         states = {s for _, _, s in runner.recorded.lookups}
@@ -180,8 +187,22 @@ def test_secondary_tier_roundtrip_bytes(tiers_yaml: tuple[str, Path], monkeypatc
         # cross-group boundary then leaves out of the load: at least the loaded ones came from tieredkv.
         assert tier.counters["loaded_chunks"] >= len(res["full_keys"]) + len(res["swa_keys"])
         _assert_routes(tier.store, backend)
+        assert tier.cache_hit_source == _source_table()[backend]["secondary"]  # vLLM reports promotions under it
     finally:
         runner.shutdown()
+
+
+def _source_table() -> dict[str, dict[str, Any]]:
+    """The cache-hit source vLLM is told, by backend and group (and the secondary tier's)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    disk, remote = CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED
+    return {
+        "lmdb": {"full": disk, "swa": disk, "secondary": disk},
+        "redis": {"full": remote, "swa": remote, "secondary": remote},
+        "cluster": {"full": remote, "swa": remote, "secondary": remote},
+        "mixed": {"full": disk, "swa": remote, "secondary": remote},  # the outermost of the two
+    }
 
 
 def _assert_routes(store: Any, backend: str) -> None:
@@ -319,6 +340,57 @@ def test_lookup_prefix_answers_as_lookup_does_key_by_key(
             assert m.wait_idle(10.0)
         same_as_one_by_one()
         assert m.lookup_prefix(k, ctx) == [H, H, M]
+    finally:
+        runner.shutdown()
+
+
+@pytest.mark.parametrize("low", ["lmdb", "redis"])
+def test_load_source_is_the_tier_that_holds_the_key(tmp_path: Path, low: str, request: pytest.FixtureRequest) -> None:
+    """On a route of CPU then LMDB (or Redis), vLLM is told where each hit comes from: ``host``
+    when the CPU tier holds it (the load reads it there first), ``disk`` when only LMDB does;
+    ``external_unspecified`` (vLLM's member for a remote store and for "unknown") when only
+    Redis may hold it, the CPU tier's breaker is open, or no tier holds it."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    if low == "lmdb":
+        second = {
+            "kind": "lmdb",
+            "name": "low",
+            "path": str(tmp_path / "lmdb"),
+            "map_size_bytes": "64MiB",
+            "size_cap_bytes": "32MiB",
+        }
+    else:
+        url = request.getfixturevalue("redis_server").url
+        second = {"kind": "redis", "name": "low", "url": url, "key_prefix": f"tkv-src-{tmp_path.name}"}
+    cfg = {
+        "version": 1,
+        "namespace": {"model": "x"},
+        "tiers": [{"kind": "cpu", "name": "cpu", "capacity_bytes": "16MiB"}, second],
+        "pipeline": {"staging_bytes": "8MiB"},
+    }
+    (tmp_path / "t.yaml").write_text(json.dumps(cfg))
+    runner = Runner(extra_config("TieredKVOffloadingSpec", tmp_path / "t.yaml"))
+    try:
+        m = runner.manager_obj
+        ctx = ReqContext(req_id="x")
+        fp = m.spec.namespace.fingerprint
+        k = [make_offload_key(bytes([i + 1]) * 32, 0) for i in range(4)]
+        store = m.store
+        cpu, lower = store.tiers
+        store.run(cpu.put_many([(fp + k[0], b"a" * 8)]))
+        store.run(lower.put_many([(fp + k[0], b"a" * 8), (fp + k[1], b"b" * 8)]))
+        host, disk, unspecified = CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED
+        m.prepare_load(k[:2], ctx)  # what vLLM does before it asks (a key being loaded)
+        got = [m.get_load_source(key, ctx) for key in k[:3]]
+        assert got == [host, disk if low == "lmdb" else unspecified, unspecified]
+        lane = store.pipeline._lanes["cpu"]  # fault injection: the CPU tier's breaker opens
+        lane.breaker.trip()
+        assert m.get_load_source(k[0], ctx) is unspecified
+        lane.breaker.success()
+        assert m.get_load_source(k[0], ctx) is host
+        m.complete_load(k[:2], ctx)
     finally:
         runner.shutdown()
 

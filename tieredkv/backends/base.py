@@ -132,6 +132,10 @@ class TierCapabilities:
     #: for one that applies writes to a key in the order the calls were made (a later batch may
     #: overwrite a key of an earlier one).
     writes_in_flight: int = 1
+    #: Where its records live, for the cache-hit source an engine reports (vLLM's
+    #: ``CacheHitSource``): ``"host"`` (this host's memory), ``"disk"`` (a local file system) or
+    #: ``"remote"`` (a server); ``"unspecified"`` for a tier that does not say.
+    medium: str = "unspecified"
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class CPUTier(Tier):
 
     kind = "cpu"
     capabilities = TierCapabilities(
-        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True
+        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True, medium="host"
     )
     config_model = CPUTierConfig
 

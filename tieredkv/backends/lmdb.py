@@ -436,7 +436,7 @@ class LMDBTier(Tier):
 
     kind = "lmdb"
     capabilities = TierCapabilities(
-        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2
+        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2, medium="disk"
     )
     config_model = LMDBTierConfig
 

@@ -194,7 +194,9 @@ class RedisTier(Tier):
     #: at 256 KiB: 1.02-1.05x against 0.89-0.92x with one). A key a later call shares with an
     #: earlier one still in flight waits for that call (:meth:`_put_many`): writes to a key land
     #: in call order.
-    capabilities = TierCapabilities(access_stamps=False, local_eviction=False, shared=True, writes_in_flight=2)
+    capabilities = TierCapabilities(
+        access_stamps=False, local_eviction=False, shared=True, writes_in_flight=2, medium="remote"
+    )
     config_model = RedisTierConfig
 
     config: RedisTierConfig

@@ -510,6 +510,23 @@ class Pipeline:
                     g.misses += m
         return out
 
+    def locate(self, key: bytes) -> str | None:
+        """The first tier of ``key``'s route that holds it (the one a load reads first), asked
+        without waiting (:meth:`Tier.probe_key`) and not counted as a lookup; None when a tier
+        before it cannot tell (a Redis server, a breaker not closed) or none holds it."""
+        if self._closed or not self.loop.running:
+            return None
+        for name in self.policy.get(key_group(key)).tiers:
+            lane = self._lanes.get(name)
+            if lane is None or lane.breaker.state is not _CLOSED:
+                return None
+            got = lane.tier.probe_key(key)
+            if got:
+                return name
+            if got is None:
+                return None
+        return None
+
     def _probe_plan(self, key: bytes) -> tuple[tuple[tuple[Any, Any], ...], GroupStats] | None:
         """``key``'s group's probe plan, kept once every tier of its route has a lane (tiers
         opened); None while the pipeline is not running (close drops the plans)."""

@@ -28,12 +28,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.config import load_config
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
-from tieredkv.integrations.vllm.stats import StoreStatsReporter, metric_definitions
+from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
 from tieredkv.keys import chunk_key_of, stored_key
 from tieredkv.store import TieredStore
 
@@ -102,6 +103,10 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         self.routes = {i: self.store.policy.route(i, row_bytes, self.kinds[i]) for i in range(len(ocfg.groups))}
         for i, r in self.routes.items():
             log.info("tieredkv secondary tier: group %d -> %s (%s)", i, list(r.tiers), r.write)
+        # vLLM's tiering manager reports a promotion from this tier under one source: the
+        # outermost medium of the tiers the routes use (LMDB alone: disk; with Redis: unspecified).
+        sources = [hit_source(self.store.tier_medium(name)) for r in self.routes.values() for name in r.tiers]
+        self.cache_hit_source = CacheHitSource.outermost(sources) if sources else CacheHitSource.EXTERNAL_UNSPECIFIED
         self._rows = np.asarray(primary_kv_view) if primary_kv_view.nbytes else np.zeros((0, row_bytes), np.uint8)
         self._lookups = AsyncLookups(self.store.lookup_async)
         self._stats = StoreStatsReporter(lambda: [self.store])

@@ -47,12 +47,13 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds, namespace_from_offloading_config, new_generation
-from tieredkv.integrations.vllm.stats import StoreStatsReporter, metric_definitions
+from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
 from tieredkv.keys import (
     GROUP_SUFFIX,
     Namespace,
@@ -94,6 +95,14 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS  # read once per lookup
 _KS_HIT, _KS_PENDING = KeyState.HIT, KeyState.PENDING
+_UNSPECIFIED = CacheHitSource.EXTERNAL_UNSPECIFIED
+_MIXED = object()  # a route whose tiers' media differ: ask which tier holds the key
+
+
+def _route_source(store: TieredStore, route: tuple[str, ...]) -> Any:
+    """The hit source of a route whose tiers share one medium, else ``_MIXED``."""
+    sources = {hit_source(store.tier_medium(name)) for name in route}
+    return sources.pop() if len(sources) == 1 else _MIXED
 
 
 # ---- one store per engine and process, shared by manager and worker ---------------------------
@@ -242,6 +251,7 @@ class TieredKVManager(OffloadingManager):
         self._writing: collections.Counter[bytes] = collections.Counter()
         self._inflight = 0
         self._stored: dict[bytes, None] = {}  # written by this engine, not since seen missing
+        self._route_sources: dict[tuple[str, ...], Any] = {}  # route's tiers -> source, or _MIXED
         self._chosen: dict[bytes, bytes] = {}  # whole-chunk key -> the record a HIT found (partial or whole)
         self._loading: dict[bytes, collections.deque[bytes]] = collections.defaultdict(collections.deque)
         self._lookups = AsyncLookups(self.store.lookup_async)
@@ -446,6 +456,23 @@ class TieredKVManager(OffloadingManager):
         self._lookups.forget(skeys)
         while len(stored) > (1 << 20):
             stored.pop(next(iter(stored)))
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """The cache tier a hit is loaded from, for vLLM's hits-by-source metrics: the medium of
+        the tier of the key's route that holds it (``host`` for the CPU tier, ``disk`` for
+        LMDB); ``external_unspecified`` for a remote store (Redis: vLLM has no member for it)
+        and when the tiers cannot tell without waiting. One dict read on a route of one medium."""
+        skey = self._sh.fingerprint + key
+        q = self._loading.get(skey)
+        rec = q[-1] if q else skey  # the record prepare_load chose (whole or partial)
+        route = self.store.policy.get(key_group(rec)).tiers
+        source = self._route_sources.get(route)
+        if source is None:
+            source = self._route_sources[route] = _route_source(self.store, route)
+        if source is not _MIXED:
+            return source
+        name = self.store.locate(rec)
+        return hit_source(self.store.tier_medium(name)) if name else _UNSPECIFIED
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()

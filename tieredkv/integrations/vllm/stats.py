@@ -36,6 +36,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.store import TieredStore
 
@@ -101,6 +102,16 @@ def stores_of(manager: Any) -> list[TieredStore]:
         if isinstance(store, TieredStore) and all(s is not store for s in found):
             found.append(store)
     return found
+
+
+# A tier's medium (``TierCapabilities.medium``) as vLLM's cache-hit source. "remote" (Redis) and
+# anything else: ``external_unspecified``, vLLM's member for a remote store.
+_MEDIUM_SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+def hit_source(medium: str) -> CacheHitSource:
+    """vLLM's ``CacheHitSource`` for hits served from a tier of ``medium``."""
+    return _MEDIUM_SOURCE.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
 Series = tuple[str, tuple[str, ...]]  # (metric name, label values)

@@ -335,6 +335,7 @@ void cg_dump(const char *s) { CALLGRIND_DUMP_STATS_AT(s); }
 int cg_running(void) { return RUNNING_ON_VALGRIND; }
 """
 CG_VARIANTS = (("conn", "O+cpu"), ("conn", "T+tkv"), ("mgr", "O+cpu"), ("mgr", "O+tkv"))
+_CG_OUT = "BENCH_MANAGER_CG_OUT"  # the child's callgrind dump files and results (not TIEREDKV_*: overrides)
 
 
 class Collector:
@@ -343,21 +344,14 @@ class Collector:
     ``counting="conn"``: inside the connector's outermost hooks; ``"mgr"``: inside the manager's
     outermost calls. The harness's ``prepare_store`` wrapper inside a hook is not counted (the
     manager's own ``prepare_store`` inside it is), as the timers take it off. A stack of wanted
-    states: collection follows its top, one toggle per change."""
+    states: collection follows its top, one toggle per change. Each outermost measured call ends
+    with a dump named after it (callgrind then starts counting from zero): instructions by hook."""
 
     def __init__(self, lib: Any, counting: str) -> None:
         self.lib, self.counting = lib, counting
         self.stack: list[bool] = []
         self.on = False
         self.depth: dict[str, int] = defaultdict(int)
-
-    def _push(self, want: bool) -> None:
-        self.stack.append(want)
-        self._sync()
-
-    def _pop(self) -> None:
-        self.stack.pop()
-        self._sync()
 
     def _sync(self) -> None:
         want = bool(self.stack) and self.stack[-1]
@@ -366,6 +360,11 @@ class Collector:
             self.on = want
 
     def wrap(self, kind: str, name: str, fn: Any) -> Any:
+        if kind == "mgr" and self.counting == "conn" and name != "prepare_store":
+            # Counting hooks, a manager call inside one changes nothing: left bare, so a side that
+            # makes more manager calls (vLLM's key-by-key lookups) pays no wrapper for them.
+            # prepare_store is wrapped: the harness's wrapper around it switches collection off.
+            return fn
         depth = self.depth
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -378,21 +377,25 @@ class Collector:
             else:
                 want = self.counting == "conn"
             depth[kind] += 1
-            self._push(want)
+            self.stack.append(want)
+            self._sync()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._pop()
+                self.stack.pop()
+                self._sync()
                 depth[kind] -= 1
+                if want and kind == self.counting:
+                    self.lib.cg_dump(f"hook|{name}".encode())
 
         counted.__wrapped__ = fn  # type: ignore[attr-defined]
         return counted
 
 
-def count_once(lib: Any, counting: str, variant: str, sched_name: str, cfg_path: Path) -> dict[str, Any]:
-    """One settled run under callgrind; its instructions (the dump) are labelled
-    ``counting|schedule|variant|steps``. The cyclic GC is off during the run (as ``timeit`` does):
-    a collection is counted in whatever hook happens to trigger it."""
+def count_once(lib: Any, counting: str, variant: str, sched_name: str, cfg_path: Path, out_dir: Path) -> dict[str, Any]:
+    """One settled run under callgrind, counted by hook (``counting="conn"``) or by manager
+    method (``"mgr"``). The cyclic GC is off during the run (as ``timeit`` does): a collection
+    is counted in whatever hook happens to trigger it."""
     import gc
 
     sched = schedules()[sched_name]
@@ -408,15 +411,16 @@ def count_once(lib: Any, counting: str, variant: str, sched_name: str, cfg_path:
             assert eng.connector_scheduler is not None
             m = eng.connector_scheduler.manager
             m.prepare_store = col.wrap("harness", "prepare_store", m.prepare_store)
+            _read_dumps(out_dir)  # drop what came before
             lib.cg_zero()
             try:
                 _drive(eng, phases, 20000, 200, 0.001, 200, False)
             finally:
-                lib.cg_dump(f"{counting}|{sched_name}|{variant}|{eng.step_no}".encode())
                 res.steps = eng.step_no
                 eng.shutdown()
     finally:
         gc.enable()
+    by_hook = _read_dumps(out_dir)
     return {
         "counting": counting,
         "variant": variant,
@@ -425,6 +429,8 @@ def count_once(lib: Any, counting: str, variant: str, sched_name: str, cfg_path:
         "hits": sum(res.hit_tokens.values()),
         "wrong_bytes": res.wrong_bytes,
         "error": res.error,
+        "instructions": sum(by_hook.values()),
+        "by_hook": by_hook,
     }
 
 
@@ -435,25 +441,29 @@ def build_toggle_lib(tmp: Path) -> Path:
     return lib
 
 
-def read_dumps(out_dir: Path) -> dict[tuple[str, str, str], tuple[int, int]]:
-    """``{(counting, schedule, variant): (instructions, steps)}`` from the main thread's dumps."""
-    found: dict[tuple[str, str, str], tuple[int, int]] = {}
-    for f in sorted(out_dir.glob("cg.out.*")):
-        label, total = None, None
-        with f.open() as fh:
-            for line in fh:
-                if line.startswith("desc: Trigger: Client Request: "):
-                    label = line.split("Client Request: ", 1)[1].strip()
-                elif line.startswith(("totals:", "summary:")):
-                    total = int(line.split()[1])
-                    break
-        if label and total is not None and label.count("|") == 3:
-            counting, sched, variant, steps = label.split("|")
-            found[(counting, sched, variant)] = (total, int(steps))
-    return found
+def _read_dumps(out_dir: Path) -> dict[str, int]:
+    """The instructions of the main thread's ``hook|NAME`` dumps in ``out_dir``, summed by name;
+    every dump file read is deleted (a hybrid run writes ~1,500 of ~250 KB)."""
+    found: dict[str, int] = defaultdict(int)
+    for f in out_dir.glob("cg.out.*.*-*"):
+        label = total = None
+        if f.name.endswith("-01"):  # thread 1: the engine's (the scheduler's hooks run there)
+            with f.open() as fh:
+                for line in fh:
+                    if line.startswith("desc: Trigger: Client Request: "):
+                        label = line.split("Client Request: ", 1)[1].strip()
+                    elif line.startswith(("totals:", "summary:")):
+                        total = int(line.split()[1])
+                        break
+        if label and label.startswith("hook|") and total is not None:
+            found[label[5:]] += total
+        f.unlink()
+    return dict(found)
 
 
-def callgrind_table(found: dict[tuple[str, str, str], tuple[int, int]], names: list[str]) -> str:
+def callgrind_table(rows: list[dict[str, Any]], names: list[str]) -> str:
+    """Instructions per step, and per run, by schedule (the same columns as the timed table)."""
+    by = {(r["counting"], r["schedule"], r["variant"]): r for r in rows}
     lines = [
         (
             "| schedule | steps O+cpu / T+tkv | manager instr/step vLLM CPU | tieredkv | ratio "
@@ -461,17 +471,38 @@ def callgrind_table(found: dict[tuple[str, str, str], tuple[int, int]], names: l
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def per_step(r: dict[str, Any]) -> float:
+        return float(r["instructions"]) / max(1, r["steps"])
+
     for n in names:
         try:
-            (co, so), (ct, st) = found[("conn", n, "O+cpu")], found[("conn", n, "T+tkv")]
-            (mo, smo), (mt, smt) = found[("mgr", n, "O+cpu")], found[("mgr", n, "O+tkv")]
+            co, ct = by[("conn", n, "O+cpu")], by[("conn", n, "T+tkv")]
+            mo, mt = by[("mgr", n, "O+cpu")], by[("mgr", n, "O+tkv")]
         except KeyError:
             continue
         lines.append(
-            f"| {n} | {so} / {st} | {mo / smo / 1e3:.0f}k | {mt / smt / 1e3:.0f}k | {mt / smt / (mo / smo):.2f} "
-            f"| {co / so / 1e3:.0f}k | {ct / st / 1e3:.0f}k | {ct / st / (co / so):.2f} | {ct / co:.2f} |"
+            f"| {n} | {co['steps']} / {ct['steps']} | {per_step(mo) / 1e3:.0f}k | {per_step(mt) / 1e3:.0f}k "
+            f"| {per_step(mt) / per_step(mo):.2f} | {per_step(co) / 1e3:.0f}k | {per_step(ct) / 1e3:.0f}k "
+            f"| {per_step(ct) / per_step(co):.2f} | {ct['instructions'] / co['instructions']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def hooks_table(rows: list[dict[str, Any]], names: list[str]) -> str:
+    """Connector instructions per step by hook, O+cpu vs T+tkv."""
+    by = {(r["counting"], r["schedule"], r["variant"]): r for r in rows}
+    out = []
+    for n in names:
+        if ("conn", n, "O+cpu") not in by or ("conn", n, "T+tkv") not in by:
+            continue
+        o, t = by[("conn", n, "O+cpu")], by[("conn", n, "T+tkv")]
+        out.append(f"{n}: connector instructions per step by hook (O+cpu / T+tkv)")
+        for h in sorted(set(o["by_hook"]) | set(t["by_hook"])):
+            a = o["by_hook"].get(h, 0) / max(1, o["steps"])
+            b = t["by_hook"].get(h, 0) / max(1, t["steps"])
+            out.append(f"  {h:36} {a / 1e3:9.1f}k {b / 1e3:9.1f}k {(b - a) / 1e3:+9.1f}k")
+    return "\n".join(out)
 
 
 def run_callgrind(names: list[str], json_path: str | None) -> None:
@@ -491,34 +522,40 @@ def run_callgrind(names: list[str], json_path: str | None) -> None:
         "--schedules",
         *names,
     ]
-    env = dict(os.environ, BENCH_MANAGER_CG_LIB=str(lib))
+    env = dict(os.environ, BENCH_MANAGER_CG_LIB=str(lib), **{_CG_OUT: str(tmp)})
     print(f"under callgrind (vLLM's import alone takes minutes): {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, env=env, check=True, stderr=subprocess.DEVNULL)
-    found = read_dumps(tmp)
-    print(callgrind_table(found, names))
+    log = tmp / "child.log"
+    with log.open("w") as err:  # valgrind's own lines and the child's traceback, if any
+        rc = subprocess.run(cmd, env=env, stderr=err, check=False).returncode
+    if rc:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise SystemExit(f"the run under callgrind failed ({rc}); the end of {log}:\n{tail}")
+    rows = [json.loads(line) for line in (tmp / "results.jsonl").read_text().splitlines()]
+    print(callgrind_table(rows, names))
+    print(hooks_table(rows, names))
     if json_path:
-        rows = [
-            {"counting": c, "schedule": n, "variant": v, "instructions": i, "steps": st}
-            for (c, n, v), (i, st) in sorted(found.items())
-        ]
         Path(json_path).write_text(json.dumps({"callgrind": rows}, indent=1))
 
 
 def _counted_runs(lib_path: str, names: list[str]) -> None:
-    """Inside valgrind: each schedule's four counted runs."""
+    """Inside valgrind: each schedule's four counted runs, appended to ``results.jsonl``."""
     import ctypes
 
     lib = ctypes.CDLL(lib_path)
     if not lib.cg_running():
         raise SystemExit("BENCH_MANAGER_CG_LIB is set but this process is not under valgrind")
+    out_dir = Path(os.environ[_CG_OUT])
     tmp = Path(tempfile.mkdtemp(prefix="bench-manager-"))
     cfg_path = write_config(tmp / "tieredkv.json")
     for n in names:
         for counting, v in CG_VARIANTS:
-            r = count_once(lib, counting, v, n, cfg_path)
+            r = count_once(lib, counting, v, n, cfg_path, out_dir)
+            with (out_dir / "results.jsonl").open("a") as fh:
+                fh.write(json.dumps(r) + "\n")
             print(
                 f"counted {counting:>4} {n:>28} {v:>6} steps {r['steps']:>4} hits {r['hits']:>6} "
-                f"wrong {r['wrong_bytes']}" + (f" ERROR {r['error']}" if r["error"] else ""),
+                f"instructions/step {r['instructions'] / max(1, r['steps']) / 1e3:.0f}k wrong {r['wrong_bytes']}"
+                + (f" ERROR {r['error']}" if r["error"] else ""),
                 flush=True,
             )
 

@@ -256,6 +256,17 @@ def test_probe_prefix_answers_as_probe_does_key_by_key(tmp_path: Path) -> None:
         n = rounds * n_threads
         assert [a - b for a, b in zip(counts(), before)] == [2 * n, 0, 2 * n, n], "a count was lost"
 
+        # Keys the CPU tier holds while an overwrite of them is in flight, or the caller writes
+        # them again, are PENDING however the run of held keys is found.
+        p.inflight.begin([g0[1]])
+        before = counts()
+        assert p.probe_prefix(g0, 0, {g0[5]}) == [H, P, M]
+        assert p.probe_prefix(g0, 3, {g0[5]}) == [H, P, P, H, M]
+        assert p.probe_prefix(g0[5:7], 0, {g0[6]}) == [H, P]
+        assert [a - b for a, b in zip(counts(), before)] == [4, 2, 0, 0]
+        p.inflight.unpend([g0[1]])
+        p.inflight.end()
+
         lane = p._lanes["cpu"]  # fault injection: the CPU tier's breaker opens
         lane.breaker.trip()
         before = counts()

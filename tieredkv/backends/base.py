@@ -28,7 +28,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar, overload
 
@@ -289,6 +289,12 @@ class Tier(ABC):
         answers it without building a list)."""
         got = self.probe((key,))
         return None if got is None else got[0]
+
+    def probe_members(self) -> Container[bytes] | None:
+        """A container whose ``in`` answers :meth:`probe_key` for any key, from any thread, while
+        this tier stays open (an in-process index), or None (the default: ask ``probe_key``). The
+        scheduler's prefix scans test a run of keys against it in one C loop."""
+        return None
 
     # ---- observers -----------------------------------------------------------------
 

@@ -36,7 +36,7 @@ instance belongs to one event loop.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,9 @@ class CPUTier(Tier):
         if self._closed or not self._opened:
             return None
         return key in self._index
+
+    def probe_members(self) -> Container[bytes] | None:
+        return None if self._closed or not self._opened else self._index
 
     async def _delete_many(self, keys: list[bytes]) -> int:
         n = 0

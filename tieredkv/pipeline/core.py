@@ -7,9 +7,11 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import operator
 import threading
 import time
 from collections.abc import Container, Coroutine, Sequence
+from itertools import islice, takewhile
 from typing import Any, Self, cast
 
 from tieredkv.backends.base import Tier, check_items
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 # Enum members as module constants: ``probe`` runs once per key per engine step.
 _HIT, _MISS, _PENDING = KeyState.HIT, KeyState.MISS, KeyState.PENDING
 _CLOSED = BreakerState.CLOSED
+_SUFFIX_OF = operator.itemgetter(GROUP_SUFFIX)
 
 
 class Pipeline:
@@ -66,7 +69,9 @@ class Pipeline:
         self._groups: dict[int, GroupBinding] = {}
         # Per group suffix (``key[GROUP_SUFFIX]``): the route's (breaker, tier.probe_key) pairs and
         # the group's stats, resolved once (probe runs once per key per engine step).
-        self._probe_plans: dict[bytes, tuple[tuple[tuple[Any, Any], ...], GroupStats]] = {}
+        # group suffix -> (the route's (breaker, Tier.probe_key) pairs, the group's stats, the first
+        # tier's (breaker, Tier.probe_members))
+        self._probe_plans: dict[bytes, tuple[tuple[tuple[Any, Any], ...], GroupStats, tuple[Any, Any]]] = {}
         self._lookup_lock = threading.Lock()  # lookup counts: from the loop and from engine threads
         # See activity(). Bumped from engine threads and the loop without a lock: a lost bump
         # still leaves a value the reader has not seen, or one read after the change it covers.
@@ -429,7 +434,7 @@ class Pipeline:
             plan = self._probe_plan(key)
             if plan is None:
                 return None
-        lanes, gs = plan
+        lanes, gs, _ = plan
         hit = False
         for breaker, probe_key in lanes:
             if breaker.state is not _CLOSED:
@@ -458,16 +463,31 @@ class Pipeline:
         is neither HIT nor PENDING (a MISS, or None: ask that one elsewhere, the rest were not
         probed). Keys in ``writing`` (the caller's own stores not submitted yet) are PENDING, as
         keys in flight here are; neither is counted. The counts are added under one lock at the
-        end: a scheduler's prefix scan of a group is one call instead of one per key."""
+        end: a scheduler's prefix scan of a group is one call instead of one per key.
+
+        The leading run of keys of one group that its route's first tier holds (and that are not
+        in flight) is found by C loops when that tier has an in-process index
+        (:meth:`Tier.probe_members`: the CPU tier); the rest key by key."""
         out: list[KeyState | None] = []
-        pending = self.inflight.pending
-        plans = self._probe_plans
-        counts: list[tuple[GroupStats, int, int]] = []
+        n = len(keys)
         gs: GroupStats | None = None
         lanes: tuple[tuple[Any, Any], ...] = ()
         suffix = b""
         hits = misses = 0
-        for i in range(start, len(keys)):
+        if start < n:
+            plan = self._probe_plans.get(keys[start][GROUP_SUFFIX])
+            if plan is not None:
+                run = self._hit_run(keys, start, writing, plan[2])
+                if run:
+                    lanes, gs = plan[0], plan[1]
+                    suffix = keys[start][GROUP_SUFFIX]
+                    hits = run
+                    out = [_HIT] * run
+                    start += run
+        pending = self.inflight.pending
+        plans = self._probe_plans
+        counts: list[tuple[GroupStats, int, int]] = []
+        for i in range(start, n):
             key = keys[i]
             if key in pending or key in writing:
                 out.append(_PENDING)
@@ -480,7 +500,7 @@ class Pipeline:
                 if gs is not None and (hits or misses):
                     counts.append((gs, hits, misses))
                     hits = misses = 0
-                lanes, gs = plan
+                lanes, gs, _ = plan
                 suffix = key[GROUP_SUFFIX]
             state: KeyState | None = _MISS
             for breaker, probe_key in lanes:
@@ -504,11 +524,33 @@ class Pipeline:
         if gs is not None and (hits or misses):
             counts.append((gs, hits, misses))
         if counts:
-            with self._lookup_lock:
+            lock = self._lookup_lock
+            lock.acquire()
+            try:
                 for g, h, m in counts:
                     g.hits += h
                     g.misses += m
+            finally:
+                lock.release()
         return out
+
+    def _hit_run(self, keys: Sequence[bytes], start: int, writing: Container[bytes], first: tuple[Any, Any]) -> int:
+        """How many keys from ``start`` on are HITs by the first tier of ``keys[start]``'s route,
+        found without a Python step per key: the leading keys in that tier's index, if they are
+        all of that group and none is in flight (else 0: the caller's key-by-key loop decides)."""
+        breaker, members = first
+        if members is None or breaker.state is not _CLOSED:
+            return 0
+        index = members()
+        if index is None:
+            return 0
+        run = list(takewhile(index.__contains__, islice(keys, start, None)))
+        if not run or len(set(map(_SUFFIX_OF, run))) != 1:
+            return 0
+        pending = self.inflight.pending
+        if (pending and any(map(pending.__contains__, run))) or (writing and any(map(writing.__contains__, run))):
+            return 0
+        return len(run)
 
     def locate(self, key: bytes) -> str | None:
         """The first tier of ``key``'s route that holds it (the one a load reads first), asked
@@ -527,18 +569,20 @@ class Pipeline:
                 return None
         return None
 
-    def _probe_plan(self, key: bytes) -> tuple[tuple[tuple[Any, Any], ...], GroupStats] | None:
+    def _probe_plan(self, key: bytes) -> tuple[tuple[tuple[Any, Any], ...], GroupStats, tuple[Any, Any]] | None:
         """``key``'s group's probe plan, kept once every tier of its route has a lane (tiers
         opened); None while the pipeline is not running (close drops the plans)."""
         if self._closed or not self.loop.running:
             return None
         group = key_group(key)
-        lanes = [self._lanes.get(name) for name in self.policy.get(group).tiers]
-        if any(lane is None for lane in lanes):
+        found = [self._lanes.get(name) for name in self.policy.get(group).tiers]
+        if any(lane is None for lane in found):
             return None
+        lanes = cast("list[TierLane]", found)
         plan = (
-            tuple((lane.breaker, lane.tier.probe_key) for lane in cast("list[TierLane]", lanes)),
+            tuple((lane.breaker, lane.tier.probe_key) for lane in lanes),
             self.group_stats[group],
+            (lanes[0].breaker, lanes[0].tier.probe_members) if lanes else (None, None),
         )
         if not self._closed:
             self._probe_plans[key[GROUP_SUFFIX]] = plan

@@ -416,9 +416,16 @@ class ChunkLedger:
         self.scan = k
 
     def settle_scan(self) -> None:
-        """Move the scan over a run of done chunks (e.g. loaded ones)."""
-        while self.status_of(self.scan) == _DONE:
-            self.scan += 1
+        """Move the scan over a run of done chunks (e.g. loaded ones); a run longer than one is
+        measured by C searches of the status bytes, not chunk by chunk."""
+        st, k = self.status, self.scan
+        n = len(st)
+        if k < n and st[k] == _DONE:
+            k += 1
+            if k < n and st[k] == _DONE:
+                ends = [i for i in (st.find(_UNSEEN, k), st.find(_WAITING, k), st.find(_DEAD, k)) if i >= 0]
+                k = min(ends) if ends else n
+            self.scan = k
 
     @property
     def cursor(self) -> int:

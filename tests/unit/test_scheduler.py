@@ -416,6 +416,30 @@ def test_ledger_marks_a_range_done_as_marking_each_chunk_would() -> None:
         assert state[0] == state[1], (ops, lo, hi)
 
 
+def test_ledger_scan_moves_over_exactly_the_run_of_done_chunks() -> None:
+    """``settle_scan`` measures a run of done chunks with C searches: it stops where the
+    chunk-by-chunk rule stops (the first unseen, waiting or dead chunk, or the end), from every
+    start, on ledgers holding every mix of statuses."""
+    import itertools
+    import random
+
+    from tieredkv.scheduler import _DONE, ChunkLedger
+
+    rng = random.Random(11)
+    cases = [bytes(c) for n in range(6) for c in itertools.product(range(4), repeat=n)]
+    cases += [bytes(rng.choice((0, 1, 2, 2, 2, 3)) for _ in range(rng.randrange(80))) for _ in range(500)]
+    for status in cases:
+        for start in range(len(status) + 2):
+            led = ChunkLedger()
+            led.status = bytearray(status)
+            led.scan = start
+            led.settle_scan()
+            k = start
+            while k < len(status) and status[k] == _DONE:
+                k += 1
+            assert led.scan == k, (status, start)
+
+
 def test_refused_chunk_survives_preemption() -> None:
     s = OffloadScheduler(layout(FULL))
     s.add_request("r", 8, block_hashes=hashes(2))

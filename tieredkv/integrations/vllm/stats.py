@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import compress, count
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -119,10 +120,12 @@ Snapshot = dict[Series, float]
 _TIER_KEYS = tuple(_TIER_COUNTERS)
 _LANE_KEYS = tuple(_PER_TIER)
 _GROUP_KEYS = tuple(_GROUP_COUNTERS)
-# One C call per tier / lane / group (a tier's ``counters`` is a Counter: absent keys read 0).
-_tier_values = operator.itemgetter(*_TIER_KEYS)
+# C calls per tier / lane / group. A tier's ``counters`` is a Counter: an absent key read by
+# subscript calls its Python ``__missing__``, so they are read with ``get(key, 0)``.
+_TIER_ZEROS = (0,) * len(_TIER_KEYS)
 _lane_values = operator.attrgetter(*_LANE_KEYS)
 _group_values = operator.attrgetter(*_GROUP_KEYS)
+_name_of = operator.attrgetter("name")
 
 
 def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], Snapshot]:
@@ -135,9 +138,9 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
     for store in stores:
         lanes, groups = store.live_counts()
         tiers = store.tiers
-        shape.append((store, tuple(t.name for t in tiers), tuple(lanes), tuple(groups)))
+        shape.append((store, tuple(map(_name_of, tiers)), tuple(lanes), tuple(groups)))
         for tier in tiers:
-            values.extend(_tier_values(tier.counters))
+            values.extend(map(tier.counters.get, _TIER_KEYS, _TIER_ZEROS))
         for name, lane in lanes.items():
             values.extend(_lane_values(lane))
             gauges[(BREAKER_OPEN, (str(name),))] = float(lane.breaker != "closed")
@@ -210,20 +213,26 @@ class StoreStatsReporter:
             log.debug("tieredkv stats skipped this step: %s", e)
             return None
         self._seen, self._read_at = seen, time.monotonic()
+        series = self._series
         if shape == self._shape:
             if values == self._values and gauges == self._gauges:
                 return None
-            prev: list[int | None] = list(self._values)
+            prev: Sequence[int | None] = self._values
+            # the series that moved, found by C loops: a step moves a few of dozens
+            changed: Iterable[int] = compress(count(), map(operator.ne, values, prev))
         else:  # a store, tier or group came or went: match the values by store and series
-            old = dict(zip(self._series, self._values))
-            self._series = _series(shape)
-            prev = [old.get(k) for k in self._series]
+            old = dict(zip(series, self._values))
+            series = self._series = _series(shape)
+            prev = [old.get(k) for k in series]
+            changed = range(len(values))
         out = OffloadingConnectorStats()
-        for (_, name, labels), count, before in zip(self._series, values, prev):
+        for i in changed:
+            _, name, labels = series[i]
+            now, before = values[i], prev[i]
             if before is None:  # a new series shows its count (0 too) rather than nothing
-                out.increase_counter(name, count, labels)
-            elif count != before:  # per store: counts only grow (a store replaced is a new series)
-                out.increase_counter(name, count - before if count > before else count, labels)
+                out.increase_counter(name, now, labels)
+            elif now != before:  # per store: counts only grow (a store replaced is a new series)
+                out.increase_counter(name, now - before if now > before else now, labels)
         for key, gauge in gauges.items():
             if self._gauges.get(key) != gauge:
                 out.set_gauge(key[0], gauge, key[1])

@@ -225,15 +225,27 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         start_chunk_idx: int,
     ) -> int | None:
         prefix = self._lookup_prefix
+        tracker = self._events_tracker
+        record = tracker.record_lookup if tracker.self_describing_enabled else None  # else a no-op
         if prefix is not None:
             results = prefix(keys, req_context)
+            if results and LookupResult.HIT_PENDING not in results and LookupResult.RETRY not in results:
+                # the usual answer: hits, perhaps ended by a miss (C loops find which)
+                hit_count = len(results) - (results[-1] is not LookupResult.HIT)
+                if record is not None:
+                    for i in range(hit_count):
+                        record(req, group_config, start_chunk_idx + i, keys[i])
+                if hit_count < len(results):
+                    self._forget(req.request_id, group_config.group_idx, start_chunk_idx + hit_count)
+                return hit_count
         else:
             results = _prefix_results(self.manager, keys, req_context)
         hit_count = 0
         deferred = False
         for i, (key, result) in enumerate(zip(keys, results)):
             if result in _PRESENT:
-                self._events_tracker.record_lookup(req, group_config, start_chunk_idx + i, key)
+                if record is not None:
+                    record(req, group_config, start_chunk_idx + i, key)
                 hit_count += 1
                 deferred |= result is LookupResult.HIT_PENDING
             elif result is LookupResult.RETRY:
@@ -415,12 +427,15 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         fenced: list[int] = []
         deferred: list[int] = []
         bpc = self.config.blocks_per_chunk
+        tracker = self._events_tracker
+        record = tracker.record_store if tracker.self_describing_enabled else None  # else a no-op
         for pos, (cfg, group_offers) in enumerate(zip(self.config.kv_group_configs, by_pos)):
             windowed = cfg.sliding_window_size_in_chunks is not None
             start: int | None = None
             n = 0
             for o in group_offers:
-                self._events_tracker.record_store(req, cfg, o.chunk, o.key)
+                if record is not None:
+                    record(req, cfg, o.chunk, o.key)
                 for i, bid in enumerate(o.blocks):
                     if bid == 0:
                         continue

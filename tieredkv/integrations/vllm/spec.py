@@ -94,7 +94,7 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
 
 
 _HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS  # read once per lookup
-_KS_HIT, _KS_PENDING = KeyState.HIT, KeyState.PENDING
+_KS_HIT, _KS_PENDING, _KS_MISS = KeyState.HIT, KeyState.PENDING, KeyState.MISS
 _UNSPECIFIED = CacheHitSource.EXTERNAL_UNSPECIFIED
 _MIXED = object()  # a route whose tiers' media differ: ask which tier holds the key
 
@@ -251,7 +251,8 @@ class TieredKVManager(OffloadingManager):
         self._writing: collections.Counter[bytes] = collections.Counter()
         self._inflight = 0
         self._stored: dict[bytes, None] = {}  # written by this engine, not since seen missing
-        self._route_sources: dict[tuple[str, ...], Any] = {}  # route's tiers -> source, or _MIXED
+        self._group_sources: dict[bytes, Any] = {}  # group suffix -> its route's source, or _MIXED
+        self._common_source: Any = None  # the source of every group's route if one, else _MIXED
         self._chosen: dict[bytes, bytes] = {}  # whole-chunk key -> the record a HIT found (partial or whole)
         self._loading: dict[bytes, collections.deque[bytes]] = collections.defaultdict(collections.deque)
         self._lookups = AsyncLookups(self.store.lookup_async)
@@ -302,8 +303,16 @@ class TieredKVManager(OffloadingManager):
             return _HIT_PENDING
         if self._partial_groups and key[GROUP_SUFFIX] in self._partial_groups:
             return self._lookup_partial(key, skey)
-        state = self._probe(skey) or self._lookups.answer(skey)  # the probe answers "pending" first
-        return _HIT if state == "hit" else self._not_hit(key, skey, (state,))
+        state = self._probe(skey)  # a store in flight is pending, then the tiers that can tell
+        if state is _KS_HIT:
+            return _HIT
+        if state is _KS_MISS:
+            self._stored.pop(skey, None)
+            return _MISS
+        if state is None:
+            known = self._lookups.answer(skey)
+            return _HIT if known == "hit" else self._not_hit(key, skey, (known,))
+        return self._not_hit(key, skey, (state,))
 
     def lookup_prefix(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> list[LookupResult]:
         """:meth:`lookup` of each key in order, up to and including the first MISS: a connector's
@@ -315,13 +324,18 @@ class TieredKVManager(OffloadingManager):
         partial = self._partial_groups
         if partial and any(k[GROUP_SUFFIX] in partial for k in keys):
             return self._lookup_each(keys, req_context)
-        fp = self._sh.fingerprint
-        skeys = [fp + k for k in keys]
+        skeys = list(map(self._sh.fingerprint.__add__, keys))
         probe_prefix, answer, writing = self._probe_prefix, self._lookups.answer, self._writing
         out: list[LookupResult] = []
         i, n = 0, len(skeys)
         while i < n:
-            for state in probe_prefix(skeys, i, writing):
+            states = probe_prefix(skeys, i, writing)
+            if _KS_PENDING not in states:  # the usual scan: hits, then perhaps one other answer
+                k = len(states) if states[-1] is _KS_HIT else len(states) - 1
+                out += [_HIT] * k
+                i += k
+                states = states[k:]
+            for state in states:
                 if state is _KS_HIT:
                     out.append(_HIT)
                 elif state is _KS_PENDING:
@@ -461,14 +475,22 @@ class TieredKVManager(OffloadingManager):
         """The cache tier a hit is loaded from, for vLLM's hits-by-source metrics: the medium of
         the tier of the key's route that holds it (``host`` for the CPU tier, ``disk`` for
         LMDB); ``external_unspecified`` for a remote store (Redis: vLLM has no member for it)
-        and when the tiers cannot tell without waiting. One dict read on a route of one medium."""
+        and when the tiers cannot tell without waiting. An attribute read when every group's route
+        has one medium and the same; else one dict read for a route of one medium."""
+        common = self._common_source
+        if common is None:
+            routes = {self.store.policy.get(g).tiers for g in range(self._num_groups)}
+            found = {_route_source(self.store, route) for route in routes}
+            common = self._common_source = found.pop() if len(found) == 1 else _MIXED
+        if common is not _MIXED:
+            return common  # every group's route has one medium, the same
         skey = self._sh.fingerprint + key
         q = self._loading.get(skey)
         rec = q[-1] if q else skey  # the record prepare_load chose (whole or partial)
-        route = self.store.policy.get(key_group(rec)).tiers
-        source = self._route_sources.get(route)
+        source = self._group_sources.get(rec[GROUP_SUFFIX])
         if source is None:
-            source = self._route_sources[route] = _route_source(self.store, route)
+            route = self.store.policy.get(key_group(rec)).tiers
+            source = self._group_sources[rec[GROUP_SUFFIX]] = _route_source(self.store, route)
         if source is not _MIXED:
             return source
         name = self.store.locate(rec)

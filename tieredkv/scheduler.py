@@ -105,6 +105,7 @@ DEFAULT_MAX_CHUNKS_PER_PLAN = 256
 # Per-chunk status bytes. WAITING chunks are also listed in _GroupState.waiting.
 _UNSEEN, _WAITING, _DONE, _DEAD = 0, 1, 2, 3
 _DONE_RUN = bytes((_DONE,))
+_NOT_DONE = (_UNSEEN, _WAITING, _DEAD)
 
 
 def _chunk_key(block_hash: bytes, group: int) -> bytes:
@@ -416,16 +417,27 @@ class ChunkLedger:
         self.scan = k
 
     def settle_scan(self) -> None:
-        """Move the scan over a run of done chunks (e.g. loaded ones); a run longer than one is
-        measured by C searches of the status bytes, not chunk by chunk."""
+        """Move the scan over a run of done chunks (e.g. loaded ones). The run's end is found by C
+        searches of the status bytes in windows that double from 16, each search bounded by the
+        nearest end found so far: the cost grows with the run, not with the ledger."""
         st, k = self.status, self.scan
         n = len(st)
-        if k < n and st[k] == _DONE:
-            k += 1
-            if k < n and st[k] == _DONE:
-                ends = [i for i in (st.find(_UNSEEN, k), st.find(_WAITING, k), st.find(_DEAD, k)) if i >= 0]
-                k = min(ends) if ends else n
-            self.scan = k
+        if k >= n or st[k] != _DONE:
+            return
+        k += 1
+        width = 16
+        while k < n:
+            end = min(n, k + width)
+            stop = end
+            for status in _NOT_DONE:
+                i = st.find(status, k, stop)
+                if i >= 0:
+                    stop = i
+            if stop < end:
+                k = stop
+                break
+            k, width = end, width * 2
+        self.scan = k
 
     @property
     def cursor(self) -> int:

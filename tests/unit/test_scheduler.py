@@ -428,6 +428,7 @@ def test_ledger_scan_moves_over_exactly_the_run_of_done_chunks() -> None:
     rng = random.Random(11)
     cases = [bytes(c) for n in range(6) for c in itertools.product(range(4), repeat=n)]
     cases += [bytes(rng.choice((0, 1, 2, 2, 2, 3)) for _ in range(rng.randrange(80))) for _ in range(500)]
+    cases += [bytes([2] * n) + tail for n in (15, 16, 17, 47, 48, 49, 200) for tail in (b"", b"\x00", b"\x01", b"\x03")]
     for status in cases:
         for start in range(len(status) + 2):
             led = ChunkLedger()

@@ -282,6 +282,53 @@ def test_probe_prefix_answers_as_probe_does_key_by_key(tmp_path: Path) -> None:
         assert p.probe_prefix(g0, 0, {g0[0]}) == [P, None]
 
 
+def test_probe_prefix_while_the_loop_stores_and_overwrites_the_same_keys() -> None:
+    """Scans from three threads while the loop thread stores a group's chunks one after another
+    and overwrites stored ones: a key once stored never reads as missing again (a scan's run of
+    HIT / PENDING answers only grows), a MISS is only ever the last answer, nothing is None, and
+    the group's counts are exactly the HITs and MISSes the scans returned."""
+    H, P, M = KeyState.HIT, KeyState.PENDING, KeyState.MISS
+    refs = chunks(16)
+    keys = [c.key for c in refs]
+    with make([cpu()], [PolicyRule()]) as p:
+        p.register_group(0, kv(21), blocks_per_chunk=BPC)
+        stats = p.group_stats[0]
+        before = (stats.hits, stats.misses)
+        done = threading.Event()
+        answers: list[list[list[KeyState | None]]] = [[] for _ in range(3)]
+
+        def scanner(out: list[list[KeyState | None]]) -> None:
+            while not done.is_set():
+                out.append(p.probe_prefix(keys, 0))
+
+        threads = [threading.Thread(target=scanner, args=(a,)) for a in answers]
+        for t in threads:
+            t.start()
+        order = [i for n in range(len(refs)) for i in ((n, n // 2) if n % 2 else (n,))]  # new, then an overwrite
+        try:
+            for job_id, i in enumerate(order, 1):
+                assert p.submit_store(StoreJob(job_id, 0, (refs[i],)))
+                assert wait_results(p, 1)[job_id].ok
+            wait_until(lambda: all(len(a) >= 3 for a in answers), "every scanner scanned")
+        finally:
+            done.set()
+            for t in threads:
+                t.join()
+        assert p.probe_prefix(keys, 0) == [H] * len(keys)
+        for out in answers:
+            reach = 0
+            for ans in out:
+                assert None not in ans and M not in ans[:-1], ans
+                run = len(ans) - (ans[-1] is M)
+                assert set(ans[:run]) <= {H, P}, ans
+                assert run >= reach, (run, reach, "a stored key read as missing")
+                reach = run
+        scanned = [a for out in answers for a in out] + [[H] * len(keys)]
+        hits = sum(a.count(H) for a in scanned)
+        misses = sum(a.count(M) for a in scanned)
+        assert (stats.hits - before[0], stats.misses - before[1]) == (hits, misses), "counted unlike answered"
+
+
 def test_lookup_says_pending_until_bytes_are_written(tmp_path: Path) -> None:
     slow = FaultyTier(lmdb(tmp_path), delay_s=0.5, ops={"put_many"})
     with make([slow], [PolicyRule()]) as p:

@@ -103,3 +103,34 @@ def test_pending_work_is_only_unsent_keys(stored: tuple[TieredStore, list[bytes]
     _settle(lk)
     # Resolved, never read: an idle engine must be allowed to stop here.
     assert not lk.has_unsent() and not lk.busy()
+
+
+def test_a_pending_answer_is_read_once_then_asked_again(stored: tuple[TieredStore, list[bytes]]) -> None:
+    """A lookup that met a store in flight answers "pending". If that store completes (and its
+    ``complete_store`` forgets the key) before the answer arrives, a kept "pending" would be
+    refreshed by every ask and keep the request waiting for ever (a stall seen in the engine loop
+    on Redis). Fault injection: the first batch's answer is held and then given as PENDING, the
+    real store answers the rest."""
+    from concurrent.futures import Future
+
+    from tieredkv.pipeline import KeyState
+
+    p, keys = stored
+    held: list[Future[Any]] = []
+
+    def lookup_async(batch: list[bytes]) -> Future[Any]:
+        if not held:
+            held.append(Future())
+            return held[0]
+        return p.lookup_async(batch)
+
+    lk = AsyncLookups(lookup_async, ttl_steps=8)
+    k = keys[0]
+    assert _step(lk, [k]) == [None]
+    lk.forget([k])  # the store completed first
+    held[0].set_result([(KeyState.PENDING, None)])
+    assert _step(lk, [k]) == ["pending"]
+    assert _step(lk, [k]) == [None], "a pending answer must not be kept: the key is asked again"
+    _settle(lk)
+    assert _step(lk, [k]) == ["hit"]
+    assert [_step(lk, [k]) for _ in range(3)] == [["hit"]] * 3

@@ -54,6 +54,14 @@ class AsyncLookups:
             self._poll()
         state = self._answers.get(key)
         if state is not None:
+            if state == "pending":
+                # A store was in flight when the tiers were asked: read once, then asked again.
+                # Kept, it would outlive that store (its complete_store may have forgotten the
+                # key before this answer arrived) and, refreshed by every ask, keep the request
+                # waiting for ever.
+                del self._answers[key]
+                self._last_asked.pop(key, None)
+                return state
             self._touch(key)
             return state
         if key not in self._inflight:

@@ -113,9 +113,12 @@ class CircuitBreaker:
         return True
 
     def success(self) -> None:
-        self._consecutive = 0
-        self._probing = False
-        self.state = BreakerState.CLOSED
+        # Written only on a change: the scheduler thread reads ``state`` on every lookup, and a
+        # write on every operation would take its cache line away from that thread each time.
+        if self.state is not BreakerState.CLOSED or self._consecutive or self._probing:
+            self._consecutive = 0
+            self._probing = False
+            self.state = BreakerState.CLOSED
 
     def trip(self) -> None:
         """Open now (e.g. the tier could not even be opened)."""

@@ -495,3 +495,34 @@ def test_group_kinds_from_offloading_config() -> None:
         group_kinds(Cfg(), ["full"])
     with pytest.raises(ConfigError, match="allowed"):
         group_kinds(Cfg(), ["full", "ssm"])
+
+
+def test_stored_keys_made_once_bounded_and_new_per_generation() -> None:
+    """The manager's vLLM key -> stored key map: the same object for the same key (its hash
+    computed once), never more than its limit (full, it starts again), always ``fingerprint +
+    key``; a new cache generation gets a new map under its own fingerprint."""
+    from tieredkv.integrations.vllm.spec import StoredKeys, _Shared
+
+    fp = b"F" * 16
+    sk = StoredKeys(fp, limit=4)
+    keys = [bytes([i]) * 32 + (i % 3).to_bytes(4, "big") for i in range(9)]
+    first = sk[keys[0]]
+    assert first == fp + keys[0]
+    assert sk[keys[0]] is first
+    for k in keys[1:4]:
+        assert sk[k] == fp + k
+    assert len(sk) == 4
+    assert sk[keys[4]] == fp + keys[4]
+    assert len(sk) == 1, "a full map starts again"
+    assert list(map(sk.__getitem__, keys)) == [fp + k for k in keys]
+    assert len(sk) <= 4
+
+    class _NS:
+        def __init__(self, f: bytes) -> None:
+            self.fingerprint = f
+
+    sh = _Shared(None, _NS(fp))  # type: ignore[arg-type]
+    old = sh.skeys
+    assert sh.skeys[keys[0]] == fp + keys[0]
+    sh.namespace = _NS(b"G" * 16)  # type: ignore[assignment]
+    assert sh.skeys is not old and sh.skeys[keys[0]] == b"G" * 16 + keys[0]

@@ -73,6 +73,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LookupResult,
+    OffloadingManager,
     OffloadingSpec,
     OffloadKey,
     OffloadPolicy,
@@ -86,6 +87,7 @@ from tieredkv.scheduler import _WAITING, ChunkLedger
 __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
 
 _PRESENT = (LookupResult.HIT, LookupResult.HIT_PENDING)
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
 
 @dataclass
@@ -173,6 +175,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self._early_store_jobs: dict[int, TransferJob] = {}
         # a manager that answers a prefix scan in one call (tieredkv's); else key by key
         self._lookup_prefix = getattr(self.manager, "lookup_prefix", None)
+        # a manager whose lock is vLLM's no-op (tieredkv's: its state is the scheduler thread's)
+        self._lock_is_noop = type(self.manager).lock is OffloadingManager.lock
 
     # ------------------------------------------------------------------ ledgers
 
@@ -229,9 +233,9 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         record = tracker.record_lookup if tracker.self_describing_enabled else None  # else a no-op
         if prefix is not None:
             results = prefix(keys, req_context)
-            if results and LookupResult.HIT_PENDING not in results and LookupResult.RETRY not in results:
-                # the usual answer: hits, perhaps ended by a miss (C loops find which)
-                hit_count = len(results) - (results[-1] is not LookupResult.HIT)
+            n, hit_count = len(results), results.count(_HIT)  # count: identity tests, in C
+            if n and (hit_count == n or (hit_count == n - 1 and results[-1] is _MISS)):
+                # the usual answer: hits, perhaps ended by a miss
                 if record is not None:
                     for i in range(hit_count):
                         record(req, group_config, start_chunk_idx + i, keys[i])
@@ -484,8 +488,11 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         status = self._req_status.get(request.request_id)
         if status is None:
             return delay, params
-        with self._manager_locked():
-            self._store_pass(status, 0, self._early_store_jobs)
+        if self._lock_is_noop and self._step_region is None:
+            self._store_pass(status, 0, self._early_store_jobs)  # _manager_locked would do nothing
+        else:
+            with self._manager_locked():
+                self._store_pass(status, 0, self._early_store_jobs)
         if self._outstanding(request.request_id) == 0:
             return delay, params
         num_blocks = len({b for gs in status.group_states for b in gs.block_ids if b})

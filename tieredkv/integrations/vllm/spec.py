@@ -128,6 +128,31 @@ class _Shared:
         self._namespace = ns
         #: A plain attribute: the scheduler reads it once per lookup.
         self.fingerprint: bytes = ns.fingerprint
+        #: vLLM key -> stored key under this fingerprint (a new generation starts a new map).
+        self.skeys = StoredKeys(ns.fingerprint)
+
+
+class StoredKeys(dict[bytes, bytes]):
+    """vLLM's key -> its stored key (``fingerprint + key``), made on first use.
+
+    vLLM's scheduler hands the manager the same key objects step after step (a waiting request's
+    keys are asked again on every step, a stored key comes back at ``complete_store``): one
+    dict read, the key's hash cached in vLLM's key object, instead of a concatenation, a new
+    object and its hash (SipHash over 52 bytes) per call. Holds at most ``limit`` keys: full,
+    it starts again empty (what it holds is only ever recomputed, never wrong)."""
+
+    __slots__ = ("fp", "limit")
+
+    def __init__(self, fingerprint: bytes, limit: int = 1 << 16) -> None:
+        super().__init__()
+        self.fp = fingerprint
+        self.limit = limit
+
+    def __missing__(self, key: bytes) -> bytes:
+        if len(self) >= self.limit:
+            self.clear()
+        skey = self[key] = self.fp + key
+        return skey
 
 
 _STORES: dict[tuple[Any, ...], _Shared] = {}
@@ -298,7 +323,7 @@ class TieredKVManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # vLLM's scheduler asks every key of every waiting request on every step: this path is
         # kept to a few dict lookups and one call into the store (its probe).
-        skey = self._sh.fingerprint + key
+        skey = self._sh.skeys[key]
         if skey in self._writing:
             return _HIT_PENDING
         if self._partial_groups and key[GROUP_SUFFIX] in self._partial_groups:
@@ -324,14 +349,15 @@ class TieredKVManager(OffloadingManager):
         partial = self._partial_groups
         if partial and any(k[GROUP_SUFFIX] in partial for k in keys):
             return self._lookup_each(keys, req_context)
-        skeys = list(map(self._sh.fingerprint.__add__, keys))
+        skeys = list(map(self._sh.skeys.__getitem__, keys))
         probe_prefix, answer, writing = self._probe_prefix, self._lookups.answer, self._writing
         out: list[LookupResult] = []
         i, n = 0, len(skeys)
         while i < n:
             states = probe_prefix(skeys, i, writing)
-            if _KS_PENDING not in states:  # the usual scan: hits, then perhaps one other answer
-                k = len(states) if states[-1] is _KS_HIT else len(states) - 1
+            k, last = states.count(_KS_HIT), states[-1]  # count: identity tests, in C
+            if k == len(states) or (k == len(states) - 1 and last is not _KS_HIT and last is not _KS_PENDING):
+                # the usual scan: hits, then perhaps one other answer (a miss, or one to ask elsewhere)
                 out += [_HIT] * k
                 i += k
                 states = states[k:]
@@ -340,8 +366,12 @@ class TieredKVManager(OffloadingManager):
                     out.append(_HIT)
                 elif state is _KS_PENDING:
                     out.append(_HIT_PENDING)
+                elif state is _KS_MISS:
+                    self._stored.pop(skeys[i], None)
+                    out.append(_MISS)
+                    return out
                 else:
-                    known = answer(skeys[i]) if state is None else state
+                    known = answer(skeys[i])  # None: a tier that cannot tell without waiting
                     result = _HIT if known == "hit" else self._not_hit(keys[i], skeys[i], (known,))
                     out.append(result)
                     if result is _MISS:
@@ -401,9 +431,9 @@ class TieredKVManager(OffloadingManager):
     # concatenation (``keys.stored_key`` copies both to bytes first).
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        fp = self._sh.fingerprint
+        sk = self._sh.skeys
         chosen, loading = self._chosen, self._loading
-        skeys = [fp + k for k in keys]
+        skeys = list(map(sk.__getitem__, keys))
         stored = [chosen.pop(s, s) for s in skeys] if chosen else skeys
         for s, rec in zip(skeys, stored):
             loading[s].append(rec)
@@ -411,13 +441,13 @@ class TieredKVManager(OffloadingManager):
         self.counters["load_chunks"] += len(stored)
         if stored is not skeys:
             self.counters["load_partial_chunks"] += sum(r is not s for r, s in zip(stored, skeys))
-        return TieredKVLoadStoreSpec(list(keys), fp, stored)
+        return TieredKVLoadStoreSpec(list(keys), sk.fp, stored)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        fp, loading = self._sh.fingerprint, self._loading
+        sk, loading = self._sh.skeys, self._loading
         recs = []
         for k in keys:
-            skey = fp + k
+            skey = sk[k]
             q = loading.get(skey)
             if q:
                 recs.append(q.popleft())
@@ -427,11 +457,11 @@ class TieredKVManager(OffloadingManager):
             self.store.unpin(recs)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        fp, stored, writing = self._sh.fingerprint, self._stored, self._writing
+        sk, stored, writing = self._sh.skeys, self._stored, self._writing
         todo: list[OffloadKey] = []
         todo_skeys: list[bytes] = []
         for k in keys:
-            s = fp + k
+            s = sk[k]
             if s not in stored and s not in writing:
                 todo.append(k)
                 todo_skeys.append(s)
@@ -447,11 +477,13 @@ class TieredKVManager(OffloadingManager):
         writing.update(todo_skeys)
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
-        return PrepareStoreOutput(keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo, fp), evicted_keys=[])
+        return PrepareStoreOutput(
+            keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo, sk.fp, todo_skeys), evicted_keys=[]
+        )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        fp, writing, stored = self._sh.fingerprint, self._writing, self._stored
-        skeys = [fp + k for k in keys]
+        writing, stored = self._writing, self._stored
+        skeys = list(map(self._sh.skeys.__getitem__, keys))
         unstored = self._sh.unstored
         for s in skeys:
             n = writing.get(s, 0)
@@ -484,7 +516,7 @@ class TieredKVManager(OffloadingManager):
             common = self._common_source = found.pop() if len(found) == 1 else _MIXED
         if common is not _MIXED:
             return common  # every group's route has one medium, the same
-        skey = self._sh.fingerprint + key
+        skey = self._sh.skeys[key]
         q = self._loading.get(skey)
         rec = q[-1] if q else skey  # the record prepare_load chose (whole or partial)
         source = self._group_sources.get(rec[GROUP_SUFFIX])

@@ -269,6 +269,7 @@ def run_once(
     timers = Timers()
     phases = sched["workload"] if sched["workload"] is not None else build_workload(0)
     per_step: dict[str, list[float]] = {"mgr": [], "conn": []}
+    by_hook_steps: list[dict[str, float]] = []
     with patched_classes(timers), cpu_workers(extra, False):
         eng = Engine(extra, blocks_per_chunk=bpc, result=res, **kw, **eng_kw)
         assert eng.connector_scheduler is not None
@@ -281,6 +282,7 @@ def run_once(
 
         def timed_step() -> bool:
             before = dict(timers.total)
+            hooks_before = dict(timers.by_method)
             mps = timers.by_method["mgr.prepare_store"]
             nested = timers.nested
             try:
@@ -292,6 +294,9 @@ def run_once(
                 )
                 wrappers = (timers.nested - nested) * overhead
                 per_step["conn"].append(timers.total["conn"] - before.get("conn", 0.0) - harness_own - wrappers)
+                by_hook_steps.append(
+                    {k[5:]: v - hooks_before.get(k, 0.0) for k, v in timers.by_method.items() if k.startswith("conn.")}
+                )
 
         eng.step = timed_step  # type: ignore[method-assign]
         try:
@@ -319,6 +324,11 @@ def run_once(
         "mgr_us_step_median": statistics.median(per_step["mgr"]) * 1e6 if per_step["mgr"] else 0.0,
         "mgr_us_step_p90": _pct(per_step["mgr"], 0.9) * 1e6,
         "conn_us_step_p90": _pct(per_step["conn"], 0.9) * 1e6,
+        "conn_us_steps": [round(x * 1e6, 3) for x in per_step["conn"]],
+        "mgr_us_steps": [round(x * 1e6, 3) for x in per_step["mgr"]],
+        "conn_us_steps_by_hook": {
+            h: [round(d.get(h, 0.0) * 1e6, 3) for d in by_hook_steps] for h in set().union(*by_hook_steps)
+        },
         "mgr_calls": {k[4:]: v for k, v in timers.calls.items() if k.startswith("mgr.")},
         "mgr_us_by_method": {k[4:]: v * 1e6 / steps for k, v in timers.by_method.items() if k.startswith("mgr.")},
         "conn_us_by_hook": {k[5:]: v * 1e6 / steps for k, v in timers.by_method.items() if k.startswith("conn.")},
@@ -638,6 +648,8 @@ def main() -> None:
     load_end = os.getloadavg()
     print(f"\nload average at start {load[0]:.2f} {load[1]:.2f}, at end {load_end[0]:.2f} {load_end[1]:.2f}\n")
     print(table(runs))
+    print("\nEach step's fastest rep, summed (the same runs):\n")
+    print(min_table(runs))
     if args.json:
         out = {
             "load_start": load,
@@ -647,6 +659,37 @@ def main() -> None:
             "runs": runs,
         }
         Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+def step_min(rs: list[dict[str, Any]], key: str) -> float | None:
+    """µs per step from each step's fastest rep: the schedule is deterministic, so step k does
+    the same work in every rep, and the least disturbed rep of each step is the closest reading
+    of its cost on a box whose neighbours swing whole runs by up to 1.8x. None when the reps
+    took different numbers of steps."""
+    lists = [r[key] for r in rs if r.get(key)]
+    if not lists or len({len(x) for x in lists}) != 1 or len(lists) != len(rs):
+        return None
+    return sum(map(min, zip(*lists))) / len(lists[0])
+
+
+def min_table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """The per-step minimum over reps (:func:`step_min`), summed: manager O+tkv vs O+cpu,
+    connector T+tkv vs O+cpu."""
+    lines = [
+        (
+            "| schedule | manager µs/step vLLM CPU / tieredkv (ratio), per-step min | "
+            "connector µs/step O+cpu / T+tkv (ratio), per-step min |"
+        ),
+        "|---|---|---|",
+    ]
+    for n, by_v in runs.items():
+        cells = []
+        for kind, a, b in (("mgr", "O+cpu", "O+tkv"), ("conn", "O+cpu", "T+tkv")):
+            x = step_min(by_v.get(a) or [], f"{kind}_us_steps")
+            y = step_min(by_v.get(b) or [], f"{kind}_us_steps")
+            cells.append(f"{x:.0f} / {y:.0f} ({y / x:.2f})" if x and y else "n/a")
+        lines.append(f"| {n} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
 
 
 def med(rs: list[dict[str, Any]], key: str) -> float:

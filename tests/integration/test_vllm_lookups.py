@@ -106,11 +106,11 @@ def test_pending_work_is_only_unsent_keys(stored: tuple[TieredStore, list[bytes]
 
 
 def test_a_pending_answer_is_read_once_then_asked_again(stored: tuple[TieredStore, list[bytes]]) -> None:
-    """A lookup that met a store in flight answers "pending". If that store completes (and its
-    ``complete_store`` forgets the key) before the answer arrives, a kept "pending" would be
-    refreshed by every ask and keep the request waiting for ever (a stall seen in the engine loop
-    on Redis). Fault injection: the first batch's answer is held and then given as PENDING, the
-    real store answers the rest."""
+    """A lookup that met a store in flight answers "pending". The store may be another
+    manager's (no ``forget`` here ever comes): kept and refreshed by every ask, the answer would
+    keep the request waiting for ever (a stall seen in the engine loop on Redis). Fault
+    injection: the first batch's answer is held and given as PENDING, the real store answers
+    the rest."""
     from concurrent.futures import Future
 
     from tieredkv.pipeline import KeyState
@@ -127,10 +127,37 @@ def test_a_pending_answer_is_read_once_then_asked_again(stored: tuple[TieredStor
     lk = AsyncLookups(lookup_async, ttl_steps=8)
     k = keys[0]
     assert _step(lk, [k]) == [None]
-    lk.forget([k])  # the store completed first
     held[0].set_result([(KeyState.PENDING, None)])
     assert _step(lk, [k]) == ["pending"]
     assert _step(lk, [k]) == [None], "a pending answer must not be kept: the key is asked again"
     _settle(lk)
-    assert _step(lk, [k]) == ["hit"]
+    assert [_step(lk, [k]) for _ in range(3)] == [["hit"]] * 3
+
+
+@pytest.mark.parametrize("late", ["pending", "miss"])
+def test_an_answer_sent_before_a_forget_is_discarded(stored: tuple[TieredStore, list[bytes]], late: str) -> None:
+    """A lookup asked before the key's store completed may answer PENDING or MISS after
+    ``complete_store`` forgot the key; kept, a MISS would be refreshed by every ask and hide a
+    stored chunk for as long as it is asked. Fault injection: the first batch's answer is held
+    and given after the forget; the next ask goes to the real store, which holds the key."""
+    from concurrent.futures import Future
+
+    from tieredkv.pipeline import KeyState
+
+    p, keys = stored
+    held: list[Future[Any]] = []
+
+    def lookup_async(batch: list[bytes]) -> Future[Any]:
+        if not held:
+            held.append(Future())
+            return held[0]
+        return p.lookup_async(batch)
+
+    lk = AsyncLookups(lookup_async, ttl_steps=8)
+    k = keys[1]
+    assert _step(lk, [k]) == [None]
+    lk.forget([k])
+    held[0].set_result([(KeyState(late), None)])
+    assert _step(lk, [k]) == [None], f"a {late} answer sent before the forget must be discarded"
+    _settle(lk)
     assert [_step(lk, [k]) for _ in range(3)] == [["hit"]] * 3

@@ -112,9 +112,12 @@ class AsyncLookups:
         self._last_asked[key] = self._step
 
     def forget(self, keys: Any) -> None:
+        """Drop what is known of ``keys`` (their store completed): kept answers, and the answers
+        of lookups still on their way, which were asked before and are discarded on arrival."""
         for k in keys:
             self._answers.pop(k, None)
             self._last_asked.pop(k, None)
+            self._inflight.pop(k, None)
 
     def has_unsent(self) -> bool:
         """Keys queued but not yet sent: the next step's ``on_schedule_end`` must run to send them."""
@@ -159,8 +162,9 @@ class AsyncLookups:
                 log.warning("tieredkv lookup of %d keys failed (misses): %s", len(keys), e)
                 states = ["miss"] * len(keys)
             for k, s in zip(keys, states):
-                if self._inflight.get(k) is fut:
-                    del self._inflight[k]
+                if self._inflight.get(k) is not fut:
+                    continue  # forgotten (or asked again) since it was sent: stale
+                del self._inflight[k]
                 self._answers[k] = s
                 self._touch(k)  # arrived now: counts as asked this step
         self._futures = still

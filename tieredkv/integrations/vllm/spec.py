@@ -356,7 +356,7 @@ class TieredKVManager(OffloadingManager):
         while i < n:
             states = probe_prefix(skeys, i, writing)
             k, last = states.count(_KS_HIT), states[-1]  # count: identity tests, in C
-            if k == len(states) or (k == len(states) - 1 and last is not _KS_HIT and last is not _KS_PENDING):
+            if last is not _KS_PENDING and k == len(states) - (last is not _KS_HIT):
                 # the usual scan: hits, then perhaps one other answer (a miss, or one to ask elsewhere)
                 out += [_HIT] * k
                 i += k

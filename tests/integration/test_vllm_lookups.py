@@ -9,6 +9,7 @@ resolved answer that nobody has read yet is not work the engine has to step for.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -105,25 +106,30 @@ def test_pending_work_is_only_unsent_keys(stored: tuple[TieredStore, list[bytes]
     assert not lk.has_unsent() and not lk.busy()
 
 
-def test_a_pending_answer_is_read_once_then_asked_again(stored: tuple[TieredStore, list[bytes]]) -> None:
-    """A lookup that met a store in flight answers "pending". The store may be another
-    manager's (no ``forget`` here ever comes): kept and refreshed by every ask, the answer would
-    keep the request waiting for ever (a stall seen in the engine loop on Redis). Fault
-    injection: the first batch's answer is held and given as PENDING, the real store answers
-    the rest."""
-    from concurrent.futures import Future
-
-    from tieredkv.pipeline import KeyState
-
-    p, keys = stored
+def _first_batch_held(store: TieredStore) -> tuple[list[Future[Any]], Any]:
+    """Fault injection around the real store: the first batch's future is held (the test gives
+    its answer), every later batch goes to the store."""
     held: list[Future[Any]] = []
 
     def lookup_async(batch: list[bytes]) -> Future[Any]:
         if not held:
             held.append(Future())
             return held[0]
-        return p.lookup_async(batch)
+        return store.lookup_async(batch)
 
+    return held, lookup_async
+
+
+def test_a_pending_answer_is_read_once_then_asked_again(stored: tuple[TieredStore, list[bytes]]) -> None:
+    """A lookup that met a store in flight answers "pending". The store may be another
+    manager's (no ``forget`` here ever comes): kept and refreshed by every ask, the answer would
+    keep the request waiting for ever (a stall seen in the engine loop on Redis). Fault
+    injection: the first batch's answer is held and given as PENDING, the real store answers
+    the rest."""
+    from tieredkv.pipeline import KeyState
+
+    p, keys = stored
+    held, lookup_async = _first_batch_held(p)
     lk = AsyncLookups(lookup_async, ttl_steps=8)
     k = keys[0]
     assert _step(lk, [k]) == [None]
@@ -140,19 +146,10 @@ def test_an_answer_sent_before_a_forget_is_discarded(stored: tuple[TieredStore, 
     ``complete_store`` forgot the key; kept, a MISS would be refreshed by every ask and hide a
     stored chunk for as long as it is asked. Fault injection: the first batch's answer is held
     and given after the forget; the next ask goes to the real store, which holds the key."""
-    from concurrent.futures import Future
-
     from tieredkv.pipeline import KeyState
 
     p, keys = stored
-    held: list[Future[Any]] = []
-
-    def lookup_async(batch: list[bytes]) -> Future[Any]:
-        if not held:
-            held.append(Future())
-            return held[0]
-        return p.lookup_async(batch)
-
+    held, lookup_async = _first_batch_held(p)
     lk = AsyncLookups(lookup_async, ttl_steps=8)
     k = keys[1]
     assert _step(lk, [k]) == [None]

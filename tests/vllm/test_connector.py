@@ -281,3 +281,49 @@ def report_table() -> list[str]:
             )
         lines.append(head + " | " + " | ".join(cells))
     return lines
+
+
+@pytest.mark.parametrize("spec", ["tieredkv", "tiering"])
+def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp_path: Path) -> None:
+    """vLLM enters ``manager.lock`` in every hook outside the step (a generator context manager)
+    and holds it across the step (an ``ExitStack``). Behind tieredkv's spec, whose lock is vLLM's
+    no-op, the connector enters nothing, but the step is still marked open and a hook that finds it
+    left open recovers as vLLM does (closes it). Behind a manager with a real lock (vLLM's tiering
+    spec) every hook holds that lock, and the step holds it until ``build_connector_meta``."""
+    from tests.vllm.engine import Engine, cpu_workers
+
+    tiers = _tiers_file(tmp_path, "lmdb")
+    extra = spec_extra(1, tiers) if spec == "tieredkv" else secondary_extra(1, tiers)
+    with cpu_workers(extra, spec == "tiering"):
+        eng = Engine(extra, **TKC)
+    try:
+        sched = eng.connector_scheduler
+        assert sched is not None
+        manager = sched.manager
+        lock = manager.lock
+        real = hasattr(lock, "locked")
+        assert real == (spec == "tiering") and sched._lock_is_noop == (not real)
+        seen: list[bool] = []
+        get_stats = manager.get_stats
+
+        def observed() -> Any:  # the manager's own method, run while the connector holds it
+            seen.append(lock.locked() if real else sched._step_region is None)
+            return get_stats()
+
+        manager.get_stats = observed  # type: ignore[method-assign]
+        sched.get_stats()
+        assert seen == [True], "the hook ran the manager under its lock (or with no step open)"
+        if real:
+            assert not lock.locked()
+        sched._acquire_step()
+        assert sched._step_region is not None
+        assert not real or lock.locked(), "the step holds a real lock until build_connector_meta"
+        sched.get_stats()  # a step left open by a schedule() that raised: recovered, as vLLM does
+        assert sched._step_region is None
+        assert seen[-1] is True and not (real and lock.locked())
+        sched._acquire_step()
+        sched._acquire_step()  # idempotent within a step
+        sched._release_step()
+        assert sched._step_region is None and not (real and lock.locked())
+    finally:
+        eng.shutdown()

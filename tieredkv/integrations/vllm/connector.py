@@ -43,6 +43,7 @@ Loaded by vLLM as ``"kv_connector": "TieredKVConnector", "kv_connector_module_pa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -88,6 +89,8 @@ __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler
 
 _PRESENT = (LookupResult.HIT, LookupResult.HIT_PENDING)
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_UNLOCKED = contextlib.nullcontext()  # reusable: enters and leaves without a generator
+_EMPTY_REGION = contextlib.ExitStack()  # holds nothing: closing it does nothing, so it serves every step
 
 
 @dataclass
@@ -147,6 +150,8 @@ class _Handoff:
 class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     """The scheduler side: vLLM's bookkeeping, tieredkv's store planning and hit alignment."""
 
+    _step_region: contextlib.ExitStack | None  # vLLM's: the step's region, open from its first lookup
+
     def __init__(self, spec: OffloadingSpec, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(spec, vllm_config, kv_cache_config)
         grid = self._mamba_align_size
@@ -177,6 +182,24 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self._lookup_prefix = getattr(self.manager, "lookup_prefix", None)
         # a manager whose lock is vLLM's no-op (tieredkv's: its state is the scheduler thread's)
         self._lock_is_noop = type(self.manager).lock is OffloadingManager.lock
+
+    def _acquire_step(self) -> None:
+        # vLLM opens the step's region (an ExitStack entering ``manager.lock``) at the step's first
+        # lookup and closes it in build_connector_meta; with vLLM's no-op lock the region holds
+        # nothing, so one empty stack marks it open on every step.
+        if self._lock_is_noop:
+            if self._step_region is None:
+                self._step_region = _EMPTY_REGION
+            return
+        super()._acquire_step()
+
+    def _manager_locked(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        # vLLM's is a generator context manager around ``manager.lock``, entered by several hooks
+        # on every step (stats, worker output, events): with vLLM's no-op lock and no step region
+        # left open it does nothing, at the cost of a generator and two context managers a hook.
+        if self._lock_is_noop and self._step_region is None:
+            return _UNLOCKED
+        return super()._manager_locked()
 
     # ------------------------------------------------------------------ ledgers
 
@@ -488,11 +511,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         status = self._req_status.get(request.request_id)
         if status is None:
             return delay, params
-        if self._lock_is_noop and self._step_region is None:
-            self._store_pass(status, 0, self._early_store_jobs)  # _manager_locked would do nothing
-        else:
-            with self._manager_locked():
-                self._store_pass(status, 0, self._early_store_jobs)
+        with self._manager_locked():
+            self._store_pass(status, 0, self._early_store_jobs)
         if self._outstanding(request.request_id) == 0:
             return delay, params
         num_blocks = len({b for gs in status.group_states for b in gs.block_ids if b})

@@ -427,6 +427,26 @@ class Tier(ABC):
         await self._ensure_open()
         return await self._guard("raw_get_many", len(keys), self._raw_get_many(keys))
 
+    async def delete_if_same(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Compare-and-delete, for repairs: delete each ``(key, record)`` only while the key still
+        holds exactly ``record`` (the bytes :meth:`raw_get_many` returned for it). A record
+        rewritten, replaced or moved since it was read is kept, whoever wrote it (an engine on
+        the same medium, another node). Pinned keys are skipped. Returns how many were deleted.
+
+        Raises ``NotImplementedError`` for a tier that cannot compare and delete as one step
+        (then a repair deletes nothing there)."""
+        todo: dict[bytes, bytes] = {}
+        for k, raw in items:
+            check_key(k)
+            if not self.is_pinned(k):
+                todo[k] = bytes(raw)
+        if not todo:
+            return 0
+        await self._ensure_open()
+        n = await self._guard("delete_if_same", len(todo), self._delete_if_same(list(todo.items())))
+        self._count("deletes", n)
+        return n
+
     async def raw_put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
         """Store records exactly as given (no encoding; capacity and eviction as in ``put_many``) —
         for migration of already-encoded records and for fault injection. Reads still verify them."""
@@ -534,6 +554,11 @@ class Tier(ABC):
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         raise NotImplementedError(f"tier kind {self.kind!r} does not expose raw records")
+
+    async def _delete_if_same(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Delete each key whose record is still exactly the given bytes, as one step per key
+        (no writer can slip between the comparison and the deletion)."""
+        raise NotImplementedError(f"tier kind {self.kind!r} cannot compare and delete a record")
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         raise NotImplementedError(f"tier kind {self.kind!r} does not accept raw records")

@@ -194,6 +194,19 @@ class CPUTier(Tier):
                 n += 1
         return n
 
+    async def _delete_if_same(self, items: list[tuple[bytes, bytes]]) -> int:
+        # The loop thread owns the index and a published slot's bytes never change: no await
+        # between the comparison and the drop.
+        mv = self._mv
+        assert mv is not None
+        n = 0
+        for k, raw in items:
+            s = self._index.get(k)
+            if s is not None and self._seal(k, s) + mv[s.offset : s.offset + s.length] == raw:
+                self._drop(k, s)
+                n += 1
+        return n
+
     async def _scan(self, fingerprint: bytes | None) -> AsyncIterator[RecordInfo]:
         for key, slot in list(self._index.items()):
             if fingerprint is None or key.startswith(fingerprint):

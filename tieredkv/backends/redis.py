@@ -69,6 +69,7 @@ from redis.exceptions import (
     RedisError,
     ResponseError,
     TryAgainError,
+    WatchError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -657,15 +658,45 @@ class RedisTier(Tier):
     async def _drop_corrupt(self, corrupt: list[tuple[bytes, bytes, bool]]) -> None:
         """Delete values judged corrupt (``(redis key, bytes seen, whether they were the whole
         value)``), unless rewritten meanwhile (rare path)."""
-        for rk, seen, whole in corrupt:
+        try:
+            await self._del_if_same(corrupt)
+        except RedisError as e:  # best effort: the read's results stand; the next read retries
+            log.warning("tier %s: could not delete a corrupt value: %s", self.name, e)
+
+    async def _delete_if_same(self, items: list[tuple[bytes, bytes]]) -> int:
+        return await self._del_if_same([(self.redis_key(k), raw, True) for k, raw in items])
+
+    async def _del_if_same(self, entries: list[tuple[bytes, bytes, bool]]) -> int:
+        """Delete each ``(redis key, bytes, whole)`` while the value still is those bytes (``whole``)
+        or still starts with them: one Lua script per key, or, where scripting is refused (a
+        managed Redis, an ACL without ``+eval``), a ``WATCH``ed transaction. Never a blind ``DEL``:
+        a record another client wrote meanwhile stays."""
+        deleted = 0
+        for rk, seen, whole in entries:
             digest = hashlib.sha1(seen, usedforsecurity=False).hexdigest()
             try:
-                try:  # a Lua script
+                deleted += int(
                     await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest, len(seen), int(whole))
-                except ResponseError:  # scripting disabled (managed Redis): plain DEL
-                    await self._client.delete(rk)
-            except RedisError as e:  # best effort: the read's results stand; the next read retries
-                log.warning("tier %s: could not delete a corrupt value: %s", self.name, e)
+                )
+            except ResponseError:  # scripting disabled or not permitted
+                deleted += await self._del_if_same_watched(rk, seen, whole)
+        return deleted
+
+    async def _del_if_same_watched(self, rk: bytes, seen: bytes, whole: bool) -> int:
+        async with self._client.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(rk)
+                value = await pipe.getrange(rk, 0, len(seen)) if not whole else await pipe.get(rk)
+                same = value == seen if whole else value is not None and value[: len(seen)] == seen
+                if not same:
+                    await pipe.unwatch()
+                    return 0
+                pipe.multi()
+                pipe.delete(rk)
+                (n,) = await pipe.execute()
+                return int(n)
+            except WatchError:  # written meanwhile: kept
+                return 0
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []

@@ -55,6 +55,7 @@ from tieredkv.cli.results import (
 from tieredkv.cli.tiers import (
     BATCH_BYTES,
     BATCH_RECORDS,
+    DELETE_BATCH,
     batches,
     capabilities,
     delete_keys,
@@ -352,6 +353,11 @@ async def verify(
     repair: bool = False,
     progress: Progress | None = None,
 ) -> VerifyResult:
+    """Scrub the selected records. A record that fails is read once more before it is reported:
+    one rewritten, replaced or deleted meanwhile (a live engine on the same medium) is judged
+    by what it holds now. ``repair`` deletes a corrupt record by compare-and-delete
+    (:meth:`~tieredkv.backends.base.Tier.delete_if_same`): only while it still holds the very
+    bytes that failed, so a record written since, by anyone, is never lost."""
     progress = progress or _quiet()
     rows: list[VerifyRow] = []
     corrupt: list[CorruptRecord] = []
@@ -360,24 +366,56 @@ async def verify(
             infos = await _all_records(tier, namespace, group, progress, tcfg.label)
             task = progress.add_task(f"verify {tcfg.label}", total=len(infos))
             ok = vanished = 0
-            bad: list[bytes] = []
+            bad: list[tuple[bytes, bytes]] = []
             for run in batches(infos, BATCH_BYTES, BATCH_RECORDS):
                 keys = [i.key for i in run]
+                failed: dict[bytes, bytes] = {}
                 for k, raw in zip(keys, await tier.raw_get_many(keys), strict=True):
                     if raw is None:
                         vanished += 1
-                        continue
-                    try:
-                        verify_record(raw, k)
-                    except CorruptRecordError as e:
-                        bad.append(k)
-                        corrupt.append(CorruptRecord(tcfg.label, k.hex(), str(e)))
-                    else:
+                    elif _verifies(raw, k) is None:
                         ok += 1
+                    else:
+                        failed[k] = raw
+                if failed:  # read again: only a record that still holds what failed is corrupt
+                    again = await tier.raw_get_many(list(failed))
+                    for (k, first), raw in zip(failed.items(), again, strict=True):
+                        err = None if raw is None else _verifies(raw, k)
+                        if raw is None:
+                            vanished += 1
+                        elif err is None:
+                            ok += 1
+                        else:
+                            bad.append((k, raw))
+                            corrupt.append(CorruptRecord(tcfg.label, k.hex(), err))
                 progress.advance(task, len(run))
-            repaired = await delete_keys(tier, bad) if repair and bad else 0
+            repaired = await _repair(tier, bad) if repair and bad else 0
         rows.append(VerifyRow(tcfg.label, len(infos), ok, len(bad), vanished, repaired))
     return VerifyResult(rows, corrupt, repair)
+
+
+def _verifies(raw: bytes, key: bytes) -> str | None:
+    """Why record ``raw`` fails for ``key`` (None: it verifies)."""
+    try:
+        verify_record(raw, key)
+    except CorruptRecordError as e:
+        return str(e)
+    return None
+
+
+async def _repair(tier: Tier, bad: list[tuple[bytes, bytes]]) -> int:
+    """Delete the corrupt records ``bad`` (key, the bytes that failed) that still hold those bytes."""
+    n = 0
+    for start in range(0, len(bad), DELETE_BATCH):
+        try:
+            n += await tier.delete_if_same(bad[start : start + DELETE_BATCH])
+        except NotImplementedError as e:
+            raise CLIError(
+                EXIT_BAD_INPUT,
+                f"tier {tier.name!r}: --repair needs a compare-and-delete, which tier kind {tier.kind!r}"
+                f" does not offer ({e}); nothing was deleted there",
+            ) from None
+    return n
 
 
 # ---- evict / flush -----------------------------------------------------------------------

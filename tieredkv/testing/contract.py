@@ -139,6 +139,26 @@ class TierContract:
         assert await tier.get_many([k1]) == [None]
         assert await tier.delete_many([k1]) == 0
 
+    @pytest.mark.parametrize("size", [100, 1 << 20])
+    async def test_delete_if_same_keeps_a_record_written_since(self, tier: Tier, ns: Namespace, size: int) -> None:
+        """Compare-and-delete (repairs): a record replaced after it was read stays; the one read
+        goes; a key that vanished counts nothing. A tier that cannot compare and delete says so."""
+        k1, k2 = ns.key(_h(1), 0), ns.key(_h(2), 0)
+        await tier.put_many([(k1, payload(size, 1)), (k2, payload(size, 2))])
+        old1, old2 = await tier.raw_get_many([k1, k2])
+        assert old1 is not None and old2 is not None
+        await tier.put_many([(k1, payload(size, 3))])  # rewritten after it was read
+        try:
+            n = await tier.delete_if_same([(k1, old1), (k2, old2), (ns.key(_h(3), 0), old2)])
+        except NotImplementedError:
+            assert await tier.contains_many([k1, k2]) == [True, True]
+            return
+        assert n == 1
+        assert await tier.get_many([k1, k2]) == [payload(size, 3).numpy().tobytes(), None]
+        (new1,) = await tier.raw_get_many([k1])
+        assert new1 is not None and await tier.delete_if_same([(k1, new1)]) == 1
+        assert await tier.contains_many([k1]) == [False]
+
     async def test_probe_agrees_with_contains(self, tier: Tier, ns: Namespace) -> None:
         """``probe`` (synchronous, from any thread) is None or the same answer as ``contains_many``."""
         import asyncio

@@ -33,6 +33,10 @@ __all__ = ["Pipeline"]
 
 log = logging.getLogger(__name__)
 
+#: What :meth:`Pipeline.close` may take past its timeout: cancelling the tasks and closing the
+#: tiers (together), then at most 0.75 s more to hand the loop back and join its thread.
+CLOSE_GRACE_S = 1.0
+
 # Enum members as module constants: ``probe`` runs once per key per engine step.
 _HIT, _MISS, _PENDING = KeyState.HIT, KeyState.MISS, KeyState.PENDING
 _CLOSED = BreakerState.CLOSED
@@ -116,10 +120,11 @@ class Pipeline:
         return self.inflight.wait_idle(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Drain (up to ``timeout``), flush write-backs (up to ``timeout`` more), cancel what is
-        left, close the tiers, join the thread. Never hangs on a dead tier: chunks a write-back
-        route acknowledged that could not be written down are counted (``counters
-        ["write_back_lost"]``, ``write_back_flushed`` for the rest) and logged as an error.
+        """Drain, flush write-backs, cancel what is left, close the tiers, join the thread, all
+        within ``timeout`` seconds plus a small constant (:data:`CLOSE_GRACE_S`): the drain and the
+        flush share one deadline. Never hangs on a dead tier: chunks a write-back route
+        acknowledged that were not written down are counted (``counters["write_back_lost"]``,
+        ``write_back_flushed`` for those written at close) and logged as an error.
 
         Idempotent."""
         if self._closed:
@@ -128,25 +133,38 @@ class Pipeline:
         self._probe_plans.clear()
         if not self.loop.running:
             return
+        deadline = time.monotonic() + max(timeout, 0.0)
         self.drain(timeout)
+        left = max(0.0, deadline - time.monotonic())
         try:
-            self.loop.run(self._shutdown(flush_s=timeout), timeout=2 * timeout + 5)
+            self.loop.run(self._shutdown(flush_s=left, grace_s=CLOSE_GRACE_S), timeout=left + CLOSE_GRACE_S + 0.25)
+        except TimeoutError:
+            log.error("close: the pipeline's shutdown ran past its %.1fs deadline; stopping its loop", timeout)
         finally:
-            self.loop.stop()
+            self.loop.stop(join_s=0.5)
             self.staging.free()  # do not wait for the garbage collector to return the pool
 
-    async def _shutdown(self, flush_s: float = 0.0) -> None:
-        if flush_s > 0:
-            try:
-                await self.writeback.flush(flush_s)
-            except Exception:
-                log.exception("write-back flush at close failed")
+    async def _shutdown(self, flush_s: float = 0.0, grace_s: float = 10.0) -> None:
+        """Flush write-backs (within ``flush_s``; 0 counts what is dirty as lost), then cancel the
+        tasks and close the tiers, those two within ``grace_s`` together (a tier that does not
+        close by then is left behind, logged)."""
+        try:
+            await self.writeback.flush(flush_s)
+        except Exception:
+            log.exception("write-back flush at close failed")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
         tasks = [*self.loop.tasks(), *(lane.task for lane in self._lanes.values() if lane.task)]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
         for tier in self.tiers.values():
-            await tier.close()
+            try:
+                async with asyncio.timeout_at(max(end, loop.time() + 0.05)):
+                    await tier.close()
+            except TimeoutError:
+                log.error("close: tier %s did not close within the close timeout; left behind", tier.name)
 
     def __enter__(self) -> Self:
         return self.start()

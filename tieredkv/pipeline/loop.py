@@ -46,13 +46,14 @@ class LoopThread:
         self._thread = threading.Thread(target=loop.run_forever, name=self.name, daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the loop and join its thread (tasks should be cancelled first)."""
+    def stop(self, join_s: float = 10.0) -> None:
+        """Stop the loop and join its thread, waiting at most ``join_s`` (tasks should be
+        cancelled first; a thread still busy then is a daemon, left to finish on its own)."""
         loop, thread = self.loop, self._thread
         if loop is None or thread is None:
             return
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+        thread.join(timeout=join_s)
         if not thread.is_alive():
             loop.close()
         self.loop = None

@@ -48,7 +48,10 @@ class WriteBack:
         self.counters = counters
         #: Chunks a write-back route acknowledged in its first tier and not yet sent down.
         self.dirty: dict[bytes, GroupRoute] = {}
-        self._queued: set[asyncio.Future[Outcome]] = set()  # eviction write-backs in flight
+        #: Eviction write-backs in flight -> whether the chunk was dirty (acknowledged, held by
+        #: no other tier): its loss is counted when the write's outcome is known.
+        self._queued: dict[asyncio.Future[Outcome], bool] = {}
+        self.lost_at_eviction = 0  # dirty chunks the next tier did not take when they were evicted
 
     async def write(self, route: GroupRoute, keys: list[bytes], views: list[Any]) -> tuple[list[bytes], dict[str, int]]:
         """Write items along ``route`` (every write tier at once); keys held by at least one tier,
@@ -65,21 +68,32 @@ class WriteBack:
                 self.dirty[k] = route
 
     def on_evict(self, key: bytes, payload: bytes) -> None:
-        """First-tier eviction (loop thread): write-back groups send the chunk one tier down."""
-        route = self.dirty.pop(key, None) or self.policy.get(key_group(key))
+        """First-tier eviction (loop thread): write-back groups send the chunk one tier down. A
+        dirty chunk (acknowledged, held only by the first tier) that the next tier does not take
+        is lost: counted in ``write_back_lost`` when its write's outcome is known."""
+        dirty = self.dirty.pop(key, None)
+        route = dirty or self.policy.get(key_group(key))
         if route.write != "back" or len(route.tiers) < 2:
             return
         self.inflight.begin([key])  # pending for lookups, in flight for drain(), until written
         fut = self.lanes[route.tiers[1]].write(key, memoryview(payload))
-        self._queued.add(fut)
+        self._queued[fut] = dirty is not None
         self.counters["write_backs"] += 1
 
-        def done(f: Any) -> None:
-            self._queued.discard(f)
+        def done(f: asyncio.Future[Outcome]) -> None:
             self.inflight.unpend([key])
             self.inflight.end()
+            # (flush pops a write it gave up on at close and counts it there, once)
+            if self._queued.pop(f, False) and (f.cancelled() or f.result() is not Outcome.OK):
+                self._lose(1)
 
         fut.add_done_callback(done)
+
+    def _lose(self, n: int, at_close: bool = False) -> None:
+        self.counters["write_back_lost"] += n
+        if not at_close:
+            self.lost_at_eviction += n
+            log.debug("write-back: %d acknowledged chunks evicted from the first tier were not written down", n)
 
     async def promote(self, route: GroupRoute, keys: list[bytes], views: list[Any], found_in: dict[int, str]) -> None:
         """Copy items found below the route's first tier into it (waits, since ``views`` are reused after)."""
@@ -93,54 +107,76 @@ class WriteBack:
             self.counters["promotions"] += len(up)
 
     async def flush(self, timeout: float) -> None:
-        """Write every dirty chunk to its route's next tier, in writer-sized batches, and wait for
-        eviction write-backs already queued, all within ``timeout`` seconds."""
+        """At close: write every dirty chunk to its route's next tier, in writer-sized batches,
+        and wait for eviction write-backs already queued, all within ``timeout`` seconds (0:
+        nothing is written, only counted). Every acknowledged chunk that is not persisted in the
+        next tier by then is counted in ``write_back_lost``, once, whatever the path: refused or
+        dropped there, past the deadline, or lost at an eviction earlier (see :meth:`on_evict`);
+        the closing log line gives the total."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        dirty, self.dirty = self.dirty, {}
-        todo: dict[tuple[str, str], list[bytes]] = collections.defaultdict(list)
-        for key, route in dirty.items():
-            todo[(route.tiers[0], route.tiers[1])].append(key)
         flushed = lost = gone = 0
-        for (top, down), keys in todo.items():
-            lane = self.lanes[down]
-            for start in range(0, len(keys), lane.max_items):
-                batch = keys[start : start + lane.max_items]
-                left = deadline - loop.time()
-                if left <= 0:
-                    lost += len(batch)
-                    continue
-                try:
-                    payloads = await self.tiers[top].get_many(batch)
-                except TieredKVError as e:
-                    log.error("close: cannot read %d write-back chunks from tier %s: %s", len(batch), top, e)
-                    lost += len(batch)
-                    continue
-                held = [(k, v) for k, v in zip(batch, payloads) if v is not None]
-                gone += len(batch) - len(held)  # deleted from the first tier meanwhile: nothing to keep
-                if not held:
-                    continue
-                parts = {
-                    fut: count for count, fut in lane.write_many([k for k, _ in held], [memoryview(v) for _, v in held])
-                }
-                done, pending = await asyncio.wait(list(parts), timeout=left)
-                ok = sum(parts[f] for f in done if f.result() is Outcome.OK)
-                flushed += ok
-                lost += len(held) - ok
+        # A chunk leaves ``dirty`` only once this flush holds its bytes (no await in between): one
+        # evicted meanwhile is written down (and counted) by on_evict instead. Chunks that became
+        # dirty during the flush (a store still in flight) are taken in the next round.
+        while self.dirty and deadline - loop.time() > 0:
+            todo: dict[tuple[str, str], list[bytes]] = collections.defaultdict(list)
+            for key, route in self.dirty.items():
+                todo[(route.tiers[0], route.tiers[1])].append(key)
+            for (top, down), keys in todo.items():
+                lane = self.lanes[down]
+                for start in range(0, len(keys), lane.max_items):
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    batch = keys[start : start + lane.max_items]
+                    try:
+                        async with asyncio.timeout(left):
+                            payloads = await self.tiers[top].get_many(batch)
+                    except (TieredKVError, TimeoutError) as e:
+                        log.error("close: cannot read %d write-back chunks from tier %s: %s", len(batch), top, e)
+                        for k in batch:
+                            if self.dirty.pop(k, None) is not None:
+                                lost += 1
+                        continue
+                    held: list[tuple[bytes, bytes]] = []
+                    for k, v in zip(batch, payloads, strict=True):
+                        if k not in self.dirty:
+                            continue  # evicted (on_evict writes it) or flushed since the snapshot
+                        del self.dirty[k]
+                        if v is None:
+                            gone += 1  # deleted from the first tier: nothing to keep
+                        else:
+                            held.append((k, v))
+                    if not held:
+                        continue
+                    parts = {
+                        fut: count
+                        for count, fut in lane.write_many([k for k, _ in held], [memoryview(v) for _, v in held])
+                    }
+                    done, _ = await asyncio.wait(list(parts), timeout=max(0.0, deadline - loop.time()))
+                    ok = sum(parts[f] for f in done if f.result() is Outcome.OK)
+                    flushed += ok
+                    lost += len(held) - ok
+        lost += len(self.dirty)  # past the deadline: never written
+        self.dirty.clear()
         queued = [f for f in self._queued if not f.done()]
         if queued:
             left = max(0.0, deadline - loop.time())
-            done, pending = await asyncio.wait(queued, timeout=left) if left > 0 else (set(), set(queued))
-            lost += len(pending) + sum(1 for f in done if f.result() is not Outcome.OK)
+            _, pending = await asyncio.wait(queued, timeout=left) if left > 0 else (set(), set(queued))
+            lost += sum(self._queued.pop(f, False) for f in pending)  # (done ones: counted by on_evict)
         self.counters["write_back_flushed"] += flushed
-        self.counters["write_back_lost"] += lost
-        if lost:
+        self._lose(lost, at_close=True)
+        total = self.counters["write_back_lost"]
+        if total:
             log.error(
-                "close: %d write-back chunks acknowledged in the CPU tier could not be written to"
-                " the next tier (tier down, full, or past the %.1fs close timeout): they are lost;"
-                " %d were written",
-                lost,
+                "close: %d write-back chunks acknowledged in the first tier were never written to the next"
+                " tier (tier down, full, or past the %.1fs close timeout): they are lost (%d at close, %d"
+                " when evicted earlier); %d were written at close",
+                total,
                 timeout,
+                lost,
+                self.lost_at_eviction,
                 flushed,
             )
         elif flushed:

@@ -162,7 +162,7 @@ class _Engine:
         self.store, self.layout, self.o = store, layout, o
         self.gpu = FakeGPU(layout, blocks=o.concurrency * 400 + 64, device=device)
         for pos, g in enumerate(layout.groups):  # the store builds the namespace and the planner from these
-            store.register_group(g, [self.gpu.kv[pos]])
+            store.register_group(g, [self.gpu.kv[pos]], null_block=0)  # as vLLM's
         self.sched = store.planner(layout.tokens_per_hash, max_chunks_per_plan=o.max_chunks_per_plan)
         self.served = [0] * len(layout.groups)
         self.recomputed = [0] * len(layout.groups)

@@ -164,6 +164,7 @@ class TieredStore:
         *,
         blocks_per_chunk: int = 1,
         kind: str = "full",
+        null_block: int | None = None,
     ) -> GroupRoute:
         """Declare a KV group and its tensors (block id first): a whole
         :class:`~tieredkv.groups.GroupSpec` (what :meth:`planner` needs), or an index with the
@@ -173,7 +174,11 @@ class TieredStore:
         Register every group before making keys: unless the store was given a whole namespace,
         the group's dtype and geometry join the namespace fingerprint (an fp16 and a bf16 engine
         on one YAML never share a record). Registering a group again with another shape raises
-        ``ValueError``."""
+        ``ValueError``.
+
+        ``null_block``: a block id that, in a :meth:`load`'s chunk, marks a position not to copy
+        (vLLM's null block is 0: a sliding-window chunk partly out of the window). By default no
+        id is special: a load into block 0 fills block 0."""
         self._check_open("register_group")
         index = group.index if isinstance(group, GroupSpec) else group
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**32:
@@ -184,6 +189,14 @@ class TieredStore:
                 "expected an integer >= 1 (GPU blocks per stored chunk)"
             )
         _check_tensors(index, tensors)
+        n_blocks = int(tensors[0].shape[0])
+        if null_block is not None and (
+            isinstance(null_block, bool) or not isinstance(null_block, int) or not 0 <= null_block < n_blocks
+        ):
+            raise ValueError(
+                f"register_group({index}): null_block={null_block!r} is invalid: expected None (no null block)"
+                f" or a block id 0..{n_blocks - 1} (vLLM's is 0)"
+            )
         kv = KVGroupTensors(tensors)
         spec, exact = _group_spec(group, kv, blocks_per_chunk, kind)
         geometry = GroupGeometry.from_spec(spec, exact=exact)
@@ -194,10 +207,10 @@ class TieredStore:
                 f"register_group({index}): group {index} is registered already as {old[0]} {list(old[1])}; "
                 f"got {geometry} {list(dtypes)}. Register each group once (a new shape needs a new store)"
             )
-        route = self.pipeline.register_group(spec, tensors)
+        route = self.pipeline.register_group(spec, tensors, null_block=null_block)
         self._specs[index] = (spec, exact)
         self._geometry[index] = (geometry, dtypes)
-        self._num_blocks[index] = int(tensors[0].shape[0])  # one count for all (_check_tensors)
+        self._num_blocks[index] = n_blocks  # one count for all (_check_tensors)
         if self._derive:
             ordered = [self._geometry[g] for g in sorted(self._geometry)]
             self.namespace = dataclasses.replace(

@@ -54,9 +54,9 @@ def test_fragmented_slots_and_scattered_blocks_load_byte_exact(tmp_path: Path) -
         assert res.ok and res.tiers == {"cpu": len(loads)}
         expect = [blk for c in keep + list(second) for blk in c.block_ids]
         assert torch.equal(dst[60 : 60 + len(expect)], src[expect])
-        # a load with a null placeholder (block 0) skips that position only
+        # a load with a null placeholder (block 0, the group's null block) skips that position only
         dst2 = torch.zeros(80, BLOCK, dtype=torch.uint8)
-        p.register_group(2, [dst2], blocks_per_chunk=2)
+        p.register_group(2, [dst2], blocks_per_chunk=2, null_block=0)
         assert p.submit_load(LoadJob(4, 2, (ChunkRef(second[0].key, (0, 5)), ChunkRef(second[1].key, (6, 7)))))
         assert wait_results(p, 1)[4].ok
         assert torch.equal(dst2[5:8], src[21:24]) and not dst2[0].any()

@@ -411,7 +411,7 @@ def test_load_with_null_placeholders_inside_a_chunk(tmp_path: Path) -> None:
     src, dst = kv(11), kv(12)
     with make([cpu()]) as p:
         p.register_group(0, src, blocks_per_chunk=BPC)
-        p.register_group(1, dst, blocks_per_chunk=BPC)
+        p.register_group(1, dst, blocks_per_chunk=BPC, null_block=0)
         c = chunks(1)[0]
         assert p.submit_store(StoreJob(1, 0, (c,)))
         wait_results(p, 1)

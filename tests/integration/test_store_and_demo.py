@@ -58,6 +58,38 @@ def test_open_store_round_trip_of_whole_chunks(tmp_path: Path) -> None:
         assert store.poll() == []
 
 
+@pytest.mark.parametrize("tiers", [["cpu"], ["lmdb"]])
+def test_block_0_is_a_block_unless_the_group_declares_it_null(tmp_path: Path, tiers: list[str]) -> None:
+    """A library user's block 0 is a block like any: stored from and loaded into. Only a group
+    registered with ``null_block`` (vLLM's 0) skips that id's positions in a load's chunk."""
+    src = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+    c = cfg(tmp_path)
+    c["tiers"] = [t for t in c["tiers"] if t["kind"] in tiers]
+    with tieredkv.open_store(c) as store:
+        store.register_group(0, [src], blocks_per_chunk=4)
+        dst, nulled = torch.zeros_like(src), torch.zeros_like(src)
+        store.register_group(1, [dst], blocks_per_chunk=4)
+        store.register_group(2, [nulled], blocks_per_chunk=4, null_block=0)
+        k0, k1, k2 = (store.key(bytes([i + 1]) * 32, g) for i, g in enumerate((0, 1, 2)))
+        job = store.store(0, [(k0, (0, 1, 2, 3))])  # block 0 stored like any block
+        assert job is not None and store.wait([job])[job].ok
+        (stored,) = store.run(store.tiers[0].get_many([k0]))
+        assert stored == src[0:4].numpy().tobytes()
+        for g, k, t in ((1, k1, dst), (2, k2, nulled)):
+            t[8:12] = src[8:12]
+            job = store.store(g, [(k, (8, 9, 10, 11))])
+            assert job is not None and store.wait([job])[job].ok
+        job = store.load(1, [(k1, (0, 1, 2, 3))])  # into block 0: filled
+        assert job is not None and store.wait([job])[job].ok
+        assert torch.equal(dst[0:4], src[8:12])
+        job = store.load(2, [(k2, (0, 5, 6, 7))])  # 0 is this group's null block: not copied
+        assert job is not None and store.wait([job])[job].ok
+        assert not nulled[0].any() and torch.equal(nulled[5:8], src[9:12])
+        for bad in (-1, 16, True, "0"):
+            with pytest.raises(ValueError, match="null_block"):
+                store.register_group(3, [torch.zeros_like(src)], blocks_per_chunk=4, null_block=bad)
+
+
 @pytest.mark.parametrize("tiers", [["lmdb"], ["cpu", "lmdb"]])
 def test_a_job_larger_than_the_staging_pool_is_stored_in_parts_and_loads_back(tmp_path: Path, tiers: list[str]) -> None:
     # 2 KiB per block (two tensors), 2 blocks per chunk: 4 KiB chunks; staging holds 3 of them.

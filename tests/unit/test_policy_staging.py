@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -176,6 +178,7 @@ def test_direct_view_only_for_a_whole_chunk_of_consecutive_blocks_in_order(bpc: 
         GroupSpec(0, "full", tokens_per_block=16, blocks_per_chunk=bpc),
         KVGroupTensors([kv]),
         GroupRoute(0, ("x",), "through", True),
+        null_block=0,
     )
     run = tuple(range(5, 5 + bpc))
     cases = [run, run[:-1], tuple(range(bpc))]  # whole; short (a skipped block); from the null block
@@ -194,6 +197,9 @@ def test_direct_view_only_for_a_whole_chunk_of_consecutive_blocks_in_order(bpc: 
             assert views[2] is not None and bytes(views[2]) == kv[:bpc].numpy().tobytes()
         assert all(v is None for v in views[3:])
     assert grp.direct_views(chunks[:1], load=True, skip={0}) == [None]  # e.g. served from a slot
+    no_null = dataclasses.replace(grp, null_block=None)  # no null block: block 0 is a block like any
+    (view,) = no_null.direct_views(chunks[2:3], load=True)
+    assert view is not None and bytes(view) == kv[:bpc].numpy().tobytes()
     two = GroupBinding(
         GroupSpec(0, "full", tokens_per_block=16, blocks_per_chunk=bpc),
         KVGroupTensors([kv, kv.clone()]),

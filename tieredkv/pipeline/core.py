@@ -189,9 +189,10 @@ class Pipeline:
         *,
         blocks_per_chunk: int = 1,
         kind: str = "full",
+        null_block: int | None = None,
     ) -> GroupRoute:
-        """Declare a KV group: its spec (or index, chunk size in blocks and kind) and its tensors
-        (block id first)."""
+        """Declare a KV group: its spec (or index, chunk size in blocks and kind), its tensors
+        (block id first) and its null block (see :class:`~tieredkv.pipeline.LoadJob`)."""
         kv = KVGroupTensors(tensors)
         spec = (
             group
@@ -202,7 +203,7 @@ class Pipeline:
         unknown = [n for n in route.tiers if n not in self.tiers]
         if unknown:
             raise TieredKVError(f"group {spec.index} routes to unknown tiers {unknown}")
-        self._groups[spec.index] = GroupBinding(spec, kv, route)
+        self._groups[spec.index] = GroupBinding(spec, kv, route, null_block)
         self._events += 1  # its series exist from now on
         return route
 

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 from tieredkv.keys import key_group
 
 __all__ = [
-    "NULL_BLOCK",
     "ChunkRef",
     "InFlight",
     "JobResult",
@@ -37,8 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-NULL_BLOCK = 0
 
 
 class ChunkRef(NamedTuple):
@@ -61,9 +58,10 @@ class StoreJob:
 class LoadJob:
     """Load whole chunks into GPU blocks.
 
-    A chunk's ``block_ids`` either list one destination per block of the chunk, with the
-    null id 0 for a block not to copy, or (first chunk only) just the blocks after
-    ``skip_blocks`` blocks that are not copied (the local prefix ends mid-chunk).
+    A chunk's ``block_ids`` either list one destination per block of the chunk — where the
+    group was registered with a null block (vLLM's block 0), that id marks a block not to copy —
+    or (first chunk only) just the blocks after ``skip_blocks`` blocks that are not copied (the
+    local prefix ends mid-chunk).
     """
 
     job_id: int
@@ -71,13 +69,14 @@ class LoadJob:
     chunks: tuple[ChunkRef, ...]
     skip_blocks: int = 0
 
-    def placements(self, i: int, blocks_per_chunk: int) -> list[tuple[int, int]]:
-        """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i``."""
+    def placements(self, i: int, blocks_per_chunk: int, null_block: int | None = None) -> list[tuple[int, int]]:
+        """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i`` (``null_block``: the
+        group's null block id, whose positions are not copied; None: every id is a block)."""
         ids = self.chunks[i].block_ids
         if len(ids) == blocks_per_chunk:
-            if NULL_BLOCK not in ids:  # the common case, once per chunk: C calls only
+            if null_block is None or null_block not in ids:  # the common case, once per chunk: C calls only
                 return list(enumerate(ids))
-            return [(p, b) for p, b in enumerate(ids) if b != NULL_BLOCK]
+            return [(p, b) for p, b in enumerate(ids) if b != null_block]
         skip = self.skip_blocks if i == 0 else 0
         if skip + len(ids) != blocks_per_chunk:
             raise ValueError(

@@ -27,7 +27,7 @@ from typing import Any, Protocol, cast
 
 from tieredkv.errors import TierFullError
 from tieredkv.groups import GroupSpec
-from tieredkv.pipeline.jobs import NULL_BLOCK, ChunkRef, LoadJob, StoreJob, parts
+from tieredkv.pipeline.jobs import ChunkRef, LoadJob, StoreJob, parts
 from tieredkv.pipeline.lanes import Lanes
 from tieredkv.pipeline.writeback import WriteBack
 from tieredkv.policy import GroupRoute
@@ -53,11 +53,14 @@ class SlotTier(Protocol):
 @dataclass(slots=True)
 class GroupBinding:
     """A registered KV group on the pipeline: its :class:`~tieredkv.groups.GroupSpec`, the
-    engine tensors it lives in, and its route. A view: the spec is the group model."""
+    engine tensors it lives in, its route, and its null block (the id a load's chunk uses for a
+    block not to copy, e.g. vLLM's block 0; None: none, every id is a block). A view: the spec
+    is the group model."""
 
     spec: GroupSpec
     tensors: KVGroupTensors
     route: GroupRoute
+    null_block: int | None = None
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -71,19 +74,22 @@ class GroupBinding:
         self, chunks: Sequence[ChunkRef], *, load: bool, skip: Container[int] = ()
     ) -> list[memoryview | None]:
         """Per chunk, the device bytes of the whole chunk when they already are its payload — one
-        CPU tensor and the chunk's blocks consecutive (for a load, none of them the null block) —
+        CPU tensor and the chunk's blocks consecutive (for a load, none of them the group's null
+        block) —
         so tiers read and write them with no staging copy; else None (and for chunks in ``skip``)."""
         host = self.tensors.host_bytes
         if host is None:
             return [None] * len(chunks)
         bpc = self.spec.blocks_per_chunk
         bb = self.tensors.bytes_per_block
-        low = NULL_BLOCK + 1 if load else 0
+        null = self.null_block if load else None
         out: list[memoryview | None] = []
         for i, c in enumerate(chunks):  # once per chunk on the loop: C calls only
             ids = c.block_ids
             first = ids[0] if len(ids) == bpc else -1
-            consecutive = first >= low and ids[-1] - first == bpc - 1  # and, past two, every step is 1:
+            consecutive = first >= 0 and ids[-1] - first == bpc - 1  # and, past two, every step is 1:
+            if null is not None and first <= null <= first + bpc - 1:
+                consecutive = False  # the null block's position is not copied
             if consecutive and i not in skip and (bpc <= 2 or ids == tuple(range(first, first + bpc))):
                 out.append(host[first * bb : (first + bpc) * bb])
             else:
@@ -188,7 +194,10 @@ class Transfers:
             direct = grp.direct_views(job.chunks, load=True, skip=borrowed)
             # where each chunk's blocks go, for those copied (not read straight into their blocks)
             copied = not all(direct) or bool(borrowed)  # else every chunk is read straight into its blocks
-            places = {i: job.placements(i, bpc) for i, view in enumerate(direct) if view is None} if copied else {}
+            null = grp.null_block
+            places = (
+                {i: job.placements(i, bpc, null) for i, view in enumerate(direct) if view is None} if copied else {}
+            )
             lower = route.tiers[1:] if slots is not None else route.tiers
             complete = True  # every chunk so far was found: keep copying
             for part in parts(len(keys), buf.nbytes // cb):  # one part unless the job is larger than the pool

@@ -633,7 +633,8 @@ class TieredKVWorker(OffloadingWorker):
                         "TieredKVOffloadingSpec: a packed KV layout (block stride larger than the page) is not"
                         " supported; use TieringOffloadingSpec with TieredKVSecondaryTier"
                     )
-            route = self.store.register_group(g, tensors, blocks_per_chunk=self.bpc, kind=self.kinds[g])
+            # vLLM's block 0 is its null block: a load's chunk names it for a block not to copy
+            route = self.store.register_group(g, tensors, blocks_per_chunk=self.bpc, kind=self.kinds[g], null_block=0)
             cb = sum(t[0].numel() * t.element_size() for t in tensors) * self.bpc
             self.chunk_bytes[g] = cb
             self._max_job_chunks[g] = max(1, staging // (4 * cb))

@@ -34,13 +34,16 @@ def write_checkpoint(root: Path, gib: float, files: int, tensor_mib: int) -> int
         mine = names[f::files]
         head: dict[str, object] = {"__metadata__": {"format": "pt"}}
         for j, n in enumerate(mine):
-            head[n] = {"dtype": "BF16", "shape": [per_tensor // 2 // 4096, 4096], "data_offsets": [j * per_tensor, (j + 1) * per_tensor]}
+            head[n] = {
+                "dtype": "BF16",
+                "shape": [per_tensor // 2 // 4096, 4096],
+                "data_offsets": [j * per_tensor, (j + 1) * per_tensor],
+            }
         text = json.dumps(head).encode()
         text += b" " * (-len(text) % 8)
         with open(root / f"model-{f + 1:05d}-of-{files:05d}.safetensors", "wb") as out:
             out.write(struct.pack("<Q", len(text)) + text)
-            for _ in mine:
-                out.write(rng.integers(0, 256, per_tensor, dtype=np.uint8).tobytes())
+            out.writelines(rng.integers(0, 256, per_tensor, dtype=np.uint8).tobytes() for _ in mine)
             out.flush()
             os.fsync(out.fileno())
     return tensors * per_tensor

@@ -350,6 +350,17 @@ class NamespaceConfig(_Model):
     revision: str = Field("", description="Model revision (commit or tag).")
     dtype: str = Field("bfloat16", description="KV cache dtype.")
     tenant_salt: str = Field("", description="Optional salt that isolates tenants sharing a tier.")
+    weights_path: str | None = Field(
+        None,
+        description="The model's weights (a directory of *.safetensors, or one file): their content"
+        " fingerprint joins the namespace, so a changed checkpoint under the same name is never served"
+        " the old weights' KV. vLLM modes find the weights themselves; this overrides what they find.",
+    )
+    weights_fingerprint: Literal["sampled", "full", "off"] = Field(
+        "sampled",
+        description="'sampled': safetensors headers and a deterministic sample of every tensor's bytes"
+        " (milliseconds); 'full': every byte (about 0.2-0.5 s per GB); 'off': name and revision only.",
+    )
 
 
 class PolicyRule(_Model):

@@ -202,6 +202,9 @@ class Namespace:
     generation: str = ""
     """Cache generation: empty until the engine's cache is reset (vLLM ``reset_cache`` on sleep or a
     weight update); then a fresh random token, so nothing stored before the reset can be hit."""
+    weights: str = ""
+    """Content fingerprint of the model's weights (:func:`tieredkv.weights.weights_fingerprint`),
+    empty when unknown: then only the name and revision tell two checkpoints apart."""
     _fp: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -258,8 +261,10 @@ def _canonical(ns: Namespace) -> dict[str, Any]:
         },
         "format_version": ns.format_version,
         "tenant_salt": ns.tenant_salt,
-        # Only when set: a namespace that was never reset keeps its fingerprint across versions.
+        # Only when set: a namespace that was never reset (or has no weights fingerprint) keeps its
+        # fingerprint across versions.
         **({"generation": ns.generation} if ns.generation else {}),
+        **({"weights": ns.weights} if ns.weights else {}),
     }
 
 

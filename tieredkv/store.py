@@ -61,6 +61,7 @@ from tieredkv.pipeline import (
 from tieredkv.policy import GroupRoute, TierPolicy
 from tieredkv.scheduler import OffloadScheduler
 from tieredkv.staging import KVGroupTensors
+from tieredkv.weights import namespace_weights
 
 __all__ = ["KeyState", "TieredStore", "open_store"]
 
@@ -101,6 +102,7 @@ class TieredStore:
             dtype=ns.dtype,
             tenant_salt=ns.tenant_salt,
             parallel=parallel or _distributed_layout(),
+            weights=namespace_weights(ns.weights_path, ns.weights_fingerprint),
         )
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
         self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])

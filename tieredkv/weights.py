@@ -160,11 +160,11 @@ def weights_fingerprint(path: str | os.PathLike[str], *, full: bool = False) -> 
             dtype, shape, nbytes, f, at, length = entries[tname]
             total += nbytes
             h.update(json.dumps([tname, dtype, shape, nbytes], separators=(",", ":")).encode())
-            fd = fds.get(f)
-            if fd is None:
+            if f not in fds:
                 fd = fds[f] = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
                 if not full and hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # samples: no readahead
+            fd = fds[f]
             spans = [(0, length)] if full else _windows(tname, length)
             th = xxhash.xxh3_128()  # the bytes (GB/s), then the digest into the BLAKE2b of the whole
             for off, n in spans:
@@ -190,3 +190,44 @@ def weights_fingerprint(path: str | os.PathLike[str], *, full: bool = False) -> 
         seconds=time.perf_counter() - t0,
         full=full,
     )
+
+
+def namespace_weights(
+    weights_path: str | None, mode: str = "sampled", *, found: str | None = None, what: str = "tieredkv"
+) -> str:
+    """The weights fingerprint to put in a namespace (``""``: none), logged as it is decided.
+
+    ``weights_path`` (the config's ``namespace.weights_path``) wins; else ``found`` (where an
+    integration found the engine's weights, e.g. vLLM's resolved model path). An explicit path
+    that is not a checkpoint is a :class:`~tieredkv.errors.ConfigError`; weights that were looked
+    for and not found, or cannot be read, fall back to the model name and revision with a warning.
+    ``mode``: ``sampled``, ``full`` or ``off`` (``namespace.weights_fingerprint``)."""
+    if mode == "off":
+        log.info(
+            "%s: weights fingerprint off (namespace.weights_fingerprint): records are bound to the model name and revision only",
+            what,
+        )
+        return ""
+    path = weights_path or found
+    if path is None:
+        return ""
+    try:
+        fp = weights_fingerprint(path, full=mode == "full")
+    except (ConfigError, OSError) as e:
+        if weights_path is not None:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(
+                f"namespace.weights_path: {weights_path!r} cannot be read ({e}); fix the path or its permissions"
+            ) from e
+        log.warning(
+            "%s: the weights at %s cannot be fingerprinted (%s): records are bound to the model name and"
+            " revision only, so a changed checkpoint under the same name would be served the old weights' KV;"
+            " set namespace.weights_path",
+            what,
+            path,
+            e,
+        )
+        return ""
+    log.info("%s: namespace bound to %s", what, fp.describe())
+    return fp.digest

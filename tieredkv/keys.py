@@ -203,8 +203,10 @@ class Namespace:
     """Cache generation: empty until the engine's cache is reset (vLLM ``reset_cache`` on sleep or a
     weight update); then a fresh random token, so nothing stored before the reset can be hit."""
     weights: str = ""
-    """Content fingerprint of the model's weights (:func:`tieredkv.weights.weights_fingerprint`),
-    empty when unknown: then only the name and revision tell two checkpoints apart."""
+    """Content fingerprint of the model's weights and config (:func:`tieredkv.weights.weights_fingerprint`).
+    When set it names the model: ``model`` and ``revision`` are then labels, left out of the
+    fingerprint (the same checkpoint under another path or name shares records). Empty when
+    unknown: then only the name and revision tell two checkpoints apart."""
     _fp: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -269,5 +271,10 @@ def _canonical(ns: Namespace) -> dict[str, Any]:
 
 
 def _fingerprint(ns: Namespace) -> bytes:
-    blob = json.dumps(_canonical(ns), sort_keys=True, separators=(",", ":")).encode()
+    identity = _canonical(ns)
+    if ns.weights:
+        # The weights (and their config) name the model: its name and revision are labels, so
+        # nodes that keep the same checkpoint under other paths or names share its records.
+        del identity["model"], identity["revision"]
+    blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(blob, digest_size=FINGERPRINT_BYTES, person=b"tieredkv-ns").digest()

@@ -8,6 +8,8 @@ weights' KV from every persistent tier. :func:`weights_fingerprint` reads a chec
 * **equal for identical weights wherever they sit**: it depends on tensor names, dtypes, shapes
   and bytes only — not on the directory, the file names or how the tensors are split into files,
   not on file times — so every node serving the same weights shares records;
+* **different when the model's ``config.json`` beside them changes** (RoPE scaling, heads,
+  windows: what shapes the KV besides the weights; labels such as ``_name_or_path`` left out);
 * **different when any tensor changes** in name, dtype or shape, or in any byte it samples; a
   tensor of at most :data:`WHOLE_TENSOR_BYTES` is read whole (norms, biases, small heads), a
   larger one in :data:`SAMPLES` windows of :data:`WINDOW` bytes: the first and the last, and the
@@ -111,6 +113,27 @@ def _header(fd: int, name: str, size: int) -> tuple[dict[str, dict[str, object]]
     return head, 8 + n
 
 
+#: Keys of a Hugging Face ``config.json`` that say nothing about the computation.
+_CONFIG_LABELS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+
+
+def _model_config(path: str | os.PathLike[str]) -> bytes:
+    """The canonical form of the checkpoint's ``config.json`` (beside the weights), labels left
+    out: what shapes the KV besides the weights (RoPE scaling, head layout, window sizes);
+    ``b""`` when there is none."""
+    p = Path(path).expanduser()
+    cfg = (p if p.is_dir() else p.parent) / "config.json"
+    try:
+        raw = json.loads(cfg.read_bytes())
+    except FileNotFoundError:
+        return b""
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{cfg}: the model's config.json cannot be read as JSON ({e})") from None
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if k not in _CONFIG_LABELS}
+    return b"config:" + json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _windows(name: str, length: int) -> list[tuple[int, int]]:
     """``(offset, size)`` windows sampled from a tensor of ``length`` bytes (all of it when small)."""
     if length <= WHOLE_TENSOR_BYTES:
@@ -153,6 +176,7 @@ def weights_fingerprint(path: str | os.PathLike[str], *, full: bool = False) -> 
                 raise ConfigError(f"{f}: tensor {tname!r} is also in {entries[tname][3]}: not one checkpoint")
             entries[tname] = (dtype, shape, end - begin, f, data_at + begin, end - begin)
     h = hashlib.blake2b(_VERSION, digest_size=16)
+    h.update(_model_config(path))
     read = total = 0
     fds: dict[Path, int] = {}
     try:

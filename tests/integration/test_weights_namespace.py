@@ -16,8 +16,8 @@ from tieredkv.errors import ConfigError
 from tieredkv.pipeline import KeyState
 
 
-def _cfg(data: Path, weights: Path | None, mode: str = "sampled") -> dict:
-    ns: dict = {"model": "org/same-name", "revision": "main", "weights_fingerprint": mode}
+def _cfg(data: Path, weights: Path | None, mode: str = "sampled", name: str = "org/same-name") -> dict:
+    ns: dict = {"model": name, "revision": "main", "weights_fingerprint": mode}
     if weights is not None:
         ns["weights_path"] = str(weights)
     return {
@@ -30,9 +30,11 @@ def _kv() -> torch.Tensor:
     return torch.arange(16 * 1024, dtype=torch.int32).view(16, 1024).to(torch.uint8)
 
 
-def _store_then_lookup(data: Path, weights: Path | None, store_it: bool, mode: str = "sampled") -> KeyState:
+def _store_then_lookup(
+    data: Path, weights: Path | None, store_it: bool, mode: str = "sampled", name: str = "org/same-name"
+) -> KeyState:
     kv, out = _kv(), torch.zeros(16, 1024, dtype=torch.uint8)
-    with tieredkv.open_store(_cfg(data, weights, mode)) as store:
+    with tieredkv.open_store(_cfg(data, weights, mode, name)) as store:
         store.register_group(0, [kv], blocks_per_chunk=2)
         store.register_group(1, [out], blocks_per_chunk=2)
         key = store.key(b"\x07" * 32, 0)
@@ -64,6 +66,8 @@ def test_same_name_other_weights_miss_identical_weights_elsewhere_hit(
     assert _store_then_lookup(data, b, store_it=False) is KeyState.MISS  # other weights: old KV not served
     assert _store_then_lookup(data, copy, store_it=False) is KeyState.HIT  # same weights, other path
     assert _store_then_lookup(data, a, store_it=False) is KeyState.HIT  # the original again
+    # with a weights fingerprint the name is a label: another node names the checkpoint otherwise
+    assert _store_then_lookup(data, copy, store_it=False, name="/mnt/models/a") is KeyState.HIT
     # without a fingerprint the name alone decides: the weights-bound record is not one of its own
     assert _store_then_lookup(data, None, store_it=False) is KeyState.MISS
     assert _store_then_lookup(data, a, store_it=False, mode="off") is KeyState.MISS

@@ -62,9 +62,11 @@ def test_identical_weights_elsewhere_match_a_changed_tensor_does_not(tmp_path: P
         os.utime(f, (1, 1))
     snap = tmp_path / "snapshot"
     snap.mkdir()
-    for f in b_dir.glob("*.safetensors"):
+    for f in b_dir.iterdir():  # a hub snapshot: every file a symlink to a blob
         (snap / f.name).symlink_to(f)
-    single = tmp_path / "one.safetensors"
+    (tmp_path / "single").mkdir()
+    (tmp_path / "single" / "config.json").write_text('{"_name_or_path": "/elsewhere"}')  # a label only
+    single = tmp_path / "single" / "one.safetensors"
     write_safetensors(single, dict(reversed(list(w.items()))), metadata={"format": "pt", "note": "other"})
     assert weights_fingerprint(b_dir).digest == a.digest
     assert weights_fingerprint(snap).digest == a.digest
@@ -98,6 +100,22 @@ def test_a_changed_name_dtype_or_shape_or_one_sampled_byte_changes_it(tmp_path: 
     last_window["embed.weight"][-1, -1] += 1
     for i, variant in enumerate((renamed, retyped, reshaped, small, first_window, last_window)):
         assert weights_fingerprint(save_sharded(tmp_path / f"v{i}", variant, 1)).digest != base, i
+
+
+def test_the_models_config_beside_the_weights_counts_its_labels_do_not(tmp_path: Path) -> None:
+    w = model()
+    d = save_sharded(tmp_path / "m", w, 1)
+    (d / "config.json").write_text(
+        json.dumps({"rope_theta": 10000.0, "_name_or_path": "a", "transformers_version": "1"})
+    )
+    base = weights_fingerprint(d).digest
+    (d / "config.json").write_text(json.dumps({"_name_or_path": "b", "rope_theta": 10000.0}))
+    assert weights_fingerprint(d).digest == base
+    (d / "config.json").write_text(json.dumps({"rope_theta": 500000.0}))  # other RoPE: other KV
+    assert weights_fingerprint(d).digest != base
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json"):
+        weights_fingerprint(d)
 
 
 def test_sampled_reads_are_bounded_and_full_reads_everything(tmp_path: Path) -> None:

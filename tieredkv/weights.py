@@ -217,7 +217,12 @@ def weights_fingerprint(path: str | os.PathLike[str], *, full: bool = False) -> 
 
 
 def namespace_weights(
-    weights_path: str | None, mode: str = "sampled", *, found: str | None = None, what: str = "tieredkv"
+    weights_path: str | None,
+    mode: str = "sampled",
+    *,
+    found: str | None = None,
+    looked_for: str | None = None,
+    what: str = "tieredkv",
 ) -> str:
     """The weights fingerprint to put in a namespace (``""``: none), logged as it is decided.
 
@@ -225,7 +230,8 @@ def namespace_weights(
     integration found the engine's weights, e.g. vLLM's resolved model path). An explicit path
     that is not a checkpoint is a :class:`~tieredkv.errors.ConfigError`; weights that were looked
     for and not found, or cannot be read, fall back to the model name and revision with a warning.
-    ``mode``: ``sampled``, ``full`` or ``off`` (``namespace.weights_fingerprint``)."""
+    ``mode``: ``sampled``, ``full`` or ``off`` (``namespace.weights_fingerprint``).
+    ``looked_for``: what an integration looked for when it found nothing (then a warning)."""
     if mode == "off":
         log.info(
             "%s: weights fingerprint off (namespace.weights_fingerprint): records are bound to the model name and revision only",
@@ -234,6 +240,14 @@ def namespace_weights(
         return ""
     path = weights_path or found
     if path is None:
+        if looked_for is not None:
+            log.warning(
+                "%s: no local weights found for %s: records are bound to the model name and revision only, so a"
+                " changed checkpoint under the same name would be served the old weights' KV; set"
+                " namespace.weights_path to the checkpoint's directory",
+                what,
+                looked_for,
+            )
         return ""
     try:
         fp = weights_fingerprint(path, full=mode == "full")

@@ -563,6 +563,7 @@ class Engine:
         store_fault: Any = None,
         max_num_seqs: int = MAX_NUM_SEQS,
         max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
+        model: Path = TINY_MODEL,
     ) -> None:
         assert groups[0] == "full" and set(groups) <= set(LAYER), groups
         self.settle = settle
@@ -582,7 +583,7 @@ class Engine:
         extra["blocks_per_chunk"] = blocks_per_chunk
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(
-                model=str(TINY_MODEL), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+                model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
             ),
             cache_config=CacheConfig(
                 block_size=MAMBA_BLOCK if self.has_mamba else ATTN_BLOCK,
@@ -1191,6 +1192,7 @@ def run_engine(
     store_fault: Any = None,
     max_num_seqs: int = MAX_NUM_SEQS,
     max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
+    model: Path = TINY_MODEL,
 ) -> RunResult:
     """Run the workload once through the real scheduler + connector; see the module docstring."""
     t0 = time.perf_counter()
@@ -1211,6 +1213,7 @@ def run_engine(
             store_fault=store_fault,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            model=model,
         )
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)

@@ -6,15 +6,28 @@ No vLLM import: the function reads attributes only, so it is testable without vL
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import secrets
+from pathlib import Path
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.errors import ConfigError
 from tieredkv.groups import GroupKind, GroupSpec
 from tieredkv.keys import GroupGeometry, Namespace, ParallelLayout
+from tieredkv.weights import namespace_weights
 
-__all__ = ["group_kind", "group_kinds", "group_specs", "namespace_from_offloading_config", "new_generation"]
+__all__ = [
+    "group_kind",
+    "group_kinds",
+    "group_specs",
+    "namespace_from_offloading_config",
+    "new_generation",
+    "weights_location",
+]
+
+log = logging.getLogger(__name__)
 
 
 def _is_attention_layer(name: str) -> bool:
@@ -87,14 +100,56 @@ def namespace_from_offloading_config(
         rank=int(par.rank if rank is None else rank),
     )
     ns = tkv.namespace if tkv is not None else None
+    name = str(config.model.name)
+    mode = ns.weights_fingerprint if ns is not None else "sampled"
+    explicit = ns.weights_path if ns is not None else None
+    found = None if explicit or mode == "off" else weights_location(name)
     return Namespace(
-        model=str(config.model.name),
+        model=name,
         revision=ns.revision if ns is not None else "",
         dtype=str(config.model.dtype),
         groups=groups,
         parallel=parallel,
         tenant_salt=ns.tenant_salt if ns is not None else "",
+        weights=namespace_weights(explicit, mode, found=found, looked_for=name, what="tieredkv (vLLM)"),
     )
+
+
+def weights_location(model: str) -> str | None:
+    """Where vLLM's model ``model`` (``model_config.model``: a local path or a hub id) keeps its
+    weights on this node: the path itself, or the hub id's snapshot in the local Hugging Face cache
+    (vLLM's ``download_dir`` and ``revision`` when vLLM's current config names this model, else
+    the default cache and ``main``). None when not found; nothing is downloaded."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return str(path)
+    revision, cache_dir = None, None
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vc = get_current_vllm_config_or_none()
+    except Exception:  # noqa: BLE001 - no vLLM, or another version: the defaults
+        vc = None
+    if vc is not None and getattr(vc.model_config, "model", None) == model:
+        revision = getattr(vc.model_config, "revision", None)
+        cache_dir = getattr(vc.load_config, "download_dir", None)
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return str(
+            snapshot_download(
+                model,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=True,
+                allow_patterns=["*.safetensors", "config.json"],
+            )
+        )
+    except Exception as e:  # noqa: BLE001 - not cached here (or not a hub id): not found
+        log.debug("tieredkv: no local snapshot of %s (%s; HF_HOME=%s)", model, e, os.environ.get("HF_HOME"))
+        return None
 
 
 def group_specs(config: Any, kinds: list[str], bytes_per_block: int) -> list[GroupSpec]:

@@ -95,3 +95,32 @@ def test_a_model_without_local_weights_falls_back_to_its_name_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="tieredkv.weights"):
         _run(spec_extra(1, tiers), TINY_MODEL)  # a config-only directory: no *.safetensors
     assert any("cannot be fingerprinted" in r.message and "name and revision" in r.message for r in caplog.records)
+
+
+def test_a_hub_id_is_found_in_the_local_cache_as_vllm_downloads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id resolves to its snapshot in the local Hugging Face cache (blobs behind symlinks, as
+    vLLM's download leaves them), never downloaded: the same fingerprint as the files themselves."""
+    from tieredkv.integrations.vllm.namespace import weights_location
+    from tieredkv.weights import weights_fingerprint
+
+    src = _checkpoint(tmp_path / "src", 3)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "blobs").mkdir()
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        shutil.copy(f, blob)
+        (snap / f.name).symlink_to(blob)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # (HF_HUB_CACHE, read at import)
+    found = weights_location("org/tiny")
+    assert found is not None and Path(found).resolve() == snap.resolve()
+    assert weights_fingerprint(found).digest == weights_fingerprint(src).digest
+    assert weights_location("org/not-cached") is None

@@ -109,13 +109,16 @@ class TieredKVCollector(Collector):
             with :meth:`add_tier`.
         pipeline: optional object whose ``stats()`` returns a :class:`PipelineStats` (a
             :class:`~tieredkv.pipeline.Pipeline` or :class:`~tieredkv.store.TieredStore`).
+        engine: optional object whose ``block_hashes_reproducible`` (True, False or None: not
+            known) is reported (the :class:`~tieredkv.store.TieredStore`).
     """
 
-    def __init__(self, tiers: Iterable[Any] = (), pipeline: Any = None) -> None:
+    def __init__(self, tiers: Iterable[Any] = (), pipeline: Any = None, engine: Any = None) -> None:
         self._lock = threading.Lock()
         self._tiers: dict[str, Any] = {}
         self._stats: dict[str, Any] = {}
         self.pipeline = pipeline
+        self.engine = engine
         for t in tiers:
             self.add_tier(t)
 
@@ -146,6 +149,14 @@ class TieredKVCollector(Collector):
         yield from self._collect_tiers()
         if self.pipeline is not None:
             yield from self._collect_pipeline(self.pipeline)
+        reproducible = getattr(self.engine, "block_hashes_reproducible", None)
+        if reproducible is not None:
+            yield GaugeMetricFamily(
+                _name("block_hashes_reproducible"),
+                "1 when the engine's block hashes are the same in every process (persistent tiers hit"
+                " after a restart), 0 when they are not.",
+                value=float(reproducible),
+            )
 
     def describe(self) -> Iterator[Any]:  # no up-front description: names depend on sources
         return iter(())
@@ -242,10 +253,14 @@ class TieredKVMetrics:
     """
 
     def __init__(
-        self, tiers: Iterable[Any] = (), pipeline: Any = None, registry: CollectorRegistry | None = None
+        self,
+        tiers: Iterable[Any] = (),
+        pipeline: Any = None,
+        registry: CollectorRegistry | None = None,
+        engine: Any = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.collector = TieredKVCollector(pipeline=pipeline)
+        self.collector = TieredKVCollector(pipeline=pipeline, engine=engine)
         self.registry.register(self.collector)
         self.latency = Histogram(
             _name("tier_op_seconds"),

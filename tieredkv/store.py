@@ -96,6 +96,10 @@ class TieredStore:
         self._specs: dict[int, tuple[GroupSpec, bool]] = {}  # spec, and whether the caller gave it whole
         self._num_blocks: dict[int, int] = {}
         self._closed = False
+        #: Whether the engine's block hashes are the same in the next process (records of persistent
+        #: tiers hit after a restart): set by an integration that can tell (vLLM's hash seed), None
+        #: otherwise. Reported as the ``tieredkv_block_hashes_reproducible`` gauge.
+        self.block_hashes_reproducible: bool | None = None
         self.namespace = namespace or Namespace(
             model=ns.model,
             revision=ns.revision,
@@ -121,7 +125,7 @@ class TieredStore:
         #: registered): a caller polling every engine step reads the counters only when it moved.
         #: The pipeline's own method, like ``probe``.
         self.activity: Callable[[], int] = self.pipeline.activity
-        self.metrics = TieredKVMetrics(self.tiers, pipeline=self.pipeline)
+        self.metrics = TieredKVMetrics(self.tiers, pipeline=self.pipeline, engine=self)
         self.metrics_server: MetricsServer | None = None
         self._ids = itertools.count(1)
         self._results: dict[int, JobResult] = {}

@@ -564,6 +564,7 @@ class Engine:
         max_num_seqs: int = MAX_NUM_SEQS,
         max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
         model: Path = TINY_MODEL,
+        hash_algo: str = "sha256",
     ) -> None:
         assert groups[0] == "full" and set(groups) <= set(LAYER), groups
         self.settle = settle
@@ -589,6 +590,7 @@ class Engine:
                 block_size=MAMBA_BLOCK if self.has_mamba else ATTN_BLOCK,
                 enable_prefix_caching=True,
                 mamba_cache_mode="align" if self.has_mamba else "none",
+                prefix_caching_hash_algo=hash_algo,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -1193,6 +1195,7 @@ def run_engine(
     max_num_seqs: int = MAX_NUM_SEQS,
     max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
     model: Path = TINY_MODEL,
+    hash_algo: str = "sha256",
 ) -> RunResult:
     """Run the workload once through the real scheduler + connector; see the module docstring."""
     t0 = time.perf_counter()
@@ -1214,6 +1217,7 @@ def run_engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             model=model,
+            hash_algo=hash_algo,
         )
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)

@@ -140,9 +140,16 @@ async def status(
     breakers: dict[str, str] = {}
     engine: dict[str, dict[str, float]] = {}
     source_error: str | None = None
+    hashes: bool | None = None
     if metrics_url:
         try:
-            breakers, engine, source_error = read_engine_metrics(metrics_url)
+            seen = read_engine_metrics(metrics_url)
+            breakers, engine, source_error, hashes = (
+                seen.breakers,
+                seen.usage,
+                seen.error,
+                seen.block_hashes_reproducible,
+            )
         except NotMetrics as e:
             if metrics_from == "--metrics-url":
                 raise CLIError(
@@ -160,7 +167,9 @@ async def status(
             if "records" in em:
                 row.records = int(em["records"])
                 row.records_scope = "from the engine's metrics"
-    return StatusResult(tiers=rows, metrics_url=metrics_url, metrics_error=source_error)
+    return StatusResult(
+        tiers=rows, metrics_url=metrics_url, metrics_error=source_error, block_hashes_reproducible=hashes
+    )
 
 
 async def _status_row(tcfg: Any, progress: Progress) -> StatusRow:

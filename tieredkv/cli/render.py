@@ -171,6 +171,13 @@ def print_status(s: StatusResult) -> None:
             say(("unreachable: ", "red"), r.error or "", console=err)
     if s.metrics_error:
         warn("breaker state unknown", s.metrics_error)
+    if s.block_hashes_reproducible is False:
+        warn(
+            "block hashes not reproducible",
+            "the engine's block hashes differ in every process (a non-cryptographic prefix_caching_hash_algo"
+            " without PYTHONHASHSEED): records on persistent tiers will never hit after a restart or on"
+            " another node; set PYTHONHASHSEED on every node or use sha256",
+        )
 
 
 def print_ls(s: ListResult) -> None:

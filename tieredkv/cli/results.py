@@ -63,6 +63,9 @@ class StatusResult(Result):
     tiers: list[StatusRow]
     metrics_url: str | None
     metrics_error: str | None = None
+    #: From the engine's metrics: whether its block hashes are the same in its next process
+    #: (False: persistent tiers never hit after a restart); None when not reported.
+    block_hashes_reproducible: bool | None = None
 
     @property
     def unreachable(self) -> bool:

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tieredkv.integrations.vllm.hashseed import check_block_hashes
 from tieredkv.store import TieredStore
 
 __all__ = [
@@ -78,6 +79,7 @@ _GROUP_COUNTERS: dict[str, tuple[str, str]] = {
     "load_missing": ("group_load_misses", "Chunks of a KV group a tieredkv load did not find."),
 }
 BREAKER_OPEN = PREFIX + "breaker_open"
+HASHES_REPRODUCIBLE = PREFIX + "block_hashes_reproducible"
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -89,6 +91,11 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     out[BREAKER_OPEN] = OffloadingGaugeMetadata(
         documentation="1 while a tieredkv tier's circuit breaker is not closed (open or half open).",
         labelnames=("tier",),
+    )
+    out[HASHES_REPRODUCIBLE] = OffloadingGaugeMetadata(
+        documentation="1 when vLLM's block hashes are the same in every process (persistent tiers hit"
+        " after a restart), 0 when vLLM drew a random seed for this one.",
+        labelnames=(),
     )
     return out
 
@@ -146,6 +153,8 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
             gauges[(BREAKER_OPEN, (str(name),))] = float(lane.breaker != "closed")
         for gs in groups.values():
             values.extend(_group_values(gs))
+        if store.block_hashes_reproducible is not None:
+            gauges[(HASHES_REPRODUCIBLE, ())] = float(store.block_hashes_reproducible)
     return tuple(shape), values, gauges
 
 
@@ -180,6 +189,7 @@ class StoreStatsReporter:
         self._series: list[tuple[Any, str, tuple[str, ...]]] = []
         self._seen: list[tuple[TieredStore, int]] | None = None  # (store, activity) at the last read
         self._read_at = float("-inf")
+        self._hashes_checked = False  # vLLM's block-hash seed looked at (it is set after the manager)
 
     def moved(self) -> bool:
         """May a counter have moved since the last :meth:`take` read them? (A clock read and one
@@ -204,6 +214,10 @@ class StoreStatsReporter:
         ``/metrics``; several stores' counters of one series add up) and the gauges that changed;
         ``None`` when nothing did."""
         stores = self._stores()
+        if not self._hashes_checked and stores:
+            self._hashes_checked = check_block_hashes(stores)
+            if self._hashes_checked:
+                self._read_at = float("-inf")  # report the gauge now
         moved, seen = self._moved(stores)  # taken before the read: a move during it reads again
         if not moved:
             return None

@@ -325,3 +325,59 @@ def test_a_record_replaced_while_it_is_read_is_a_miss_or_a_written_version(tmp_p
         thread.join()
     assert wrong == [], (len(wrong), wrong[:3], seen)
     assert seen["hit"] > 0, seen
+
+
+# ---- admin reads and compare-and-delete (tieredkv verify / --repair on a live directory) ----------
+
+
+async def test_an_admin_read_of_a_record_that_left_its_place_meanwhile_is_read_again_or_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``raw_get_many`` (what ``tieredkv verify`` reads) finds a record's place in a transaction,
+    then reads the file. A writer that replaced or deleted the record meanwhile has punched its
+    blocks (zeros: "bad magic"), or written over the file as a spare (another record's bytes).
+    The read looks again, as loads do: a record that moved is read again where it is now, one
+    that went is None, never the bytes its old place holds now."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        real = lmdb_tier._read_at
+
+        def read_after_a_writer(path: str, at: int, size: int) -> bytes | None:
+            monkeypatch.setattr(lmdb_tier, "_read_at", real)
+            # the read transaction found k(0) and k(1) here; now k(0) is replaced, k(1) deleted
+            tier._heads_put([(k(0), memoryview(data(SIZE, 100)))])
+            tier._delete_sync([k(1)])
+            return real(path, at, size)
+
+        monkeypatch.setattr(lmdb_tier, "_read_at", read_after_a_writer)
+        got = await tier.raw_get_many([k(0), k(1), k(2)])
+        assert got[1] is None
+        assert got[0] is not None and bytes(verify_record(got[0], k(0))) == data(SIZE, 100)
+        assert got[2] is not None and bytes(verify_record(got[2], k(2))) == data(SIZE, 2)
+        assert tier.counters["record_files_moved_on"] >= 1 and tier.counters["corrupt"] == 0
+
+
+async def test_delete_if_same_on_every_layout_keeps_the_accounts(tmp_path: Path) -> None:
+    """Compare-and-delete against the whole record as ``raw_get_many`` gives it: in a record
+    file, stored apart, stored whole. Only an exact match goes; used bytes, the record file's
+    count (the file goes with its last record) and the LRU follow, as for ``delete_many``."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(4)])  # a record file
+        await tier.put_many([(k(10 + i), payload(1000, 10 + i)) for i in range(2)])  # apart, in LMDB
+        await tier.raw_put_many([(k(20), fmt.encode_record(k(20), data(500, 20)))])  # whole
+        keys = [k(i) for i in (0, 1, 2, 3, 10, 11, 20)]
+        raws = await tier.raw_get_many(keys)
+        assert all(r is not None for r in raws)
+        (name,) = files(tmp_path)
+        damaged = bytearray(raws[1])  # type: ignore[arg-type]
+        damaged[-1] ^= 1
+        items = [(key, raw) for key, raw in zip(keys, raws) if key != k(1)]
+        assert await tier.delete_if_same([*items, (k(1), bytes(damaged))]) == 6
+        assert await tier.contains_many(keys) == [False, True, False, False, False, False, False]
+        st = await tier.stats()
+        assert st.used_bytes == HEADER_SIZE + SIZE and st.records == 1
+        assert files(tmp_path) == [name] and st.extra["record_files"] == 1  # k(1) still lives there
+        assert [key for key in keys if key in tier._policy] == [k(1)]
+        assert await tier.delete_if_same([(k(1), raws[1])]) == 1  # type: ignore[list-item]
+        assert files(tmp_path) == [] and (await tier.stats()).used_bytes == 0
+        assert tier.counters["corrupt"] == 0

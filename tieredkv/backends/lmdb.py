@@ -34,8 +34,17 @@ write transaction as the records it counts).
   verify``) looks again the same way, and reads a record that moved again where it is now (a
   record that keeps moving, or went, is None): never the bytes its old place holds now. A repair
   deletes by ``delete_if_same``: the whole record compared, then deleted, in one write
-  transaction. Files no record names (a crash between the write
-  and the commit) are swept at open once :data:`_ORPHAN_AFTER_S` old.
+  transaction.
+* **Who owns a record file** (:mod:`~tieredkv.backends._lmdb_files`): its writer, by an
+  exclusive ``flock`` held from before the file has its name under ``files/`` (it comes in by
+  a rename from ``files/spare/``, a spare or a new empty file made there) until the transaction
+  that names it has committed, or the file is removed. Files no record names and no one holds
+  (a crash between the write and the commit, or between a commit and the removal, in any
+  process: the kernel lets go of a dead process's locks) are swept at open, and by an open
+  tier every :data:`_SWEEP_EVERY_S` (at most :data:`_SWEEP_MAX_FILES` a pass, on the tier's
+  thread between calls); a sweeper locks a file (skipping a held one) and looks for its name
+  again in a transaction begun after, so a file a live writer owns is never swept, however
+  long its write takes.
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
   alone. A read of any kind delivers only a payload that its header vouches for.
@@ -114,6 +123,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from tieredkv.backends import _lmdb_files as record_files
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
@@ -148,7 +158,8 @@ _LIVE = struct.Struct("<Q")  # files DB: a record file's token -> how many recor
 _FILES = "files"  # record files, under the environment's directory
 _SPARE = "spare"  # record files that lost their last record, kept (in files/spare/) to be written again
 _SPARES_KEPT = 8  # at most this many spare files in an environment
-_ORPHAN_AFTER_S = 60.0  # an unreferenced record file this old is swept at open (younger: a write in flight)
+_SWEEP_EVERY_S = 30.0  # an open tier sweeps its directory's record files this often, on its own thread
+_SWEEP_MAX_FILES = 64  # unnamed record files a periodic sweep locks and looks at, at most
 _RAW_READ_TRIES = 3  # an admin read of a record that keeps moving (rewritten during each read) is a miss after this
 _RESIZE_RETRIES = 3  # adopt a map another process grew, then retry (a few times: it may grow again)
 _READER_CHECK_EVERY_S = 1.0
@@ -479,6 +490,7 @@ class LMDBTier(Tier):
         # what the open write transaction frees in record files: whole files, and records in files
         self._doomed: list[bytes] = []
         self._holes: dict[bytes, list[tuple[int, int]]] = {}
+        self._upkeep: asyncio.Task[None] | None = None  # the periodic sweep (:meth:`_upkeep_loop`)
 
     @classmethod
     def missing(cls, config: Any) -> str | None:
@@ -567,6 +579,7 @@ class LMDBTier(Tier):
             self._pool = None
             self._shut_helper()
             raise
+        self._upkeep = asyncio.get_running_loop().create_task(self._upkeep_loop())
 
     def _open_sync(self) -> None:
         try:
@@ -585,7 +598,7 @@ class LMDBTier(Tier):
         try:
             self._count("stale_readers_cleared", shared.reader_check())
             ranked = self._txn(self._ranked)
-            self._count("orphan_files_removed", self._sweep_files())
+            self._upkeep_sync(at_open=True)
         except BaseException:
             self._shared = None
             _release_env(shared)
@@ -595,6 +608,14 @@ class LMDBTier(Tier):
     async def _close(self) -> None:
         if self._pool is None:
             return
+        upkeep, self._upkeep = self._upkeep, None
+        if upkeep is not None and not upkeep.done():
+            loop = upkeep.get_loop()
+            if loop is asyncio.get_running_loop():
+                upkeep.cancel()
+                await asyncio.gather(upkeep, return_exceptions=True)
+            elif not loop.is_closed():  # (closed from another loop than it was opened in)
+                loop.call_soon_threadsafe(upkeep.cancel)
         try:
             await self._run(self._close_sync)
         finally:
@@ -618,6 +639,38 @@ class LMDBTier(Tier):
         finally:
             self._shared = None
             _release_env(shared)  # the last tier on this directory closes the environment
+
+    # ---- upkeep: sweeping record files no one owns -----------------------------------------
+
+    async def _upkeep_loop(self) -> None:
+        """Every :data:`_SWEEP_EVERY_S`, one bounded sweep (:meth:`_upkeep_sync`) on the tier's
+        thread, queued behind the calls already there (never inside one). A failed sweep is
+        logged; the next one tries again."""
+        while True:
+            await asyncio.sleep(_SWEEP_EVERY_S)
+            try:
+                await self._run(self._upkeep_sync)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - housekeeping: never the tier's outcome
+                log.warning("tier %s: record file sweep failed: %s", self.name, e)
+
+    def _upkeep_sync(self, at_open: bool = False) -> None:
+        """Remove record files no committed record names and no writer holds (at most
+        :data:`_SWEEP_MAX_FILES` a pass; at open, all: a crash between a file's write and its
+        commit, or between a commit and the removal, in any process)."""
+        if self._shared is None:
+            return
+        limit = None if at_open else _SWEEP_MAX_FILES
+        if os.path.isdir(self._files):
+
+            def named() -> set[str]:
+                return self._txn(
+                    lambda txn: {bytes(t).hex() for t in txn.cursor(db=self._sh.files).iternext(values=False)}
+                )
+
+            self._count("orphan_files_removed", record_files.sweep(self._files, named, limit))
+        self._count("sweeps")
 
     # ---- record files ------------------------------------------------------------------
 
@@ -676,22 +729,6 @@ class LMDBTier(Tier):
             log.warning("tier %s: record file %s not kept as a spare: %s", self.name, token.hex(), e)
         self._unlink(token)
 
-    def _claim(self, path: str) -> bool:
-        """Rename a spare file (if any is left: another process may take it first) to ``path``."""
-        try:
-            names = os.listdir(self._spares)
-        except OSError:
-            return False
-        for name in names:
-            try:
-                os.rename(os.path.join(self._spares, name), path)
-                return True
-            except FileNotFoundError:
-                continue
-            except OSError:
-                return False
-        return False
-
     def _unlink(self, token: bytes) -> None:
         try:
             os.unlink(self._file_path(token))
@@ -700,59 +737,34 @@ class LMDBTier(Tier):
         except OSError as e:  # left behind: the next open's sweep removes it
             log.warning("tier %s: record file %s not removed: %s", self.name, token.hex(), e)
 
-    def _sweep_files(self) -> int:
-        """Remove record files no record names (a crash between a file's write and its commit,
-        or between a commit and the removal): those older than :data:`_ORPHAN_AFTER_S` (a
-        younger one may be another process's write about to commit). Run at open."""
-        try:
-            names = os.listdir(self._files)
-        except FileNotFoundError:
-            return 0
-        if not names:
-            return 0
-
-        def named(txn: Any) -> set[str]:
-            return {bytes(t).hex() for t in txn.cursor(db=self._sh.files).iternext(values=False)}
-
-        known = self._txn(named)
-        cutoff = time.time() - _ORPHAN_AFTER_S
-        removed = 0
-        for name in names:
-            if name in known or name == _SPARE:
-                continue
-            path = os.path.join(self._files, name)
-            try:
-                if os.stat(path).st_mtime < cutoff:
-                    os.unlink(path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
-        return removed
-
-    def _write_file(self, heads: memoryview, payloads: list[memoryview]) -> bytes:
+    def _write_file(self, heads: memoryview, payloads: list[memoryview]) -> tuple[bytes, int]:
         """Write the records (header ``heads[i]``, then ``payloads[i]``) one after another into a
-        new record file; return its token. Durable: the file synced, then its directory, before
-        the commit that names it. On a failure nothing is left."""
+        record file of a new token: a spare written over, or a new file. Returns the token and a
+        descriptor holding the file's lock (:mod:`~tieredkv.backends._lmdb_files`: no sweep
+        removes the file while it is held), to be closed once the transaction that names the file
+        has committed, or the file is removed. Durable: the file synced, then its directory,
+        before that commit. On a failure nothing is left (and nothing held)."""
         token = os.urandom(_TOKEN)
         path = self._file_path(token)
         durable = self.config.sync_mode == "durable"
-        reuse = self._claim(path)
+        spare = record_files.take(self._spares, path)
+        if spare is None:
+            held = record_files.create(self._spares, path)
+        else:
+            held = spare[0]
         try:
-            write_records(path, heads, payloads, sync=durable, reuse=reuse)
-        except BaseException:
-            self._unlink(token)  # (write_records removes a file it fails to write, not one it fails to open)
-            raise
-        if durable:
-            try:
+            write_records(path, heads, payloads, sync=durable, reuse=True)
+            if durable:
                 fd = os.open(self._files, os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            except BaseException:
-                self._unlink(token)
-                raise
-        return token
+        except BaseException:
+            self._unlink(token)  # (write_records removes a file it fails to write, not one it fails to open)
+            os.close(held)
+            raise
+        return token, held
 
     # ---- shared accounting (inside a write transaction) ---------------------------------
 
@@ -903,6 +915,7 @@ class LMDBTier(Tier):
             raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes exceeds size_cap_bytes ({self._cap})")
         now = time.time()
         token: bytes | None = None
+        held: int | None = None  # the lock on the batch's record file, until its commit
         if heads is None:
             stamps = [(k, _ACCESS.pack(now, n)) for k, n in sizes.items()]
         else:
@@ -913,7 +926,7 @@ class LMDBTier(Tier):
             ]
             if self._file_min is not None and total - HEADER_SIZE * len(items) >= self._file_min:
                 # one record file for the batch: each record names its place there
-                token = self._write_file(hv, [p for _, p in items])
+                token, held = self._write_file(hv, [p for _, p in items])
                 places = []
                 at = 0
                 for k, _ in items:
@@ -947,6 +960,9 @@ class LMDBTier(Tier):
             if token is not None:
                 self._unlink(token)  # written, never named by a committed record
             raise
+        finally:
+            if held is not None:
+                os.close(held)  # committed (a sweep finds it named) or removed: let go of it
         self._after_evictions(evicted)
         for k, size in sizes.items():
             self._policy.insert(k, size)

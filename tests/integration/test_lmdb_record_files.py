@@ -519,3 +519,28 @@ async def test_a_periodic_sweep_removes_a_bounded_number_of_files(
             removed.append(tier.counters["orphan_files_removed"])
         assert removed == [3, 6, 7]
         assert files(tmp_path) == [named]
+
+
+async def test_spares_no_writer_takes_are_given_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spares are for a writer churning at its cap: one no writer took for a while is given
+    back by a sweep, and a tier that closes far below its cap gives back those it kept."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        for b in range(3):
+            await tier.put_many([(k(8 * b + i), payload(SIZE, i)) for i in range(8)])
+        await tier.delete_many([k(i) for i in range(8)])
+        (first,) = spares(tmp_path)
+        await tier._run(tier._upkeep_sync)
+        assert spares(tmp_path) == [first]  # just retired: kept
+        monkeypatch.setattr(lmdb_tier, "_SPARE_IDLE_S", 0.0)
+        await tier._run(tier._upkeep_sync)
+        assert spares(tmp_path) == [] and tier.counters["spares_given_back"] == 1
+        await tier.delete_many([k(i) for i in range(8, 16)])
+        assert len(spares(tmp_path)) == 1
+    assert spares(tmp_path) == []  # closed far below its cap: its spare went with it
+    async with LMDBTier(cfg(tmp_path, size_cap_bytes=1 * MiB, map_size_bytes=16 * MiB)) as tier:
+        await tier.delete_many([k(i) for i in range(16, 22)])  # two of the file's records left
+        await tier.put_many([(k(30 + i), payload(SIZE, i)) for i in range(8)])
+        await tier.put_many([(k(40 + i), payload(SIZE, i)) for i in range(8)])  # evicts them: the file goes
+        assert tier.counters["evictions"] >= 2
+        assert len(spares(tmp_path)) == 1
+    assert len(spares(tmp_path)) == 1  # at its cap: kept for the next writer

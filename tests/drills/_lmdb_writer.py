@@ -1,10 +1,11 @@
 """Child process of the LMDB crash drill: writes, overwrites, deletes and reads until killed.
 
-Usage: ``python _lmdb_writer.py PATH MODE SEED FIRST_SEQ``. Prints ``READY`` once the tier is
-open, ``W <seq>`` before each write and ``P <seq> <i,i,...>`` / ``D <seq> <i,...>`` after each
-committed put / delete, flushing every line, so the parent knows what was committed when its
-SIGKILL landed. Exits by itself after 20 s (never left running) and with code 3 if a read ever
-returns wrong bytes.
+Usage: ``python _lmdb_writer.py PATH MODE SEED FIRST_SEQ [SECONDS]``. Prints ``READY`` once the
+tier is open, ``W <seq>`` before each write and ``P <seq> <i,i,...>`` / ``D <seq> <i,...>`` after
+each committed put / delete, flushing every line, so the parent knows what was committed when its
+SIGKILL landed; ``E <seq> <i,...>`` (before its ``P``) names the records a put evicted to fit
+under the cap. Exits by itself after SECONDS (20; never left running) with ``DONE corrupt=<n>``
+(records its reads found damaged), and with code 3 if a read ever returns wrong bytes.
 """
 
 from __future__ import annotations
@@ -35,15 +36,35 @@ def config(path: str, mode: str) -> LMDBTierConfig:
     )
 
 
-async def main(path: str, mode: str, seed: int, seq: int) -> int:
+INDEX = {skey(i): i for i in range(KEYSPACE)}
+
+
+def report_evictions(tier: LMDBTier, seq: list[int]) -> None:
+    """Print ``E <seq> <i,...>`` for the records each of the tier's writes evicts (an observer on
+    the tier's own bookkeeping: it changes nothing)."""
+    after = tier._after_evictions
+
+    def observed(evicted: dict[bytes, int]) -> None:
+        gone = [INDEX[k] for k, size in evicted.items() if size and k in INDEX]  # (size 0: gone already)
+        if gone:
+            print(f"E {seq[0]} {','.join(map(str, gone))}", flush=True)
+        after(evicted)
+
+    tier._after_evictions = observed  # type: ignore[method-assign]
+
+
+async def main(path: str, mode: str, seed: int, seq: int, seconds: float = 20) -> int:
     rng = random.Random(seed)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + seconds
+    now = [seq]
     async with LMDBTier(config(path, mode)) as tier:
+        report_evictions(tier, now)
         print("READY", flush=True)
         op = 0
         while time.monotonic() < deadline:
             op += 1
             seq += 1
+            now[0] = seq
             if op % 6 == 0:
                 idx = rng.sample(range(KEYSPACE), rng.randint(1, 3))
                 print(f"W {seq}", flush=True)
@@ -63,8 +84,10 @@ async def main(path: str, mode: str, seed: int, seq: int) -> int:
                 print(f"W {seq}", flush=True)
                 await tier.put_many([(skey(i), payload(i, seq)) for i in idx])
                 print(f"P {seq} {','.join(map(str, idx))}", flush=True)
+        print(f"DONE corrupt={tier.counters['corrupt']}", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+    seconds = float(sys.argv[5]) if len(sys.argv) > 5 else 20
+    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), seconds)))

@@ -4,12 +4,14 @@ beside the LMDB index (``files/``), each record named by its place there. Real f
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,20 +171,28 @@ async def test_eviction_removes_the_files_of_evicted_batches(tmp_path: Path) -> 
         assert await read_all(tier, range(8)) == [None] * 8
 
 
-async def test_open_sweeps_files_no_record_names_once_they_are_old(tmp_path: Path) -> None:
+async def test_open_sweeps_files_no_record_names_and_no_writer_holds(tmp_path: Path) -> None:
+    """Ownership is the file's lock, not its age: an unnamed file no one holds (a crash between a
+    write and its commit) goes at open however young; one a writer holds (its write in flight)
+    stays however old (a spare written over keeps the spare's age)."""
     async with LMDBTier(cfg(tmp_path)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
     (named,) = files(tmp_path)
-    old, young = tmp_path / "files" / ("ab" * 16), tmp_path / "files" / ("cd" * 16)
-    for p in (old, young):
+    old, young, held = (tmp_path / "files" / (c * 16) for c in ("ab", "cd", "ef"))
+    for p in (old, young, held):
         p.write_bytes(b"left by a crash between a write and its commit")
     hour_ago = time.time() - 3600
-    os.utime(old, (hour_ago, hour_ago))
-    os.utime(tmp_path / "files" / named, (hour_ago, hour_ago))  # old, but a record names it
-    async with LMDBTier(cfg(tmp_path)) as tier:
-        assert tier.counters["orphan_files_removed"] == 1
-        assert files(tmp_path) == sorted([named, young.name])
-        assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+    for p in (old, held, tmp_path / "files" / named):  # (named: old, but a record names it)
+        os.utime(p, (hour_ago, hour_ago))
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a live writer holds its file until its commit
+        async with LMDBTier(cfg(tmp_path)) as tier:
+            assert tier.counters["orphan_files_removed"] == 2
+            assert files(tmp_path) == sorted([named, held.name])
+            assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+    finally:
+        os.close(fd)
 
 
 async def test_a_batch_the_transaction_refuses_leaves_no_file(tmp_path: Path) -> None:
@@ -325,3 +335,212 @@ def test_a_record_replaced_while_it_is_read_is_a_miss_or_a_written_version(tmp_p
         thread.join()
     assert wrong == [], (len(wrong), wrong[:3], seen)
     assert seen["hit"] > 0, seen
+
+
+# ---- admin reads and compare-and-delete (tieredkv verify / --repair on a live directory) ----------
+
+
+async def test_an_admin_read_of_a_record_that_left_its_place_meanwhile_is_read_again_or_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``raw_get_many`` (what ``tieredkv verify`` reads) finds a record's place in a transaction,
+    then reads the file. A writer that replaced or deleted the record meanwhile has punched its
+    blocks (zeros: "bad magic"), or written over the file as a spare (another record's bytes).
+    The read looks again, as loads do: a record that moved is read again where it is now, one
+    that went is None, never the bytes its old place holds now."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        real = lmdb_tier._read_at
+
+        def read_after_a_writer(path: str, at: int, size: int) -> bytes | None:
+            monkeypatch.setattr(lmdb_tier, "_read_at", real)
+            # the read transaction found k(0) and k(1) here; now k(0) is replaced, k(1) deleted
+            tier._heads_put([(k(0), memoryview(data(SIZE, 100)))])
+            tier._delete_sync([k(1)])
+            return real(path, at, size)
+
+        monkeypatch.setattr(lmdb_tier, "_read_at", read_after_a_writer)
+        got = await tier.raw_get_many([k(0), k(1), k(2)])
+        assert got[1] is None
+        assert got[0] is not None and bytes(verify_record(got[0], k(0))) == data(SIZE, 100)
+        assert got[2] is not None and bytes(verify_record(got[2], k(2))) == data(SIZE, 2)
+        assert tier.counters["record_files_moved_on"] >= 1 and tier.counters["corrupt"] == 0
+
+
+async def test_delete_if_same_on_every_layout_keeps_the_accounts(tmp_path: Path) -> None:
+    """Compare-and-delete against the whole record as ``raw_get_many`` gives it: in a record
+    file, stored apart, stored whole. Only an exact match goes; used bytes, the record file's
+    count (the file goes with its last record) and the LRU follow, as for ``delete_many``."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(4)])  # a record file
+        await tier.put_many([(k(10 + i), payload(1000, 10 + i)) for i in range(2)])  # apart, in LMDB
+        await tier.raw_put_many([(k(20), fmt.encode_record(k(20), data(500, 20)))])  # whole
+        keys = [k(i) for i in (0, 1, 2, 3, 10, 11, 20)]
+        raws = await tier.raw_get_many(keys)
+        assert all(r is not None for r in raws)
+        (name,) = files(tmp_path)
+        damaged = bytearray(raws[1])  # type: ignore[arg-type]
+        damaged[-1] ^= 1
+        items = [(key, raw) for key, raw in zip(keys, raws) if key != k(1)]
+        assert await tier.delete_if_same([*items, (k(1), bytes(damaged))]) == 6
+        assert await tier.contains_many(keys) == [False, True, False, False, False, False, False]
+        st = await tier.stats()
+        assert st.used_bytes == HEADER_SIZE + SIZE and st.records == 1
+        assert files(tmp_path) == [name] and st.extra["record_files"] == 1  # k(1) still lives there
+        assert [key for key in keys if key in tier._policy] == [k(1)]
+        assert await tier.delete_if_same([(k(1), raws[1])]) == 1  # type: ignore[list-item]
+        assert files(tmp_path) == [] and (await tier.stats()).used_bytes == 0
+        assert tier.counters["corrupt"] == 0
+
+
+# ---- who owns a record file: sweeping a running directory ----------------------------------------
+
+#: A writer whose record file write stalls (a fault-injection wrapper around the real one): it
+#: prints ``HOLDING <file>`` once the file is in place under its name (taken from files/spare/,
+#: its lock held) and writes it only when told ``go`` on stdin, then commits.
+_STALLED_WRITER = """
+import asyncio, os, sys
+from tieredkv.backends import lmdb as lmdb_tier
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.config import LMDBTierConfig
+from tieredkv.keys import Namespace
+from tieredkv.testing.contract import payload
+ns = Namespace(model="record-files")
+real = lmdb_tier.write_records
+def stalled(path, *args, **kw):
+    print("HOLDING", os.path.basename(path), flush=True)
+    sys.stdin.readline()  # a write that takes as long as the test wants (a stalled disk)
+    return real(path, *args, **kw)
+lmdb_tier.write_records = stalled
+async def main():
+    cfg = LMDBTierConfig(path=sys.argv[1], file_batch_bytes=256 << 10, size_cap_bytes=64 << 20)
+    async with LMDBTier(cfg) as tier:
+        base = int(sys.argv[2])
+        await tier.put_many([(ns.key(i.to_bytes(32, "big"), 0), payload(64 << 10, i)) for i in range(base, base + 8)])
+        print("COMMITTED", flush=True)
+asyncio.run(main())
+"""
+
+
+class _Stalled:
+    def __init__(self, path: Path, base: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_WRITER, str(path), str(base)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def expect(self, word: str) -> list[str]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert line[:1] == [word], f"{line} (stderr: {self.proc.stderr.read() if self.proc.poll() is not None else ''})"
+        return line[1:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+
+
+async def _until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        await asyncio.sleep(0.02)
+
+
+async def test_an_open_tier_sweeps_a_crashed_writers_file_and_never_a_live_writers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer process holds its record file (a spare an hour old, taken and about to be written
+    over) while its write stalls: the open tier's periodic sweeps, and another tier's sweep at
+    open, leave it; told to go on, it commits and its records read back. A second writer
+    SIGKILLed in the same place leaves an orphan the already-open tier sweeps by itself, without
+    being reopened."""
+    monkeypatch.setattr(lmdb_tier, "_SWEEP_EVERY_S", 0.02)
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        await tier.put_many([(k(100 + i), payload(SIZE, i)) for i in range(8)])
+        await tier.delete_many([k(100 + i) for i in range(8)])  # its file is kept as a spare
+        (spare,) = spares(tmp_path)
+        hour_ago = time.time() - 3600
+        os.utime(tmp_path / "files" / "spare" / spare, (hour_ago, hour_ago))
+        live = _Stalled(tmp_path, 200)
+        try:
+            (name,) = live.expect("HOLDING")
+            assert spares(tmp_path) == [] and name in files(tmp_path)  # the old spare, under its new name
+            assert os.stat(tmp_path / "files" / name).st_mtime < hour_ago + 1
+            sweeps = tier.counters["sweeps"]
+            await _until("three sweeps", lambda: tier.counters["sweeps"] >= sweeps + 3)
+            async with LMDBTier(cfg(tmp_path)):  # a tier opening now sweeps too
+                pass
+            assert name in files(tmp_path), "a file its writer holds was swept"
+            assert tier.counters["orphan_files_removed"] == 0
+            assert live.proc.stdin is not None
+            live.proc.stdin.write("go\n")
+            live.proc.stdin.flush()
+            live.expect("COMMITTED")
+            assert live.proc.wait(timeout=30) == 0
+        finally:
+            live.close()
+        assert await read_all(tier, range(200, 208)) == [data(SIZE, 200 + i) for i in range(8)]
+
+        dead = _Stalled(tmp_path, 300)
+        try:
+            (orphan,) = dead.expect("HOLDING")
+            assert orphan in files(tmp_path)
+        finally:
+            dead.close()  # SIGKILL: the kernel lets go of its lock
+        await _until("the orphan swept", lambda: orphan not in files(tmp_path))
+        assert tier.counters["orphan_files_removed"] == 1
+        assert len(files(tmp_path)) == (await tier.stats()).extra["record_files"] == 2
+        assert await read_all(tier, range(8)) == [data(SIZE, i) for i in range(8)]
+        assert await read_all(tier, range(200, 208)) == [data(SIZE, 200 + i) for i in range(8)]
+        assert await tier.contains_many([k(300 + i) for i in range(8)]) == [False] * 8
+
+
+async def test_a_periodic_sweep_removes_a_bounded_number_of_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lmdb_tier, "_SWEEP_MAX_FILES", 3)
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
+        (named,) = files(tmp_path)
+        for i in range(7):
+            (tmp_path / "files" / f"{i:032x}").write_bytes(b"left by a crash")
+        removed = []
+        for _ in range(3):
+            await tier._run(tier._upkeep_sync)
+            removed.append(tier.counters["orphan_files_removed"])
+        assert removed == [3, 6, 7]
+        assert files(tmp_path) == [named]
+
+
+async def test_spares_no_writer_takes_are_given_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spares are for a writer churning at its cap: one no writer took for a while is given
+    back by a sweep, and a tier that closes far below its cap gives back those it kept."""
+    async with LMDBTier(cfg(tmp_path)) as tier:
+        for b in range(3):
+            await tier.put_many([(k(8 * b + i), payload(SIZE, i)) for i in range(8)])
+        await tier.delete_many([k(i) for i in range(8)])
+        (first,) = spares(tmp_path)
+        await tier._run(tier._upkeep_sync)
+        assert spares(tmp_path) == [first]  # just retired: kept
+        monkeypatch.setattr(lmdb_tier, "_SPARE_IDLE_S", 0.0)
+        await tier._run(tier._upkeep_sync)
+        assert spares(tmp_path) == [] and tier.counters["spares_given_back"] == 1
+        await tier.delete_many([k(i) for i in range(8, 16)])
+        assert len(spares(tmp_path)) == 1
+    assert spares(tmp_path) == []  # closed far below its cap: its spare went with it
+    async with LMDBTier(cfg(tmp_path, size_cap_bytes=1 * MiB, map_size_bytes=16 * MiB)) as tier:
+        await tier.delete_many([k(i) for i in range(16, 22)])  # two of the file's records left
+        await tier.put_many([(k(30 + i), payload(SIZE, i)) for i in range(8)])
+        await tier.put_many([(k(40 + i), payload(SIZE, i)) for i in range(8)])  # evicts them: the file goes
+        assert tier.counters["evictions"] >= 2
+        assert len(spares(tmp_path)) == 1
+    assert len(spares(tmp_path)) == 1  # at its cap: kept for the next writer

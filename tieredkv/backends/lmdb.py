@@ -23,15 +23,31 @@ write transaction as the records it counts).
   page cache at commit; a file is written once (measured in ``tieredkv bench``: 64 KiB-4 MiB
   stores 1.13-1.33x py-lmdb's put, against 0.68-0.79x stored apart). A deleted, replaced or
   evicted record's blocks are given back (punched) after the commit, and a file goes with its
-  last record (kept as a spare for a later batch to write over: :meth:`LMDBTier._retire`). A
+  last record (kept as a spare for a later batch to write over: :meth:`LMDBTier._retire`, only
+  while the disk has room to spare; spares no writer took for :data:`_SPARE_IDLE_S` are given
+  back, all of them on a disk short of free space or full, and a tier that closes far below its
+  cap gives back those it kept). A
   read copies the records of a batch out of their files in one C call, inside the read
   transaction that found their places (:func:`~tieredkv.format.read_placed_into`: the access
   entries are parsed there, no Python per record). A file changes only after its records left
   it, so a reader looks again once its copies are done if anything committed meanwhile
   (:meth:`LMDBTier._still_placed`): a record no longer where it was read is a miss
   (``record_files_moved_on``) whatever its copy got, and a record is deleted as corrupt only
-  while it still names the place that failed. Files no record names (a crash between the write
-  and the commit) are swept at open once :data:`_ORPHAN_AFTER_S` old.
+  while it still names the place that failed. An admin read (``raw_get_many``: ``tieredkv
+  verify``) looks again the same way, and reads a record that moved again where it is now (a
+  record that keeps moving, or went, is None): never the bytes its old place holds now. A repair
+  deletes by ``delete_if_same``: the whole record compared, then deleted, in one write
+  transaction.
+* **Who owns a record file** (:mod:`~tieredkv.backends._lmdb_files`): its writer, by an
+  exclusive ``flock`` held from before the file has its name under ``files/`` (it comes in by
+  a rename from ``files/spare/``, a spare or a new empty file made there) until the transaction
+  that names it has committed, or the file is removed. Files no record names and no one holds
+  (a crash between the write and the commit, or between a commit and the removal, in any
+  process: the kernel lets go of a dead process's locks) are swept at open, and by an open
+  tier every :data:`_SWEEP_EVERY_S` (at most :data:`_SWEEP_MAX_FILES` a pass, on the tier's
+  thread between calls); a sweeper locks a file (skipping a held one) and looks for its name
+  again in a transaction begun after, so a file a live writer owns is never swept, however
+  long its write takes.
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
   alone. A read of any kind delivers only a payload that its header vouches for.
@@ -65,8 +81,19 @@ environment that holds one: they read every access entry as 16 bytes.)
 * ``sync_mode='durable'`` fsyncs every commit. ``'fast'`` skips the per-commit fsync and syncs
   on close: a process crash loses nothing committed; a power loss may lose recent puts (never
   corrupts older ones). ``writemap`` is never used: with it, a full disk kills the process with
-  SIGBUS while writing through the map; without it the commit fails with ENOSPC, which this tier
-  reports as :class:`~tieredkv.errors.TierFullError`.
+  SIGBUS while writing through the map; without it the commit fails.
+* **A full disk is a full tier, never an outage** (:mod:`~tieredkv.backends._lmdb_space`):
+  ENOSPC or EDQUOT from a record file's write or sync, LMDB's commit (the eviction's own
+  included) or the map's growth, and EIO while the filesystem has less free space than the
+  write needed (LMDB reports a short write at commit as EIO), raise
+  :class:`~tieredkv.errors.TierFullError` (counted ``disk_full``) and give back every spare.
+  Nothing is stored then; reads and lookups go on (a read that finds a damaged record still
+  answers a miss when the disk cannot take its deletion), and a pipeline's breaker stays
+  closed. A real I/O error, with room on the disk, stays
+  :class:`~tieredkv.errors.TierUnavailableError`. Disk blocks are kept allocated past LMDB's
+  committed pages (up to 4 MiB, at most 1/32 of the filesystem: :meth:`_SharedEnv.keep_reserve`),
+  so that on a full disk a deletion or an eviction still commits and frees room (``tieredkv
+  evict`` empties a full disk); a deletion too large for them is done in smaller transactions.
 
 Several processes on one directory (engines, ``tieredkv verify/migrate/evict``):
 
@@ -94,7 +121,6 @@ Several processes on one directory (engines, ``tieredkv verify/migrate/evict``):
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import functools
 import logging
@@ -110,6 +136,15 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from tieredkv.backends import _lmdb_files as record_files
+from tieredkv.backends._lmdb_space import (
+    disk_full,
+    free_bytes,
+    index_reserve,
+    libc_fallocate,
+    preallocate,
+    spares_fit,
+)
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
@@ -133,7 +168,6 @@ log = logging.getLogger(__name__)
 _ACCESS = struct.Struct("<dQ")
 _USED = struct.Struct("<Q")
 _USED_KEY = b"tieredkv:used-bytes"  # main DB: sum of record bytes in the environment
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _TOKEN = 16  # bytes of a record file's name token (random: a name is never used twice)
 _PLACE = struct.Struct("<16sQ")  # where a record in a file is: the file's token, the record's offset
 _FILED = struct.Struct(_ACCESS.format + _PLACE.format[1:])  # a filed record's access entry: _ACCESS, then _PLACE
@@ -144,15 +178,13 @@ _LIVE = struct.Struct("<Q")  # files DB: a record file's token -> how many recor
 _FILES = "files"  # record files, under the environment's directory
 _SPARE = "spare"  # record files that lost their last record, kept (in files/spare/) to be written again
 _SPARES_KEPT = 8  # at most this many spare files in an environment
-_ORPHAN_AFTER_S = 60.0  # an unreferenced record file this old is swept at open (younger: a write in flight)
+_SPARE_IDLE_S = 60.0  # a spare no writer took for this long is given back (no one is churning here)
+_SWEEP_EVERY_S = 30.0  # an open tier sweeps its directory's record files this often, on its own thread
+_SWEEP_MAX_FILES = 64  # unnamed record files a periodic sweep locks and looks at, at most
+_DELETE_SPLIT_MIN = 16  # a deletion the full disk refuses is split in two down to this many keys
+_RAW_READ_TRIES = 3  # an admin read of a record that keeps moving (rewritten during each read) is a miss after this
 _RESIZE_RETRIES = 3  # adopt a map another process grew, then retry (a few times: it may grow again)
 _READER_CHECK_EVERY_S = 1.0
-
-
-def _disk_full(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-        return True
-    return isinstance(exc, lmdb.Error) and any(os.strerror(e) in str(exc) for e in _DISK_FULL)
 
 
 _T = TypeVar("_T")
@@ -186,6 +218,11 @@ class _SharedEnv:
         self._waiting = 0
         self._held = threading.local()
         self._last_reader_check = 0.0
+        self.data_path = os.path.join(path, "data.mdb")
+        self.psize = int(env.stat()["psize"])
+        self.reserve = index_reserve(path)  # disk blocks kept allocated past data.mdb's committed pages
+        self.reserved_to = 0  # data.mdb's blocks are allocated up to here
+        self.can_reserve = True
 
     # ---- the read/write lock -------------------------------------------------------------
 
@@ -272,6 +309,22 @@ class _SharedEnv:
 
     def reader_check_due(self) -> bool:
         return time.monotonic() - self._last_reader_check >= _READER_CHECK_EVERY_S
+
+    def keep_reserve(self) -> None:
+        """Keep disk blocks allocated past the pages LMDB has committed
+        (:func:`~tieredkv.backends._lmdb_space.index_reserve`), topped up when half of them went:
+        on a full disk a deletion or an eviction still commits. (A failed commit of a full disk
+        does not use them up: an aborted commit's pages are where the next one writes.)"""
+        if not self.can_reserve:
+            return
+        end = (self.env.info()["last_pgno"] + 1) * self.psize
+        if end + self.reserve // 2 <= self.reserved_to:
+            return
+        err = preallocate(self.data_path, end, self.reserve)
+        if err == 0:
+            self.reserved_to = end + self.reserve
+        elif err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            self.can_reserve = False  # (the filesystem cannot: nothing to keep)
 
 
 _REGISTRY: dict[tuple[int, int], _SharedEnv] = {}
@@ -376,6 +429,19 @@ def _place(meta: Any) -> tuple[bytes, int] | None:
     return token, at
 
 
+def _read_at(path: str, at: int, size: int) -> bytes | None:
+    """``size`` bytes at ``at`` of the record file ``path`` (fewer where it ends first); None
+    when the file is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.pread(fd, size, at)
+    finally:
+        os.close(fd)
+
+
 def _merged(holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """(offset, length) ranges with those that touch joined: records evicted together, in the
     order they were written, are one range (one call)."""
@@ -391,7 +457,7 @@ def _merged(holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _punch(path: str, holes: list[tuple[int, int]]) -> None:
     """Give back the disk blocks of the (offset, length) ranges of a record file (their bytes
     read as zeros afterwards); where the file system cannot, they stay until the file goes."""
-    fallocate = _libc_fallocate()
+    fallocate = libc_fallocate()
     if fallocate is None:
         return
     try:
@@ -404,18 +470,6 @@ def _punch(path: str, holes: list[tuple[int, int]]) -> None:
                 return
     finally:
         os.close(fd)
-
-
-@functools.cache
-def _libc_fallocate() -> Any:
-    """libc's ``fallocate`` (None where there is none)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _release_env(shared: _SharedEnv) -> None:
@@ -461,6 +515,8 @@ class LMDBTier(Tier):
         # what the open write transaction frees in record files: whole files, and records in files
         self._doomed: list[bytes] = []
         self._holes: dict[bytes, list[tuple[int, int]]] = {}
+        self._kept: set[str] = set()  # names of the spares this tier kept (given back at close when idle here)
+        self._upkeep: asyncio.Task[None] | None = None  # the periodic sweep (:meth:`_upkeep_loop`)
 
     @classmethod
     def missing(cls, config: Any) -> str | None:
@@ -509,10 +565,9 @@ class LMDBTier(Tier):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _translate(self, exc: BaseException, op: str) -> TieredKVError:
-        if _disk_full(exc):
-            return TierFullError(
-                f"tier {self.name!r}: the disk under {self.path} is full ({exc}); free space or lower size_cap_bytes"
-            )
+        if disk_full(exc, self.path):
+            self._count("disk_full")
+            return self._full_disk_error(exc)
         if isinstance(exc, lmdb.MapFullError):
             return TierFullError(
                 f"tier {self.name!r}: LMDB map is full at {self._max_map} bytes; raise max_map_size_bytes"
@@ -549,6 +604,7 @@ class LMDBTier(Tier):
             self._pool = None
             self._shut_helper()
             raise
+        self._upkeep = asyncio.get_running_loop().create_task(self._upkeep_loop())
 
     def _open_sync(self) -> None:
         try:
@@ -566,8 +622,9 @@ class LMDBTier(Tier):
         self._shared = shared
         try:
             self._count("stale_readers_cleared", shared.reader_check())
+            shared.keep_reserve()
             ranked = self._txn(self._ranked)
-            self._count("orphan_files_removed", self._sweep_files())
+            self._upkeep_sync(at_open=True)
         except BaseException:
             self._shared = None
             _release_env(shared)
@@ -577,6 +634,14 @@ class LMDBTier(Tier):
     async def _close(self) -> None:
         if self._pool is None:
             return
+        upkeep, self._upkeep = self._upkeep, None
+        if upkeep is not None and not upkeep.done():
+            loop = upkeep.get_loop()
+            if loop is asyncio.get_running_loop():
+                upkeep.cancel()
+                await asyncio.gather(upkeep, return_exceptions=True)
+            elif not loop.is_closed():  # (closed from another loop than it was opened in)
+                loop.call_soon_threadsafe(upkeep.cancel)
         try:
             await self._run(self._close_sync)
         finally:
@@ -595,11 +660,86 @@ class LMDBTier(Tier):
             return
         try:
             if self._dirty:
-                self._write(lambda txn: None)
-            shared.env.sync(True)
+                try:
+                    self._write(lambda txn: None)
+                except TierFullError as e:  # access stamps only: the records are all committed
+                    log.warning("tier %s: access stamps not written at close: %s", self.name, e)
+            self._give_back_kept()
+            try:
+                shared.env.sync(True)
+            except lmdb.Error as e:
+                if not disk_full(e, self.path):
+                    raise
+                log.warning("tier %s: sync at close failed, the disk is full: %s", self.name, e)
         finally:
             self._shared = None
             _release_env(shared)  # the last tier on this directory closes the environment
+
+    # ---- upkeep: sweeping record files no one owns, giving back spares ---------------------
+
+    async def _upkeep_loop(self) -> None:
+        """Every :data:`_SWEEP_EVERY_S`, one bounded sweep (:meth:`_upkeep_sync`) on the tier's
+        thread, queued behind the calls already there (never inside one). A failed sweep is
+        logged; the next one tries again."""
+        while True:
+            await asyncio.sleep(_SWEEP_EVERY_S)
+            try:
+                await self._run(self._upkeep_sync)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - housekeeping: never the tier's outcome
+                log.warning("tier %s: record file sweep failed: %s", self.name, e)
+
+    def _upkeep_sync(self, at_open: bool = False) -> None:
+        """Remove record files no committed record names and no writer holds (at most
+        :data:`_SWEEP_MAX_FILES` a pass; at open, all: a crash between a file's write and its
+        commit, or between a commit and the removal, in any process), and give back the spares
+        no one took for :data:`_SPARE_IDLE_S`, or all of them while the disk is short of free
+        space."""
+        if self._shared is None:
+            return
+        limit = None if at_open else _SWEEP_MAX_FILES
+        if os.path.isdir(self._files):
+
+            def named() -> set[str]:
+                return self._txn(
+                    lambda txn: {bytes(t).hex() for t in txn.cursor(db=self._sh.files).iternext(values=False)}
+                )
+
+            self._count("orphan_files_removed", record_files.sweep(self._files, named, limit))
+        entries = record_files.spares(self._spares)
+        self._kept.intersection_update(name for name, _, _ in entries)  # (others take spares too)
+        if entries:
+            held = sum(n for _, n, _ in entries)
+            drop = (
+                [name for name, _, _ in entries]
+                if not spares_fit(free_bytes(self._files), held)
+                else record_files.idle(entries, _SPARE_IDLE_S)
+            )
+            self._give_back(drop)
+        self._count("sweeps")
+
+    def _give_back(self, names: list[str]) -> int:
+        """Remove the spares ``names`` (those no one is taking); the disk bytes freed."""
+        if not names:
+            return 0
+        n, freed = record_files.give_back(self._spares, names)
+        self._kept.difference_update(names)
+        self._count("spares_given_back", n)
+        return freed
+
+    def _give_back_kept(self) -> None:
+        """At close: the spares this tier kept that no one took are given back, unless the
+        environment is at least half full (a writer still evicting here will want them)."""
+        if not self._kept:
+            return
+        try:
+            used = self._txn(self._used_in)
+            if used < self._cap // 2:
+                self._give_back(sorted(self._kept))
+        except (OSError, lmdb.Error) as e:
+            log.warning("tier %s: spares not given back at close: %s", self.name, e)
+        self._kept.clear()
 
     # ---- record files ------------------------------------------------------------------
 
@@ -644,97 +784,82 @@ class LMDBTier(Tier):
     def _retire(self, token: bytes) -> None:
         """A file that lost its last record: kept as a spare (renamed into ``files/spare/``: its
         name is gone, so no reader finds it by its token again) while fewer than
-        :data:`_SPARES_KEPT` are there, else removed. The next batch's file is a spare written
-        over when there is one: creating a file costs 0.5-0.9 ms of kernel CPU on ext4 while
-        files are being deleted (it skips inodes freed in the last seconds), a rename 15 µs, and
-        pages already in the page cache are written over at about twice the speed of new ones."""
+        :data:`_SPARES_KEPT` are there and the disk has room to spare
+        (:func:`~tieredkv.backends._lmdb_space.spares_fit`), else removed. The next batch's file
+        is a spare written over when there is one: creating a file costs 0.5-0.9 ms of kernel
+        CPU on ext4 while files are being deleted (it skips inodes freed in the last seconds), a
+        rename 15 µs, and pages already in the page cache are written over at about twice the
+        speed of new ones."""
+        path = self._file_path(token)
         try:
-            if len(os.listdir(self._spares)) < _SPARES_KEPT:
-                os.rename(self._file_path(token), os.path.join(self._spares, token.hex()))
-                return
+            entries = record_files.spares(self._spares)
+            if len(entries) < _SPARES_KEPT:
+                held = sum(n for _, n, _ in entries) + os.stat(path).st_blocks * 512
+                if spares_fit(free_bytes(self._files), held):
+                    os.rename(path, os.path.join(self._spares, token.hex()))
+                    self._kept.add(token.hex())
+                    return
         except FileNotFoundError:
             return
         except OSError as e:
             log.warning("tier %s: record file %s not kept as a spare: %s", self.name, token.hex(), e)
         self._unlink(token)
 
-    def _claim(self, path: str) -> bool:
-        """Rename a spare file (if any is left: another process may take it first) to ``path``."""
-        try:
-            names = os.listdir(self._spares)
-        except OSError:
-            return False
-        for name in names:
-            try:
-                os.rename(os.path.join(self._spares, name), path)
-                return True
-            except FileNotFoundError:
-                continue
-            except OSError:
-                return False
-        return False
-
     def _unlink(self, token: bytes) -> None:
         try:
             os.unlink(self._file_path(token))
         except FileNotFoundError:
             pass
-        except OSError as e:  # left behind: the next open's sweep removes it
+        except OSError as e:  # left behind: a sweep removes it
             log.warning("tier %s: record file %s not removed: %s", self.name, token.hex(), e)
 
-    def _sweep_files(self) -> int:
-        """Remove record files no record names (a crash between a file's write and its commit,
-        or between a commit and the removal): those older than :data:`_ORPHAN_AFTER_S` (a
-        younger one may be another process's write about to commit). Run at open."""
-        try:
-            names = os.listdir(self._files)
-        except FileNotFoundError:
-            return 0
-        if not names:
-            return 0
-
-        def named(txn: Any) -> set[str]:
-            return {bytes(t).hex() for t in txn.cursor(db=self._sh.files).iternext(values=False)}
-
-        known = self._txn(named)
-        cutoff = time.time() - _ORPHAN_AFTER_S
-        removed = 0
-        for name in names:
-            if name in known or name == _SPARE:
-                continue
-            path = os.path.join(self._files, name)
-            try:
-                if os.stat(path).st_mtime < cutoff:
-                    os.unlink(path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
-        return removed
-
-    def _write_file(self, heads: memoryview, payloads: list[memoryview]) -> bytes:
+    def _write_file(self, heads: memoryview, payloads: list[memoryview]) -> tuple[bytes, int]:
         """Write the records (header ``heads[i]``, then ``payloads[i]``) one after another into a
-        new record file; return its token. Durable: the file synced, then its directory, before
-        the commit that names it. On a failure nothing is left."""
+        record file of a new token: a spare written over, or a new file. Returns the token and a
+        descriptor holding the file's lock (:mod:`~tieredkv.backends._lmdb_files`: no sweep
+        removes the file while it is held), to be closed once the transaction that names the file
+        has committed, or the file is removed. Durable: the file synced, then its directory,
+        before that commit. On a failure nothing is left (and nothing held)."""
         token = os.urandom(_TOKEN)
         path = self._file_path(token)
         durable = self.config.sync_mode == "durable"
-        reuse = self._claim(path)
+        spare = record_files.take(self._spares, path)
+        if spare is None:
+            held = record_files.create(self._spares, path)
+        else:
+            held = spare[0]
+            self._kept.discard(spare[1])
         try:
-            write_records(path, heads, payloads, sync=durable, reuse=reuse)
-        except BaseException:
-            self._unlink(token)  # (write_records removes a file it fails to write, not one it fails to open)
-            raise
-        if durable:
-            try:
+            write_records(path, heads, payloads, sync=durable, reuse=True)
+            if durable:
                 fd = os.open(self._files, os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            except BaseException:
-                self._unlink(token)
-                raise
-        return token
+        except BaseException:
+            self._unlink(token)  # (write_records removes a file it fails to write, not one it fails to open)
+            os.close(held)
+            raise
+        return token, held
+
+    def _full_disk(self, exc: BaseException) -> TierFullError:
+        """A write found the disk full (:func:`~tieredkv.backends._lmdb_space.disk_full`): the
+        spares go (their blocks are the room a next write needs), and the tier answers full —
+        alive: reads and lookups go on, and a caller's breaker stays closed."""
+        self._count("disk_full")
+        try:
+            self._give_back([name for name, _, _ in record_files.spares(self._spares)])
+        except OSError as e:
+            log.warning("tier %s: spares not given back: %s", self.name, e)
+        return self._full_disk_error(exc)
+
+    def _full_disk_error(self, exc: BaseException) -> TierFullError:
+        free = free_bytes(self._files)
+        return TierFullError(
+            f"tier {self.name!r}: the disk under {self.path} is full ({exc}; {free} bytes free);"
+            " free space or lower size_cap_bytes"
+        )
 
     # ---- shared accounting (inside a write transaction) ---------------------------------
 
@@ -885,6 +1010,8 @@ class LMDBTier(Tier):
             raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes exceeds size_cap_bytes ({self._cap})")
         now = time.time()
         token: bytes | None = None
+        held: int | None = None  # the lock on the batch's record file, until its commit
+        in_lmdb = total  # value bytes the transaction writes (for telling a full disk: _write)
         if heads is None:
             stamps = [(k, _ACCESS.pack(now, n)) for k, n in sizes.items()]
         else:
@@ -895,7 +1022,13 @@ class LMDBTier(Tier):
             ]
             if self._file_min is not None and total - HEADER_SIZE * len(items) >= self._file_min:
                 # one record file for the batch: each record names its place there
-                token = self._write_file(hv, [p for _, p in items])
+                try:
+                    token, held = self._write_file(hv, [p for _, p in items])
+                except OSError as e:
+                    if disk_full(e, self._files, total):
+                        raise self._full_disk(e) from e
+                    raise
+                in_lmdb = len(items) * _FILED.size
                 places = []
                 at = 0
                 for k, _ in items:
@@ -924,25 +1057,45 @@ class LMDBTier(Tier):
             txn.put(_USED_KEY, _USED.pack(used + total))
 
         try:
-            self._write(body, protect=set(sizes), need=total)
+            self._write(body, protect=set(sizes), need=total, writes=in_lmdb)
         except BaseException:
             if token is not None:
                 self._unlink(token)  # written, never named by a committed record
             raise
+        finally:
+            if held is not None:
+                os.close(held)  # committed (a sweep finds it named) or removed: let go of it
         self._after_evictions(evicted)
         for k, size in sizes.items():
             self._policy.insert(k, size)
             self._dirty.pop(k, None)
 
-    def _write(self, body: Callable[[Any], None], protect: set[bytes] | None = None, need: int = 0) -> None:
-        """Run ``body`` in one write transaction (plus dirty stamps), handling a full map.
+    def _write(
+        self, body: Callable[[Any], None], protect: set[bytes] | None = None, need: int = 0, writes: int = 0
+    ) -> None:
+        """Run ``body`` in one write transaction (plus dirty stamps), handling a full map and a
+        full disk.
 
         On MapFullError stale reader slots are cleared first (their pages become reusable) and
         ``body`` retried; else the map doubles, up to ``max_map_size_bytes``; at the limit, more
         least-recently-used records (an eighth of the used bytes, and at least the ``need`` bytes
-        ``body`` writes) are evicted in a transaction of their own (LMDB reuses freed pages only
+        ``body`` stores) are evicted in a transaction of their own (LMDB reuses freed pages only
         after a commit) and ``body`` is retried.
+
+        A full disk met anywhere here (a commit, the eviction's own commit, the map's growth) is
+        :class:`~tieredkv.errors.TierFullError` (:meth:`_full_disk`): ENOSPC or EDQUOT, or EIO
+        while the filesystem has less free than the ``writes`` value bytes ``body`` puts in LMDB
+        need (LMDB reports a short write at commit as EIO). The access stamps it carries stay
+        to be written by the next one.
         """
+        try:
+            self._write_txns(body, protect, need)
+        except (lmdb.Error, OSError) as e:
+            if disk_full(e, self.path, writes):
+                raise self._full_disk(e) from e
+            raise
+
+    def _write_txns(self, body: Callable[[Any], None], protect: set[bytes] | None, need: int) -> None:
         sh = self._shared
         assert sh is not None
         if sh.reader_check_due():
@@ -957,7 +1110,9 @@ class LMDBTier(Tier):
         while True:
             try:
                 self._txn(full, write=True)
+                self._dirty.clear()
                 self._free()
+                sh.keep_reserve()
                 return
             except lmdb.MapFullError:
                 cleared = sh.reader_check()
@@ -1000,7 +1155,6 @@ class LMDBTier(Tier):
             if raw is not None and k in self._policy:  # not deleted meanwhile
                 # the record's header, when it is kept here, stays as it is
                 txn.put(k, _ACCESS.pack(stamp, _ACCESS.unpack_from(raw)[1]) + raw[_ACCESS.size :], db=acc)
-        self._dirty.clear()
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -1054,7 +1208,10 @@ class LMDBTier(Tier):
             # replaced or deleted meanwhile (its file removed, its blocks given back) is a read
             # that lost a race, not damage.
             moved: set[bytes] = set()
-            self._delete_sync([k for k, _, _ in bad], only={k: p for k, _, p in bad if p is not None}, kept=moved)
+            try:
+                self._delete_sync([k for k, _, _ in bad], only={k: p for k, _, p in bad if p is not None}, kept=moved)
+            except TierFullError as e:  # a full disk: the read still answers (a miss); a later read deletes them
+                log.warning("tier %s: %d corrupt records not deleted: %s", self.name, len(bad), e)
             if moved:
                 self._count("record_files_moved_on", len(moved))
                 bad = [b for b in bad if b[0] not in moved]
@@ -1332,9 +1489,23 @@ class LMDBTier(Tier):
     ) -> int:
         """Delete ``keys``; a key in ``only`` just while its record is still at that place in a
         record file (not a record written since by anyone, nor deleted): else it is added to
-        ``kept``."""
-        deleted: list[bytes] = []
+        ``kept``. On a disk too full for one transaction (the pages it copies), the keys are
+        deleted in smaller ones: each commit gives the next the pages it freed."""
         kept = set() if kept is None else kept
+        try:
+            return self._delete_txn(keys, only, kept)
+        except TierFullError:
+            if len(keys) < 2 * _DELETE_SPLIT_MIN:
+                raise
+        n, half = 0, len(keys) // 2
+        for part in (keys[:half], keys[half:]):
+            also: set[bytes] = set()
+            n += self._delete_sync(part, only, also)
+            kept |= also
+        return n
+
+    def _delete_txn(self, keys: list[bytes], only: dict[bytes, tuple[bytes, int]] | None, kept: set[bytes]) -> int:
+        deleted: list[bytes] = []
         sh = self._shared
         assert sh is not None
 
@@ -1426,29 +1597,91 @@ class LMDBTier(Tier):
     # ---- raw records (admin, migration, fault injection) -------------------------------
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        acc = self._sh.acc
+        return await self._run(self._raw_get_sync, keys)
 
-        def whole(txn: Any, k: bytes) -> bytes | None:
-            rec = txn.get(k)
-            meta = None if rec is None else txn.get(k, db=acc)
-            place = _place(meta)
-            if place is not None and meta is not None:  # a record file holds it whole, at its place
-                try:
-                    fd = os.open(self._file_path(place[0]), os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    return None
-                try:
-                    return os.pread(fd, _ACCESS.unpack_from(meta)[1], place[1])
-                finally:
-                    os.close(fd)
-            if meta is None or len(meta) <= _ACCESS.size:
-                return rec  # a record stored whole
-            return meta[_ACCESS.size :] + rec  # header and payload, stored apart
+    def _raw_get_sync(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's whole record as stored (header then payload; None: not there), for admin
+        tools. A record in a record file is read in the transaction that found its place, and
+        looked for again once the read is done, as loads do (:meth:`_still_placed`): one that
+        left its place meanwhile (replaced, deleted, evicted: its file may have been written
+        over or punched under the read) is read again, at most :data:`_RAW_READ_TRIES` times,
+        then reported gone. Never another record's bytes, nor zeros, for a good record."""
+        out: list[bytes | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(_RAW_READ_TRIES):
+            snapshot, placed = self._txn(functools.partial(self._raw_read, keys, todo, out))
+            if not placed:
+                return out
+            todo = [i for (i, _, _), here in zip(placed, self._still_placed(keys, placed, snapshot)) if not here]
+            if not todo:
+                return out
+            self._count("record_files_moved_on", len(todo))
+        for i in todo:  # moved under every read: gone, as far as this read can tell
+            out[i] = None
+        return out
 
-        def read() -> list[bytes | None]:
-            return self._txn(lambda txn: [whole(txn, k) for k in keys], db=self._sh.rec)
+    def _raw_read(
+        self, keys: list[bytes], todo: list[int], out: list[bytes | None], txn: Any
+    ) -> tuple[int, list[tuple[int, bytes, int]]]:
+        """:meth:`_raw_get_sync`'s read of ``keys[i]`` for ``i`` in ``todo`` into ``out``: the
+        transaction's id, and the records read from record files (index, file token, offset)."""
+        placed: list[tuple[int, bytes, int]] = []
+        for i in todo:
+            out[i], place = self._stored(txn, keys[i])
+            if place is not None:
+                placed.append((i, *place))
+        return txn.id(), placed
 
-        return await self._run(read)
+    def _stored(self, txn: Any, key: bytes) -> tuple[bytes | None, tuple[bytes, int] | None]:
+        """``key``'s whole record in ``txn`` (stored whole, apart: its header then its payload,
+        or read from its record file) and its place in a record file (None: in LMDB). The
+        record is None when the key is not there, or its file is gone."""
+        sh = self._sh
+        rec = txn.get(key, db=sh.rec)
+        if rec is None:
+            return None, None
+        meta = txn.get(key, db=sh.acc)
+        place = _place(meta)
+        if place is not None:
+            return _read_at(self._file_path(place[0]), place[1], _ACCESS.unpack_from(meta)[1]), place
+        if meta is None or len(meta) <= _ACCESS.size:
+            return bytes(rec), None  # a record stored whole
+        return bytes(meta[_ACCESS.size :]) + bytes(rec), None  # header and payload, stored apart
+
+    async def _delete_if_same(self, items: list[tuple[bytes, bytes]]) -> int:
+        return await self._run(self._delete_same_sync, items)
+
+    def _delete_same_sync(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Delete each key whose whole record (as :meth:`_raw_get_sync` gives it) is exactly the
+        bytes given, in one write transaction: the comparison and the deletion see the same
+        records (LMDB lets one writer at a time in, across processes). A record in a record file
+        is read there inside it: a file changes only after the records there have left it in a
+        committed transaction, and none can commit before this one ends. Accounting as in
+        :meth:`_delete_sync`: used bytes, the record's file (:meth:`_doom`), the LRU."""
+        sh = self._sh
+        deleted: list[bytes] = []
+
+        def body(txn: Any) -> None:
+            deleted.clear()
+            used = self._used_in(txn)
+            for k, raw in items:
+                meta = txn.get(k, db=sh.acc)
+                if meta is not None and _ACCESS.unpack_from(meta)[1] != len(raw):
+                    continue  # not the record that was read (sizes differ): nothing to read
+                whole, _ = self._stored(txn, k)
+                if whole is None or whole != raw:
+                    continue
+                if meta is not None:
+                    used -= _ACCESS.unpack_from(meta)[1]
+                    self._doom(txn, meta)
+                txn.delete(k, db=sh.rec)
+                txn.delete(k, db=sh.acc)
+                deleted.append(k)
+            txn.put(_USED_KEY, _USED.pack(max(used, 0)))
+
+        self._write(body)
+        self._forget(deleted)
+        return len(deleted)
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         await self._run(self._put_records, items)  # same cap and eviction as put_many

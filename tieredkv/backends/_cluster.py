@@ -17,7 +17,8 @@ comes back as it is, and each key is then handled by its reply:
   key is resent to that node as ``ASKING`` + the command, on one connection, in one pipeline per
   node for every asked key of the round. The slot map is left as it is (the source still owns it).
 * ``-TRYAGAIN`` (a multi-key command whose keys are split by a migration in progress): resent
-  after a backoff (10 ms, doubling, at most 100 ms) to where it went.
+  after a backoff (10 ms, doubling, at most 100 ms) to where it went. A key redirected more than
+  three times (masters whose views of the slot disagree for a moment) waits the same way.
 * a node that cannot be reached, times out or answers ``CLUSTERDOWN``: its keys are resent after
   a topology refresh, but a node is sent to at most :data:`NODE_TRIES` times after it failed, so
   a dead master fails fast and costs only its own keys.
@@ -36,7 +37,9 @@ after 16 sends, unless the rotation happens to land the command on a connection 
 ``ASKING`` was left (redis-py 8.2.0: a plain ``RedisCluster.get`` of a migrated key fails every
 time the importing node has an even number of free connections, never with an odd number). Its
 ``TRYAGAIN`` branch spins through its 16 sends in about 0.4 s (no pause for the first 8), shorter
-than a slot holding large records takes to migrate.
+than a slot holding large records takes to migrate. Under the reshard drill's load it failed about
+200 operations per migration window, against none here; its connection-error retry holds an
+operation on a dead master for seconds (``benchmarks/results/cluster-retry-20261206T0351Z.md``).
 """
 
 from __future__ import annotations
@@ -70,8 +73,11 @@ ROUNDS = 24
 #: connection that died with a restarted node is replaced; a failed-over slot is routed to its new
 #: master, which counts as another node), then none.
 NODE_TRIES = 2
-#: Backoff before resending keys answered TRYAGAIN: first, cap (doubling).
-TRYAGAIN_BACKOFF_S = (0.01, 0.1)
+#: Backoff before resending keys answered TRYAGAIN, or redirected more than :data:`_FREE_HOPS`
+#: times (masters whose views of a slot disagree for a moment): first, cap (doubling).
+BACKOFF_S = (0.01, 0.1)
+#: Redirections of a key resent at once (a MOVED, then an ASK, then one more).
+_FREE_HOPS = 3
 
 #: Replies that mean the node did not get to answer (retried like a node that failed).
 _NODE_FAILED = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
@@ -171,7 +177,8 @@ class ClusterBatches:
         failures: dict[str, int] = {}  # node name -> sends to it that failed
         asked: dict[int, tuple[str, int]] = {}  # key index -> the node an ASK sent it to
         todo = list(range(len(rkeys)))
-        waits = 0  # TRYAGAIN backoffs so far
+        hops: dict[int, int] = {}  # key index -> MOVED / ASK redirections so far
+        waits = 0  # backoffs so far
         for rnd in range(ROUNDS):
             groups: dict[tuple[str, bool], list[int]] = {}  # (node name, asking) -> key indices
             targets: dict[str, ClusterNode] = {}
@@ -196,7 +203,7 @@ class ClusterBatches:
             again: list[int] = []
             failed: list[str] = []
             moved: dict[int, tuple[MovedError, str]] = {}  # slot -> a MOVED for it, the node that sent it
-            tryagain = False
+            pause = False  # a TRYAGAIN, or a key redirected over and over (nodes that disagree)
             for ((name, _), idx), res in zip(groups.items(), results, strict=True):
                 if isinstance(res, asyncio.CancelledError):
                     raise res
@@ -216,12 +223,16 @@ class ClusterBatches:
                     if mv := next((x for x in replies if isinstance(x, MovedError)), None):
                         moved[mv.slot_id] = (mv, name)
                         asked.pop(i, None)
+                        hops[i] = hops.get(i, 0) + 1
+                        pause |= hops[i] > _FREE_HOPS
                         self._count("cluster_moved", 1)
                     elif ask := next((x for x in replies if isinstance(x, AskError)), None):
                         asked[i] = (ask.host or self._host_of(name), ask.port)
+                        hops[i] = hops.get(i, 0) + 1
+                        pause |= hops[i] > _FREE_HOPS
                         self._count("cluster_ask", 1)
                     elif any(isinstance(x, TryAgainError) for x in replies):
-                        tryagain = True
+                        pause = True
                         self._count("cluster_tryagain", 1)
                     elif any(_node_failed(x) for x in replies):
                         node_failed = True
@@ -241,8 +252,8 @@ class ClusterBatches:
                 await self.client.nodes_manager.move_slot(e)
             if failed:
                 await self.refresh(failed[0])
-            if tryagain:
-                first, cap = TRYAGAIN_BACKOFF_S
+            if pause:
+                first, cap = BACKOFF_S
                 await asyncio.sleep(max(0.0, min(first * 2**waits, cap, deadline - loop.time())))
                 waits += 1
             todo = again

@@ -36,16 +36,20 @@ master fails fast), then are misses (loads) or an error (puts, which are all-or-
 Bounded: at most 24 sends of a key, and no retry round starts later than half ``op_timeout_s``
 into the batch; each send is bounded by the socket timeouts, the whole call by ``op_timeout_s``.
 Admin paths (``scan`` sizing, ``fill_stamps``, ``raw_get_many`` / ``raw_put_many``,
-``delete_if_same``) go the same way; ``scan`` itself sends ``SCAN`` to every master, so a key
+``delete_if_same``'s script; not its ``WATCH`` fallback where scripting is refused, a redis-py
+cluster transaction) go the same way; ``scan`` itself sends ``SCAN`` to every master, so a key
 that moves between two masters while they are scanned may be listed twice (dropped) or missed.
 
-redis-py's own cluster handling is not used for this: its retry is off (``retries=0``: it resends
-the whole pipeline, or fails it, when one node fails), and pipelines run with
-``allow_redirections=False``: its ``ASK`` handling sends ``ASKING`` on one pooled connection and
-the command on another, so with two or more free connections a migrated key fails with
-``ClusterError: TTL exhausted`` (redis-py 8.2.0; see the ``_cluster`` module docstring). In a
-reshard drill (``tests/drills/test_reshard.py``) that failed 200 of 447 operations while slots
-moved; followed here, none.
+redis-py's own cluster handling is not used for this (measured,
+``benchmarks/results/cluster-retry-20261206T0351Z.md``): pipelines run with
+``allow_redirections=False`` because its ``ASK`` handling sends ``ASKING`` on one pooled
+connection and the command on another, so a migrated key fails with ``ClusterError: TTL
+exhausted`` (redis-py 8.2.0; about 200 failed operations per reshard window, against none here).
+Its retry is off (``retries=0``): it holds every operation that touches a dead master through its
+backoff (3.5-4.5 s each, 0.5 operations/s while the master is down, against 175 here with only
+that master's keys lost). During a failover to a replica it does ride it out (1 failed operation
+against 283 here, whose operations touching that master fail for the ~2 s until the promotion),
+at 32 operations/s with stalls up to 3.2 s, against 58 successful operations/s here.
 
 Ages and admin scans: Redis keeps each key's idle time (``OBJECT IDLETIME``, read by
 :meth:`RedisTier.fill_stamps`; it does not touch the key). ``STRLEN`` / ``GET`` / ``GETRANGE``

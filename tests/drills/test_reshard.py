@@ -163,6 +163,7 @@ def _pick_keys(
     still: list[int] = []
     i = 0
     while len(moving) < MOVING_KEYS or len(still) < STILL_KEYS:
+        assert i < 200_000, f"{len(moving)} keys of {ns.model!r} in slots below {low_slots}: its buckets miss them"
         k = ns.key(block_hash(i), i % 2)
         slot = key_slot(tier.redis_key(k))
         if slot < low_slots and len(moving) < MOVING_KEYS:

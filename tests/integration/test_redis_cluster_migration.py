@@ -23,7 +23,7 @@ from tests.cluster_admin import ClusterAdmin
 from tieredkv.backends.redis import RedisTier
 from tieredkv.config import RedisTierConfig
 from tieredkv.keys import Namespace
-from tieredkv.testing.servers import RedisCluster
+from tieredkv.testing.servers import RedisCluster, redis_command
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -158,3 +158,46 @@ async def test_tryagain_retried_until_the_slot_settles(cluster: RedisCluster, ad
         assert took <= 0.5 * 10.0 + 1.0, took
         admin.finish(slot, src, dst)
         assert await tier._per_key([rc], lambda pipe, i: pipe.exists(rc, rd)) == [2]
+
+
+async def test_slot_moved_to_a_master_added_without_slots() -> None:
+    """Scale out: a master joins with no slot (so in no slot map the client has read) and a slot
+    migrates to it. The first ASK names a node the client does not know; it is added, asked, and
+    after the hand-over found by MOVED."""
+    with RedisCluster(masters=3) as c:
+        new = c._node().start()  # a cluster-enabled server, not yet in the cluster
+        try:
+            host, port = new.host, new.port
+            redis_command(c.servers[0].port, "CLUSTER", "MEET", host, port)
+            deadline = time.monotonic() + 30
+            ports = (*(s.port for s in c.servers), port)
+            while not all(  # every node knows the new one, and it knows every slot's owner
+                b"cluster_known_nodes:4" in (info := redis_command(p, "CLUSTER", "INFO"))
+                and b"cluster_state:ok" in info
+                and b"cluster_slots_ok:16384" in info
+                for p in ports
+            ):
+                assert time.monotonic() < deadline, "the new master never joined"
+                await asyncio.sleep(0.05)
+            c.servers.append(new)  # for the admin connections (and stopped with the cluster)
+            admin = ClusterAdmin(c)
+            try:
+                async with _tier(c) as tier:
+                    keys = _keys(_ns(), 10)
+                    slot = key_slot(tier.redis_key(keys[0]))
+                    src = admin.owner(slot)
+                    values = {k: os.urandom(1000) for k in keys}
+                    await tier.put_many(list(values.items()))
+                    assert tier._client.get_node(host=host, port=port) is None
+                    admin.start(slot, src, port)
+                    admin.migrate(src, port, [tier.redis_key(k) for k in keys[:5]])
+                    assert await tier.get_many(keys) == [values[k] for k in keys]
+                    assert tier.counters["cluster_ask"] >= 5
+                    admin.finish(slot, src, port)
+                    assert await tier.get_many(keys) == [values[k] for k in keys]
+                    assert tier.counters["cluster_moved"] >= 1
+                    assert admin.keys_in_slot(port, slot) == {tier.redis_key(k) for k in keys}
+            finally:
+                admin.close()
+        finally:
+            new.stop()

@@ -25,12 +25,31 @@ whose header is ours for that key is a record too big for the destination (an ``
 miss, kept), or, when bytes are wanted, read in full by a second ``GETRANGE`` up to the size
 its header states.
 
-On a Redis Cluster every batch is split per node (a pipeline each, run concurrently). A node
-that fails costs its own keys only: they are retried after a topology refresh (at most twice
-on the same node, so a dead master fails fast), then are misses (loads) or an error (puts,
-which are all-or-nothing). redis-py's own cluster retry is off (``retries=0``): it reacts to
-one node's connection error by closing every node's connections, under the other pipelines in
-flight ('NoneType' object has no attribute 'writelines').
+On a Redis Cluster every batch is split per node (a pipeline each, run concurrently) and the
+cluster's redirections are followed by the tier itself
+(:class:`~tieredkv.backends._cluster.ClusterBatches`): ``MOVED`` patches the slot map and resends
+the key to the new owner; ``ASK`` (a slot in migration, the key already moved) resends it to the
+importing master with ``ASKING`` before it on the same connection; ``TRYAGAIN`` (a multi-key
+command split by a migration) resends it after a backoff. A node that fails costs its own keys
+only: they are retried after a topology refresh (at most twice on the same node, so a dead
+master fails fast), then are misses (loads) or an error (puts, which are all-or-nothing).
+Bounded: at most 24 sends of a key, and no retry round starts later than half ``op_timeout_s``
+into the batch; each send is bounded by the socket timeouts, the whole call by ``op_timeout_s``.
+Admin paths (``scan`` sizing, ``fill_stamps``, ``raw_get_many`` / ``raw_put_many``,
+``delete_if_same``'s script; not its ``WATCH`` fallback where scripting is refused, a redis-py
+cluster transaction) go the same way; ``scan`` itself sends ``SCAN`` to every master, so a key
+that moves between two masters while they are scanned may be listed twice (dropped) or missed.
+
+redis-py's own cluster handling is not used for this (measured,
+``benchmarks/results/cluster-retry-20261206T0351Z.md``): pipelines run with
+``allow_redirections=False`` because its ``ASK`` handling sends ``ASKING`` on one pooled
+connection and the command on another, so a migrated key fails with ``ClusterError: TTL
+exhausted`` (redis-py 8.2.0; about 200 failed operations per reshard window, against none here).
+Its retry is off (``retries=0``): it holds every operation that touches a dead master through its
+backoff (3.5-4.5 s each, 0.5 operations/s while the master is down, against 175 here with only
+that master's keys lost). During a failover to a replica it does ride it out (1 failed operation
+against 283 here, whose operations touching that master fail for the ~2 s until the promotion),
+at 32 operations/s with stalls up to 3.2 s, against 58 successful operations/s here.
 
 Ages and admin scans: Redis keeps each key's idle time (``OBJECT IDLETIME``, read by
 :meth:`RedisTier.fill_stamps`; it does not touch the key). ``STRLEN`` / ``GET`` / ``GETRANGE``
@@ -60,6 +79,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     ClusterDownError,
     ClusterError,
@@ -74,6 +94,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tieredkv.backends._cluster import ClusterBatches
 from tieredkv.backends._resp import Into, Placed, Record, RespPool, native_target
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats, runs
 from tieredkv.config import RedisTierConfig
@@ -107,12 +128,6 @@ _SMALL_BATCH = 2048
 _SCAN_COUNT = 1000
 #: Record size assumed for splitting GET pipelines before any record was seen.
 _DEFAULT_RECORD_GUESS = 256 << 10
-#: Times a cluster batch may try one node: the first try, then one retry after a topology
-#: refresh (a pooled connection that died with a restarted node is replaced; a failed-over
-#: slot is routed to its new master, which counts as another node).
-_NODE_TRIES = 2
-#: Rounds of a cluster batch at most (first try + retries of the failed nodes' keys).
-_CLUSTER_ROUNDS = 3
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 
 # Deletes a key only if it still holds the bytes we judged corrupt, so a fresh record written
@@ -215,6 +230,7 @@ class RedisTier(Tier):
                 " (the hash tag is added by the tier); use e.g. 'tkv' or 'tkv-prod'"
             )
         self._client: Any = None
+        self._batches: ClusterBatches | None = None  # a cluster's batches (routing, redirects, retries)
         self._native: RespPool | None = None  # the data path's own connections (native_io)
         self._writing: dict[bytes, asyncio.Future[None]] = {}  # key -> the put_many writing it now
         self._prefix = config.key_prefix.encode()
@@ -267,8 +283,8 @@ class RedisTier(Tier):
             "socket_connect_timeout": c.connect_timeout_s,
             # One immediate retry: enough to replace a pooled connection that died with a
             # restarted server, few enough that a dead server fails in milliseconds. On a
-            # cluster none: the tier retries per node (see _per_key), because redis-py's
-            # cluster retry closes every node's connections under the pipelines in flight.
+            # cluster none: the tier retries per node and follows redirections itself (see
+            # _cluster.ClusterBatches), so a failed node costs its own keys, not the batch.
             "retry": Retry(NoBackoff(), 0 if c.cluster else 1),
         }
         if c.username is not None:
@@ -295,81 +311,32 @@ class RedisTier(Tier):
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)
 
-    def _by_node(self, rkeys: list[bytes], todo: list[int]) -> dict[str, list[int]]:
-        """Indices ``todo`` of ``rkeys`` grouped by the name of the cluster node owning their slot
-        (one group on a single node), from the client's current slot map."""
-        if not self.config.cluster:
-            return {"": todo}
-        groups: dict[str, list[int]] = {}
-        for i in todo:
-            try:
-                node = self._client.get_node_from_key(rkeys[i])
-                name = node.name if node is not None else "?"
-            except RedisClusterException:
-                name = "?"
-            groups.setdefault(name, []).append(i)
-        return groups
-
     async def _per_key(
         self, rkeys: list[bytes], add: Callable[[Any, int], Any], *, ncmd: int = 1, data: bool = False
     ) -> list[Any]:
-        """``ncmd`` commands per key (``add(pipe, i)`` queues them for ``rkeys[i]``), a pipeline
-        per node run concurrently.
+        """``ncmd`` commands per key (``add(pipe, i)`` queues them for ``rkeys[i]``): one pipeline
+        on a single node; on a cluster a pipeline per node, run concurrently, following MOVED /
+        ASK / TRYAGAIN and retrying a failed node's keys, bounded in sends and time
+        (:class:`~tieredkv.backends._cluster.ClusterBatches`).
 
         Returns each key's reply (a tuple of ``ncmd`` replies when ``ncmd > 1``) — an exception
-        object for a command the server refused (e.g. WRONGTYPE), or for every key of a node
-        that could not be reached. Raises only when every key's node failed, so a dead master
-        costs its own keys, never the batch.
-
-        On a cluster, the keys of a node that failed (or whose replies are connection errors /
-        CLUSTERDOWN / TRYAGAIN) are retried after a topology refresh, each node at most
-        :data:`_NODE_TRIES` times and the batch at most :data:`_CLUSTER_ROUNDS` rounds: bounded
-        in attempts, not in wall time (each attempt is bounded by the socket timeouts).
+        object for a command the server refused (e.g. WRONGTYPE), for a key still redirected when
+        the retries ran out, or for every key of a node that could not be reached. Raises only
+        when every key's node failed, so a dead master costs its own keys, never the batch.
 
         ``data``: a data-path batch (SET / EXISTS+GETRANGE / GET); with ``native_io`` it runs on
         the tier's own connections, split over them (``add`` then gets a :class:`_NativePipe`)."""
-        out: list[Any] = [None] * len(rkeys)
-        down: dict[int, BaseException] = {}  # key index -> its node's failure (last round)
-        tries: dict[str, int] = {}
-        todo = list(range(len(rkeys)))
-        rounds = _CLUSTER_ROUNDS if self.config.cluster else 1
-        for rnd in range(rounds):
-            groups = {n: idx for n, idx in self._by_node(rkeys, todo).items() if tries.get(n, 0) < _NODE_TRIES}
-            if not groups:
-                break
-            for name in groups:
-                tries[name] = tries.get(name, 0) + 1
-
-            async def run(idx: list[int]) -> list[Any]:
-                if data and self._native is not None:
-                    return await self._native_run(self._native, idx, add)
+        if self._batches is not None:
+            out, down = await self._batches.run(rkeys, add, ncmd=ncmd)
+        else:
+            if data and self._native is not None:
+                res = await self._native_run(self._native, list(range(len(rkeys))), add)
+            else:
                 pipe = self._pipeline()
-                for i in idx:
+                for i in range(len(rkeys)):
                     add(pipe, i)
-                return await pipe.execute(raise_on_error=False)
-
-            results = await asyncio.gather(*(run(idx) for idx in groups.values()), return_exceptions=True)
-            again: list[int] = []
-            failed: list[str] = []
-            for (name, idx), res in zip(groups.items(), results, strict=True):
-                if isinstance(res, asyncio.CancelledError):
-                    raise res
-                if isinstance(res, BaseException):
-                    for i in idx:
-                        out[i] = down[i] = res
-                    failed.append(name)
-                    again.extend(idx)
-                    continue
-                for j, i in enumerate(idx):
-                    v = res[j] if ncmd == 1 else tuple(res[j * ncmd : (j + 1) * ncmd])
-                    out[i] = v
-                    down.pop(i, None)
-                    if any(isinstance(x, _RETRY_REPLY) for x in (v if ncmd > 1 else (v,))):
-                        again.append(i)
-            if not again or rnd == rounds - 1:
-                break
-            await self._refresh_topology(failed[0] if failed else None)
-            todo = again
+                res = await pipe.execute(raise_on_error=False)
+            return res if ncmd == 1 else [tuple(res[j * ncmd : (j + 1) * ncmd]) for j in range(len(rkeys))]
         if down and len(down) == len(rkeys):
             raise next(iter(down.values()))
         if down:
@@ -407,18 +374,6 @@ class RedisTier(Tier):
         parts = await asyncio.gather(*(pool.execute(p.commands, p.intos) for p in pipes))
         return [r for part in parts for r in part]
 
-    async def _refresh_topology(self, failed_node: str | None) -> None:
-        """Re-read the cluster's slot map (redis-py marks pooled connections for a lazy reconnect,
-        never closing one in use). A failure is left to the retry that follows to report."""
-        nodes = self._client.nodes_manager
-        try:
-            try:
-                await nodes.initialize(last_failed_node_name=failed_node)
-            except TypeError:  # redis-py without last_failed_node_name
-                await nodes.initialize()
-        except (RedisError, OSError) as e:
-            log.debug("tier %s: cluster topology refresh failed: %s", self.name, e)
-
     def _note_size(self, record_len: int) -> None:
         # Running estimate of record size, used to split GET pipelines by bytes.
         self._record_guess = (self._record_guess * 7 + record_len) // 8
@@ -440,6 +395,11 @@ class RedisTier(Tier):
             await _aclose_quietly(client)
             raise
         self._client = client
+        if self.config.cluster:
+            budget = (self.op_timeout or 5.0) / 2  # retry rounds start within half the op deadline
+            self._batches = ClusterBatches(
+                client, name=self.name, budget_s=budget, count=self._count, pipeline=lambda: self._pipeline()
+            )
         target = native_target(self.config.url) if self.config.native_io and not self.config.cluster else None
         if target is not None:
             if self.config.username is not None:
@@ -458,6 +418,7 @@ class RedisTier(Tier):
         if native is not None:
             await native.aclose()
         client, self._client = self._client, None
+        self._batches = None
         if client is not None:
             await client.aclose()
 
@@ -668,18 +629,27 @@ class RedisTier(Tier):
 
     async def _del_if_same(self, entries: list[tuple[bytes, bytes, bool]]) -> int:
         """Delete each ``(redis key, bytes, whole)`` while the value still is those bytes (``whole``)
-        or still starts with them: one Lua script per key, or, where scripting is refused (a
+        or still starts with them: a Lua script per key (pipelined; on a cluster through
+        :meth:`_per_key`, so a slot in migration is followed), or, where scripting is refused (a
         managed Redis, an ACL without ``+eval``), a ``WATCH``ed transaction. Never a blind ``DEL``:
         a record another client wrote meanwhile stays."""
         deleted = 0
-        for rk, seen, whole in entries:
-            digest = hashlib.sha1(seen, usedforsecurity=False).hexdigest()
-            try:
-                deleted += int(
-                    await self._client.execute_command("EVAL", _DEL_IF_SAME, 1, rk, digest, len(seen), int(whole))
-                )
-            except ResponseError:  # scripting disabled or not permitted
-                deleted += await self._del_if_same_watched(rk, seen, whole)
+        for run in runs(entries, lambda _: 1, _SMALL_BATCH):
+            rks = [rk for rk, _, _ in run]
+            argv = [
+                (hashlib.sha1(seen, usedforsecurity=False).hexdigest(), len(seen), int(whole)) for _, seen, whole in run
+            ]
+
+            def add(pipe: Any, i: int, rks: list[bytes] = rks, argv: list[tuple[str, int, int]] = argv) -> None:
+                pipe.execute_command("EVAL", _DEL_IF_SAME, 1, rks[i], *argv[i])
+
+            for (rk, seen, whole), reply in zip(run, await self._per_key(rks, add), strict=True):
+                if isinstance(reply, ResponseError) and not isinstance(reply, _UNSETTLED):
+                    deleted += await self._del_if_same_watched(rk, seen, whole)  # scripting refused
+                elif isinstance(reply, BaseException):
+                    raise reply
+                else:
+                    deleted += int(reply)
         return deleted
 
     async def _del_if_same_watched(self, rk: bytes, seen: bytes, whole: bool) -> int:
@@ -701,19 +671,19 @@ class RedisTier(Tier):
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for run in runs(keys, lambda _: self._record_guess, self._max_batch):
-            pipe = self._pipeline()
-            for k in run:
-                pipe.get(self.redis_key(k))
-            out.extend(await pipe.execute())
+            rkeys = [self.redis_key(k) for k in run]
+            out.extend(_raise_first(await self._per_key(rkeys, _each("get", rkeys))))
         return out
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         ttl = self.config.ttl_s
         for run in runs(items, lambda it: len(it[1]), self._max_batch):
-            pipe = self._pipeline()
-            for key, record in run:
-                pipe.set(self.redis_key(key), record, ex=ttl)
-            await pipe.execute()
+            rkeys = [self.redis_key(k) for k, _ in run]
+
+            def add(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
+                pipe.set(rkeys[i], run[i][1], ex=ttl)
+
+            _raise_first(await self._per_key(rkeys, add))
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
@@ -910,8 +880,16 @@ class _NativePipe:
         self._add(["EXISTS", name])
 
 
-#: Replies that mean "the node did not get to answer": retried on a cluster like a failed node.
-_RETRY_REPLY = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
+#: Replies of a cluster whose slot did not settle in the retries (not a refusal of the command).
+_UNSETTLED = (AskError, TryAgainError, ClusterDownError)
+
+
+def _raise_first(replies: list[Any]) -> list[Any]:
+    """``replies`` when none is an error; else raise the first."""
+    for r in replies:
+        if isinstance(r, BaseException):
+            raise r
+    return replies
 
 
 def _claimed_record_size(head: bytes, key: bytes) -> int | None:

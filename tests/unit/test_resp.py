@@ -417,6 +417,108 @@ def test_an_announced_length_beyond_the_bound_allocates_nothing() -> None:
         tracemalloc.stop()
 
 
+# ---- a failed batch leaves nothing in its destinations ------------------------------------------
+
+
+def _reads(
+    n: int, size: int, fill: int = 0xAB
+) -> tuple[list[list[Any]], list[Into | None], list[bytearray], list[bytearray]]:
+    """EXISTS + GETRANGE-into of ``n`` records of ``size`` bytes (64 header + payload); the
+    destinations (payload one byte longer than the record's) start as ``fill``."""
+    heads = [bytearray([fill]) * 64 for _ in range(n)]
+    bodies = [bytearray([fill]) * (size - 64 + 1) for _ in range(n)]
+    commands: list[list[Any]] = []
+    intos: list[Into | None] = []
+    for i in range(n):
+        commands += [["EXISTS", b"k%d" % i], ["GETRANGE", b"k%d" % i, 0, size]]
+        intos += [None, Into(memoryview(heads[i]), memoryview(bodies[i]))]
+    return commands, intos, heads, bodies
+
+
+def _answer(records: list[bytes]) -> bytes:
+    return b"".join(b":1\r\n$%d\r\n%s\r\n" % (len(r), r) for r in records)
+
+
+@pytest.mark.parametrize("how", ["lost", "bad-reply", "timeout", "cancelled"])
+@pytest.mark.parametrize("cut_every", [0, 1000])
+def test_a_failed_batch_zeroes_every_destination_it_placed_bytes_into(how: str, cut_every: int) -> None:
+    """Two records received whole, the third cut off part way (a byte at a time too: then it is
+    received straight into its destination), then the batch fails: the bytes of all three are
+    zeroed, and the fourth destination, never reached, is as it was; nothing is returned."""
+    size = 3000
+
+    async def main() -> None:
+        records = [os.urandom(size) for _ in range(4)]
+        commands, intos, heads, bodies = _reads(4, size)
+        proto, transport = _Protocol(), _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(proto.execute(commands, intos, 0.2 if how == "timeout" else 5.0))
+        await asyncio.sleep(0)
+        stream = _answer(records[:2]) + b":1\r\n$%d\r\n" % size + records[2][:1234]
+        _deliver(proto, stream, list(range(cut_every, len(stream), cut_every)) if cut_every else [])
+        assert not task.done()
+        assert bytes(heads[2]) + bytes(bodies[2][: 1234 - 64]) == records[2][:1234]  # landed in place
+        if how == "lost":
+            proto.connection_lost(None)
+        elif how == "bad-reply":  # the rest of the value, then no CRLF after it
+            _deliver(proto, records[2][1234:] + b"XY", [])
+        elif how == "cancelled":
+            task.cancel()
+        with pytest.raises(RedisConnectionError if how in ("lost", "bad-reply") else BaseException) as ei:
+            await task
+        if how == "timeout":
+            assert "Timeout" in type(ei.value).__name__
+        if how == "cancelled":
+            assert isinstance(ei.value, asyncio.CancelledError)
+        assert proto.broken is not None and transport.closed
+        for i in range(3):
+            assert not any(heads[i]) and not any(bodies[i][: size - 64])  # zeroed
+            assert bodies[i][size - 64] == 0xAB  # the byte beyond the record was never touched
+        assert set(heads[3]) == {0xAB} and set(bodies[3]) == {0xAB}  # never reached: as it was
+        # nothing lands after the failure, whatever still arrives
+        _deliver(proto, records[2][1234:] + b"\r\n" + _answer(records[3:]), [])
+        assert not any(heads[2]) and set(heads[3]) == {0xAB}
+
+    asyncio.run(main())
+
+
+def test_a_protocol_error_after_whole_replies_zeroes_them() -> None:
+    size = 500
+
+    async def main() -> None:
+        records = [os.urandom(size) for _ in range(2)]
+        commands, intos, heads, bodies = _reads(2, size)
+        proto, transport = _Protocol(), _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(proto.execute(commands, intos, 5.0))
+        await asyncio.sleep(0)
+        _deliver(proto, _answer(records[:1]) + b":1\r\n$-7\r\n", [])
+        with pytest.raises(RespProtocolError):
+            await task
+        assert not any(heads[0]) and not any(bodies[0][: size - 64]) and bodies[0][-1] == 0xAB
+        assert set(heads[1]) == {0xAB}
+
+    asyncio.run(main())
+
+
+def test_an_answered_batch_keeps_its_bytes_when_the_connection_breaks_later() -> None:
+    size = 500
+
+    async def main() -> None:
+        records = [os.urandom(size)]
+        commands, intos, heads, bodies = _reads(1, size)
+        proto, transport = _Protocol(), _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(proto.execute(commands, intos, 5.0))
+        await asyncio.sleep(0)
+        _deliver(proto, _answer(records) + b"+unsolicited\r\n", [])
+        assert await task == [1, size]
+        assert proto.broken is not None  # the extra reply broke the connection, after the batch
+        assert bytes(heads[0]) + bytes(bodies[0][: size - 64]) == records[0]
+
+    asyncio.run(main())
+
+
 # ---- the pool against a scripted server ---------------------------------------------------------
 
 
@@ -470,6 +572,40 @@ def _pool(target: dict[str, Any], size: int = 1, socket_timeout: float = 5.0) ->
     return RespPool(target, size=size, socket_timeout=socket_timeout, connect_timeout=5.0)
 
 
+def test_the_pool_retries_a_batch_cut_off_on_a_pooled_connection_from_zeroed_destinations() -> None:
+    """The pooled connection dies in the middle of a value; the retry on a new connection gets a
+    shorter value: no byte of the first attempt is left behind it."""
+    size = 2000
+    first = os.urandom(size)
+    second = os.urandom(100)
+
+    def script(conn: int, args: list[bytes]) -> bytes | tuple[bytes, None]:
+        if args[0] == b"PING":
+            return b"+PONG\r\n"
+        if args[0] == b"EXISTS":
+            return b":1\r\n"
+        if conn == 0:  # the pooled connection: half the value, then gone
+            sent.append(first)
+            return b"$%d\r\n" % size + first[: size // 2], None
+        return b"$%d\r\n%s\r\n" % (len(second), second)
+
+    sent: list[bytes] = []
+
+    async def main() -> None:
+        async with _Scripted(script) as srv:
+            pool = _pool(srv.target)
+            assert await pool.execute([["PING"]]) == [b"PONG"]  # the connection is pooled now
+            commands, intos, heads, bodies = _reads(1, size, fill=0)
+            replies = await pool.execute(commands, intos)
+            await pool.aclose()
+        assert sent and srv.conns == 2
+        assert replies == [1, len(second)] and isinstance(replies[1], Placed)
+        assert bytes(heads[0]) + bytes(bodies[0][: len(second) - 64]) == second
+        assert not any(bodies[0][len(second) - 64 :])  # the first attempt's bytes past it were zeroed
+
+    asyncio.run(main())
+
+
 def test_a_protocol_error_is_not_retried() -> None:
     def script(conn: int, args: list[bytes]) -> bytes:
         return b"+PONG\r\n" if args[0] == b"PING" else b"$-5\r\n"
@@ -482,5 +618,50 @@ def test_a_protocol_error_is_not_retried() -> None:
                 await pool.execute([_SET])
             await pool.aclose()
         assert srv.conns == 1  # no second connection for a retry
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["one-fails", "cancelled"])
+def test_a_split_batch_that_fails_anywhere_leaves_nothing_in_any_destination(how: str) -> None:
+    """A batch split over two connections: one answers whole, the other drops mid-value (or the
+    caller gives up while it waits): the whole fails and the finished half's bytes are zeroed
+    too; the other connection is closed, so nothing lands afterwards."""
+    size = 2000
+    records = [os.urandom(size) for _ in range(4)]
+
+    def script(conn: int, args: list[bytes]) -> bytes | tuple[bytes, None]:
+        if args[0] == b"PING":
+            return b"+PONG\r\n"
+        i = int(args[1][1:])
+        if i >= 2 and how == "cancelled":
+            return b""  # the second half is never answered
+        if args[0] == b"EXISTS":
+            return b":1\r\n"
+        if i == 3 and how == "one-fails":
+            return b"$%d\r\n" % size + records[i][:1000], None  # half a value, then gone
+        return b"$%d\r\n%s\r\n" % (size, records[i])
+
+    async def main() -> None:
+        async with _Scripted(script) as srv:
+            pool = _pool(srv.target, size=2, socket_timeout=600.0)  # nothing here waits for a timeout
+            commands, intos, heads, bodies = _reads(4, size)
+            batches = [(commands[:4], intos[:4]), (commands[4:], intos[4:])]
+            task = asyncio.ensure_future(pool.execute_split(batches))
+            if how == "cancelled":
+                while bytes(heads[1]) + bytes(bodies[1][: size - 64]) != records[1]:
+                    await asyncio.sleep(0.001)  # until the first half landed
+                task.cancel()
+                done, _ = await asyncio.wait([task], timeout=60)
+                assert done, "the unanswered half was not stopped"
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            else:
+                with pytest.raises(RedisConnectionError):
+                    await task
+            await pool.aclose()
+        for i in range(4):
+            assert set(heads[i]) <= {0, 0xAB} and set(bodies[i]) <= {0, 0xAB}, i
+        assert not any(heads[0]) and not any(heads[1])  # whole replies of the other half: zeroed
 
     asyncio.run(main())

@@ -33,10 +33,13 @@ What a reply may be is fixed by its command before it is sent, and checked as it
 A connection runs one batch at a time (its reads go out in windows, two in flight:
 :data:`REPLY_WINDOW`); one that timed out, was cancelled, lost its peer or read something it does
 not accept is closed, never reused, and its batch fails as a whole: none of its replies is
-returned (a SET is never reported stored on a connection that broke). A batch that fails on a
-pooled connection because the connection was lost (e.g. the server restarted) is retried once on
-a new connection (every command the data path sends is idempotent); a protocol error is not
-retried.
+returned (a SET is never reported stored on a connection that broke), every destination the batch
+placed bytes into — replies received whole, and the one cut off — is zeroed before the failure is
+raised, and nothing more is received into any. A batch split over several connections
+(:meth:`RespPool.execute_split`) fails as a whole too: the other connections' batches are stopped
+and their placed replies zeroed. A batch that fails on a pooled connection because the
+connection was lost (e.g. the server restarted) is retried once on a new connection (every
+command the data path sends is idempotent); a protocol error is not retried.
 """
 
 from __future__ import annotations
@@ -203,6 +206,19 @@ def _error(message: str) -> RedisError:
     return _ERRORS.get(code, ResponseError)(message)
 
 
+def _zero(parts: Sequence[memoryview]) -> None:
+    for p in parts:
+        if len(p):
+            p[:] = bytes(len(p))
+
+
+def _scrub(intos: Sequence[Into | None], replies: Sequence[Any]) -> None:
+    """Zero what the placed replies of a batch (:class:`Placed`) put into their destinations."""
+    for into, r in zip(intos, replies, strict=True):
+        if into is not None and isinstance(r, Placed):
+            _zero((into.head, into.body[: r - len(into.head)]))
+
+
 class _Protocol(asyncio.BufferedProtocol):
     """One connection: sends a batch of commands and collects their replies in order."""
 
@@ -219,6 +235,7 @@ class _Protocol(asyncio.BufferedProtocol):
         self._value: Any = None  # the reply being received (a bulk string)
         self._expect: collections.deque[_Want] = collections.deque()
         self._replies: list[Any] = []
+        self._placed: list[memoryview] = []  # the caller's memory this batch placed bytes into
         self._waiter: asyncio.Future[list[Any]] | None = None
         self._later: collections.deque[list[bytes | memoryview]] = collections.deque()  # windows not sent yet
         self._send_at: collections.deque[int] = collections.deque()  # replies in before each is sent
@@ -249,6 +266,9 @@ class _Protocol(asyncio.BufferedProtocol):
         return self._mv[self._w :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.broken is not None:  # closed: nothing more is parsed, nor placed anywhere
+            self._r = self._w = 0
+            return
         try:
             if self._direct:
                 self._tpos += nbytes
@@ -341,6 +361,7 @@ class _Protocol(asyncio.BufferedProtocol):
         into = want.into
         if into is not None and len(into.head) <= n <= len(into.head) + len(into.body):
             parts = [into.head, into.body[: n - len(into.head)]]
+            self._placed += parts
             self._value = Placed(n)
         else:
             value = bytearray(n)
@@ -358,6 +379,7 @@ class _Protocol(asyncio.BufferedProtocol):
             assert self.transport is not None
             self.transport.writelines(self._later.popleft())
         if not self._expect and self._waiter is not None and not self._waiter.done():
+            self._placed = []  # the batch is answered: its placed replies are the caller's now
             self._waiter.set_result(self._replies)
 
     def _fail(self, exc: BaseException) -> None:
@@ -365,9 +387,13 @@ class _Protocol(asyncio.BufferedProtocol):
             self.broken = exc
         self._later.clear()  # a broken connection sends nothing more
         self._send_at.clear()
+        self.close()  # and receives nothing more (nor parses, nor places): then its batch's
+        self._targets.clear()  # placed bytes are zeroed
+        self._expect.clear()
+        placed, self._placed = self._placed, []
+        _zero(placed)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(exc)
-        self.close()
 
     # ---- use ---------------------------------------------------------------------------
 
@@ -386,8 +412,8 @@ class _Protocol(asyncio.BufferedProtocol):
     ) -> list[Any]:
         """Send ``commands`` and return their replies in order (an error reply is an exception
         object in its place). Raises redis-py's ConnectionError (:class:`RespProtocolError` for a
-        reply its command cannot get) / TimeoutError; ``ValueError`` (nothing sent) for a command
-        whose reply is unbounded.
+        reply its command cannot get) / TimeoutError, with every destination this batch placed
+        bytes into zeroed; ``ValueError`` (nothing sent) for a command whose reply is unbounded.
 
         Commands whose replies are placed (an :class:`Into`) go out in windows of about
         ``window`` bytes of replies (:data:`REPLY_WINDOW`), two windows in flight; a batch of
@@ -401,6 +427,7 @@ class _Protocol(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         self._expect = wants
         self._replies = []
+        self._placed = []
         self._waiter = loop.create_future()
         try:
             cuts = _windows(intos, REPLY_WINDOW if window is None else window)
@@ -537,7 +564,8 @@ class RespPool:
         return proto
 
     async def execute(self, commands: Sequence[Sequence[Any]], intos: Sequence[Into | None] | None = None) -> list[Any]:
-        """Replies of ``commands`` (sent on one connection), error replies in place."""
+        """Replies of ``commands`` (sent on one connection), error replies in place. On a failure
+        every destination the batch placed bytes into is zeroed (see :meth:`_Protocol.execute`)."""
         if self._closed:
             raise RedisConnectionError("the tier's connections are closed")
         expect = list(intos) if intos is not None else [None] * len(commands)
@@ -573,6 +601,40 @@ class RespPool:
             else:
                 self._idle.append(conn)
             return replies
+
+    async def execute_split(
+        self, batches: Sequence[tuple[Sequence[Sequence[Any]], Sequence[Into | None]]]
+    ) -> list[list[Any]]:
+        """:meth:`execute` of each ``(commands, intos)`` at once (on as many connections); the
+        replies of each, or — when one fails, or this call is cancelled — the failure, raised
+        only once every other batch has stopped (cancelled: its connection is closed) and the
+        replies the finished ones placed are zeroed, so that nothing stays in, nor lands later
+        in, a destination of the failed whole."""
+        tasks = [asyncio.ensure_future(self.execute(c, i)) for c, i in batches]
+        ok = False
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            results = [t.result() for t in tasks]
+            ok = True
+            return results
+        finally:
+            if not ok:
+                for t in tasks:
+                    t.cancel()
+                again = False
+                while not all(t.done() for t in tasks):  # each stops at once: its connection closes
+                    try:
+                        await asyncio.wait(tasks)
+                    except asyncio.CancelledError:
+                        again = True
+                for (_, intos), t in zip(batches, tasks, strict=True):
+                    if not t.cancelled() and t.exception() is None:
+                        _scrub(intos, t.result())
+                if again:
+                    raise asyncio.CancelledError
 
     async def aclose(self) -> None:
         self._closed = True

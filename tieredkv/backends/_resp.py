@@ -149,6 +149,21 @@ _COUNT1 = _Want(_COLON, most=1)
 _SET_OPTIONS = {b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1, b"KEEPTTL": 0}
 
 
+_GETRANGE, _GET, _SET, _COUNT, _AUTH, _PING = range(6)
+#: The commands this client can bound the replies of (as the data path spells them, str or bytes).
+_COMMANDS: dict[str | bytes, int] = {
+    b"GETRANGE": _GETRANGE,
+    b"GET": _GET,
+    b"SET": _SET,
+    b"EXISTS": _COUNT,
+    b"DEL": _COUNT,
+    b"AUTH": _AUTH,
+    b"SELECT": _AUTH,
+    b"PING": _PING,
+}
+_COMMANDS.update({k.decode(): v for k, v in _COMMANDS.items() if isinstance(k, bytes)})
+
+
 def _arg_bytes(arg: Any) -> bytes:
     return arg.encode() if isinstance(arg, str) else bytes(arg) if isinstance(arg, (bytes, bytearray)) else b""
 
@@ -167,33 +182,38 @@ def _index(arg: Any) -> int:
 def _want(cmd: Sequence[Any], into: Into | None) -> _Want:
     """The replies ``cmd`` may get besides an error (``ValueError`` for a command whose reply this
     client cannot bound, or an :class:`Into` on a command that does not answer with a value)."""
-    name = _arg_bytes(cmd[0]).upper() if cmd else b""
-    if name == b"GETRANGE" and len(cmd) == 4:
-        a, b = _index(cmd[2]), _index(cmd[3])
+    name = cmd[0] if cmd else b""
+    which = _COMMANDS.get(name) if isinstance(name, (str, bytes)) else None
+    if which is None:
+        which = _COMMANDS.get(_arg_bytes(name).upper(), -1)
+    if which == _GETRANGE and len(cmd) == 4:
+        a, b = cmd[2], cmd[3]
+        if type(a) is not int or type(b) is not int or a < 0 or b < 0:
+            a, b = _index(a), _index(b)
         return _Want(_DOLLAR, most=max(b - a + 1, 0), into=into)
-    if name == b"GET" and len(cmd) == 2 and into is not None:
+    if which == _GET and len(cmd) == 2 and into is not None:
         return _Want(_DOLLAR, most=len(into.head) + len(into.body), nil=True, into=into)
     if into is not None:
-        raise ValueError(f"{name.decode(errors='replace')!r}: only GETRANGE and GET place their reply")
-    if name == b"SET" and len(cmd) >= 3:
+        raise ValueError(f"{_arg_bytes(name).decode(errors='replace')!r}: only GETRANGE and GET place their reply")
+    if which == _SET and len(cmd) >= 3:
         opts = [_arg_bytes(a).upper() for a in cmd[3:]]
         i = 0
         while i < len(opts) and opts[i] in _SET_OPTIONS:
             i += 1 + _SET_OPTIONS[opts[i]]
         if i == len(opts):
             return _OK
-    elif name in (b"EXISTS", b"DEL") and len(cmd) >= 2:
+    elif which == _COUNT and len(cmd) >= 2:
         return _COUNT1 if len(cmd) == 2 else _Want(_COLON, most=len(cmd) - 1)
-    elif name in (b"AUTH", b"SELECT") and len(cmd) >= 2:
+    elif which == _AUTH and len(cmd) >= 2:
         return _OK
-    elif name == b"PING" and len(cmd) == 1:
+    elif which == _PING and len(cmd) == 1:
         return _PONG
     raise ValueError(f"the data path's RESP client cannot bound the reply of {list(cmd[:1])!r} as sent")
 
 
 def _integer(line: bytes | bytearray, what: str) -> int:
     """A RESP integer as Redis writes it: ``-`` or not, then 1-19 ASCII digits, no leading zero."""
-    digits = line[1:] if line[:1] == b"-" else line
+    digits = line if line.isdigit() else line[1:] if line[:1] == b"-" else b""
     if not (0 < len(digits) <= 19 and digits.isdigit() and (digits[0] != 0x30 or len(digits) == 1)):
         raise RespProtocolError(f"bad reply: {what} {bytes(line[:_MAX_SHORT_LINE])!r} is not an integer")
     return int(line)

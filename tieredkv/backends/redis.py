@@ -360,7 +360,8 @@ class RedisTier(Tier):
     @staticmethod
     async def _native_run(pool: RespPool, idx: list[int], add: Callable[[Any, int], Any]) -> list[Any]:
         """The commands ``add`` queues for ``idx``, split in order over the pool's connections
-        (run concurrently); replies in order. One slice failing fails the batch (as a node would)."""
+        (run concurrently); replies in order. One slice failing fails the batch (as a node would):
+        the others are stopped and what any of them placed in a destination is zeroed."""
         k = max(1, min(pool.size, len(idx)))
         step = -(-len(idx) // k)
         pipes = []
@@ -371,7 +372,7 @@ class RedisTier(Tier):
             pipes.append(pipe)
         if len(pipes) == 1:
             return await pool.execute(pipes[0].commands, pipes[0].intos)
-        parts = await asyncio.gather(*(pool.execute(p.commands, p.intos) for p in pipes))
+        parts = await pool.execute_split([(p.commands, p.intos) for p in pipes])
         return [r for part in parts for r in part]
 
     def _note_size(self, record_len: int) -> None:
@@ -480,7 +481,21 @@ class RedisTier(Tier):
             log.warning("tier %s: could not roll back %d records of a failed put: %s", self.name, len(rkeys), e)
 
     async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
+        """:meth:`_read_records`; when it fails (or is cancelled) part way, the records it had
+        already delivered into destinations are zeroed too: a failed load leaves nothing in the
+        blocks it touched (a failed batch zeroes its own placed bytes, see ``_resp``)."""
         out: list[int | bytes | None] = [None] * len(keys)
+        try:
+            return await self._read_records(keys, into, out)
+        except BaseException:
+            for dst, n in zip(into, out, strict=True):
+                if dst is not None and type(n) is int:
+                    dst[:n] = bytes(n)
+            raise
+
+    async def _read_records(
+        self, keys: list[bytes], into: list[memoryview | None], out: list[int | bytes | None]
+    ) -> list[int | bytes | None]:
         corrupt: list[tuple[bytes, bytes, bool]] = []  # (redis key, bytes seen, whole value?)
         rest: list[tuple[int, bytes, bytes, int]] = []  # (index, redis key, head read, record size its header claims)
 

@@ -735,3 +735,25 @@ async def test_a_writer_batch_that_fails_with_a_bug_is_answered_and_the_lane_goe
         finally:
             lane.task.cancel()
             await asyncio.gather(lane.task, return_exceptions=True)
+
+
+def test_a_record_of_another_length_leaves_none_of_its_bytes_in_the_blocks(tmp_path: Path) -> None:
+    """A verified record under a chunk's key whose payload is not the chunk's size (a foreign
+    writer's geometry) is a miss, and what of it landed in the engine's blocks (read straight
+    into them) is zeroed: a failed load leaves no byte that is not the chunk's."""
+    from tieredkv.format import encode_record
+
+    src, dst = kv(21), kv(22)
+    low = lmdb(tmp_path)
+    with make([low]) as p:
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        p.register_group(1, [dst[0]], blocks_per_chunk=BPC)  # one tensor: loads go straight into it
+        key = NS.key((77).to_bytes(32, "big"), 1)
+        short = bytes([0x55]) * (2 * 4096)  # half a chunk (4 blocks of 4 KiB)
+        p.run(low.raw_put_many([(key, encode_record(key, short))]), 30)
+        dst[0][8:12] = 0xAA
+        assert p.submit_load(LoadJob(5, 1, (ChunkRef(key, (8, 9, 10, 11)),)))
+        res = wait_results(p, 1)[5]
+        assert not res.ok and res.failed == (key,)
+        landed = dst[0][8:12].flatten()
+        assert not (landed == 0x55).any(), "the foreign record's bytes stayed in the engine's blocks"

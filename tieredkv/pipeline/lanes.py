@@ -220,5 +220,7 @@ class Lanes(dict[str, TierLane]):
             for i, n in zip(todo, got):
                 if n is not None and (nbytes is None or n == nbytes):
                     found_in[i] = name
+                elif n:  # a verified record of another length: not this chunk, and none of it stays
+                    views[i][:n] = bytes(n)
             todo = [i for i in todo if i not in found_in]
         return found_in

@@ -49,6 +49,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializeAsAny,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -67,6 +68,7 @@ __all__ = [
     "PolicyRule",
     "RedisTierConfig",
     "Size",
+    "TenantsConfig",
     "TierConfig",
     "TierConfigBase",
     "TieredKVConfig",
@@ -414,6 +416,43 @@ def _default_tiers() -> list[Any]:
     return [CPUTierConfig(), LMDBTierConfig()]
 
 
+def _quota(v: Any) -> Any:
+    """A tenant quota: a byte size (an int, '512MiB') or a share of each tier's capacity ('25%')."""
+    if isinstance(v, str) and v.strip().endswith("%"):
+        try:
+            pct = float(v.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"{v!r} is not a percentage; write e.g. '25%'") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"{v!r} is out of range; a share of a tier's capacity is 0% < q <= 100%")
+        return v.strip()
+    return _SIZE.validate_python(v)
+
+
+_SIZE: TypeAdapter[ByteSize] = TypeAdapter(Size)
+#: A tenant quota: bytes (in every tier), or a share of each tier's capacity ('25%').
+Quota = Annotated[str | ByteSize, Field(union_mode="left_to_right"), BeforeValidator(_quota)]
+
+
+class TenantsConfig(_Model):
+    """Per-tenant quotas (a tenant is vLLM's ``cache_salt`` of a request, or a library call's
+    ``tenant=``). A tenant over its quota in a tier has its own oldest records evicted there
+    first; no other tenant loses a record to it. Records without a tenant are the default tenant,
+    which no quota bounds."""
+
+    default_quota: Quota | None = Field(
+        None,
+        description="Quota of every tenant not named in 'quotas': bytes ('8GiB', the same in every tier) or a"
+        " share of each tier's capacity ('25%'); None: no quota.",
+    )
+    quotas: dict[str, Quota] = Field(
+        default_factory=dict, description="Per-tenant quotas by tenant name (vLLM's cache_salt), as default_quota."
+    )
+    report_top: int = Field(
+        20, ge=0, description="Tenants reported by usage in metrics besides those named in 'quotas' (the largest)."
+    )
+
+
 class TieredKVConfig(_Model):
     """The whole tieredkv configuration file."""
 
@@ -431,6 +470,7 @@ class TieredKVConfig(_Model):
     )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Store/load pipeline settings.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics settings.")
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig, description="Per-tenant quotas.")
 
     @model_validator(mode="after")
     def _names(self) -> TieredKVConfig:

@@ -4,14 +4,27 @@ Header layout (little-endian, :data:`HEADER` ``struct``)::
 
     offset size field
     0      4    magic            b"TKVR"
-    4      2    format version   FORMAT_VERSION
+    4      2    format version   1 (the default tenant) or 2 (a tenant)
     6      2    header size      64
     8      16   namespace fingerprint
     24     4    group index
-    28     4    flags            (0; reserved)
+    28     4    flags            bit 0: sealed (see below); others 0
     32     8    payload length
-    40     8    checksum         xxh3_64 over (stored key, header bytes 0..32, payload)
-    48     16   reserved         (zero; a record with anything else there is corrupt)
+    40     8    checksum         xxh3_64 over (stored key, header bytes 0..32, [version 2: bytes
+                                 48..64], payload)
+    48     8    tenant           version 2: the record's tenant (:func:`tieredkv.keys.tenant_id`);
+                                 version 1: zero
+    56     8    reserved         (zero; a record with anything else there is corrupt)
+
+A record of the default tenant (0) is written as version 1, byte for byte what every earlier
+tieredkv wrote, so records move both ways between versions; a record with a tenant is version 2,
+its tenant covered by the checksum.
+
+A **sealed** record (version 2, flag bit 0; :mod:`tieredkv.sealing`) carries AES-256-GCM
+ciphertext in place of the payload, followed by the 16-byte tag; bytes 40..47 and 56..59 hold the
+96-bit nonce and bytes 60..63 the id of the key that sealed it. The tag, over the stored key and
+the whole header as associated data, does the checksum's job. The checksum paths here refuse a
+sealed record (it is corrupt to a reader without the keys).
 
 The checksum covers the stored key as well as the payload, so a record copied or renamed
 under another key fails verification: a tier can never serve bytes that were not written
@@ -40,11 +53,15 @@ except ImportError:  # not built here (no compiler or no libxxhash): pure Python
     _fastrec = None
 
 __all__ = [
+    "FLAG_SEALED",
     "FORMAT_VERSION",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
     "NATIVE",
+    "SEAL_TAG",
+    "TENANT_AT",
+    "TENANT_VERSION",
     "RecordHeader",
     "as_readable",
     "as_writable",
@@ -64,12 +81,22 @@ __all__ = [
 
 MAGIC = b"TKVR"
 FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sHH16sIIQQ16x")
+#: The version of a record with a tenant (and of a sealed record).
+TENANT_VERSION = 2
+#: Flag bit 0: the record is sealed (AES-256-GCM; :mod:`tieredkv.sealing`).
+FLAG_SEALED = 1
+HEADER = struct.Struct("<4sHH16sIIQQ16x")  # as version 1 reads it (bytes 48..63 reserved)
+_HEADER2 = struct.Struct("<4sHH16sIIQQQ8x")  # every version: bytes 48..55 the tenant
 HEADER_SIZE = HEADER.size
+TENANT_AT = 48  # the tenant (version 2)
 _PREFIX = 32  # header bytes covered by the checksum (magic .. flags)
-_ZERO_RESERVED = bytes(16)  # bytes 48..63: must read back as zeros
+_ZERO_RESERVED = bytes(16)  # bytes 48..63 of a version 1 record: must read back as zeros
+_ZERO_TAIL = bytes(8)  # bytes 56..63 of a version 2 record
 _LEAD = struct.pack("<4sHH", MAGIC, FORMAT_VERSION, HEADER_SIZE)  # bytes 0..7
+_LEAD2 = struct.pack("<4sHH", MAGIC, TENANT_VERSION, HEADER_SIZE)
 _LEN_SUM = struct.Struct("<QQ")  # bytes 32..47: payload length, checksum
+#: Bytes after a sealed record's ciphertext: the AES-GCM tag.
+SEAL_TAG = 16
 assert HEADER_SIZE == 64
 #: Whether records are encoded and checked by the C helper ``tieredkv._fastrec`` (one call per
 #: record, the GIL released for the copy and the checksum of a payload of 16 KiB or more).
@@ -81,12 +108,14 @@ _COPY_FIRST = 128 << 10
 
 
 class RecordHeader(tuple):  # type: ignore[type-arg]
-    """Decoded header fields: ``(version, fingerprint, group, flags, payload_len, checksum)``."""
+    """Decoded header fields: ``(version, fingerprint, group, flags, payload_len, checksum, tenant)``."""
 
     __slots__ = ()
 
-    def __new__(cls, version: int, fingerprint: bytes, group: int, flags: int, payload_len: int, checksum: int):
-        return tuple.__new__(cls, (version, fingerprint, group, flags, payload_len, checksum))
+    def __new__(
+        cls, version: int, fingerprint: bytes, group: int, flags: int, payload_len: int, checksum: int, tenant: int = 0
+    ):
+        return tuple.__new__(cls, (version, fingerprint, group, flags, payload_len, checksum, tenant))
 
     version = property(lambda self: self[0])
     fingerprint = property(lambda self: self[1])
@@ -94,6 +123,7 @@ class RecordHeader(tuple):  # type: ignore[type-arg]
     flags = property(lambda self: self[3])
     payload_len = property(lambda self: self[4])
     checksum = property(lambda self: self[5])
+    tenant = property(lambda self: self[6])
 
 
 def as_readable(buf: Any) -> memoryview:
@@ -136,41 +166,48 @@ def _torch_bytes(t: Any) -> Any:
     return t.reshape(-1).numpy()
 
 
-def _checksum(key: bytes, prefix: memoryview | bytes, payload: memoryview) -> int:
+def _checksum(key: bytes, prefix: memoryview | bytes, payload: memoryview, tail: bytes | memoryview = b"") -> int:
+    """The checksum of a record: ``prefix`` is the header's bytes 0..32, ``tail`` (version 2) its
+    bytes 48..64."""
     h = xxhash.xxh3_64(key)
     h.update(prefix)
+    if tail:
+        h.update(tail)
     h.update(payload)
     return h.intdigest()
 
 
-def make_header(key: bytes, payload: memoryview, *, flags: int = 0) -> bytes:
-    """The 64-byte header for ``payload`` stored under ``key`` (checksum included).
+def make_header(key: bytes, payload: memoryview, *, flags: int = 0, tenant: int = 0) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key`` (checksum included): version 1 for
+    the default tenant (0), else version 2 with ``tenant`` in it.
 
     ``key`` is a stored key (fingerprint + hash + group); fingerprint and group come from it.
     """
     hdr = bytearray(HEADER_SIZE)
     fp = key_fingerprint(key)
     group = key_group(key)
-    HEADER.pack_into(hdr, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, fp, group, flags, len(payload), 0)
-    struct.pack_into("<Q", hdr, 40, _checksum(key, memoryview(hdr)[:_PREFIX], payload))
+    version = TENANT_VERSION if tenant else FORMAT_VERSION
+    _HEADER2.pack_into(hdr, 0, MAGIC, version, HEADER_SIZE, fp, group, flags, len(payload), 0, tenant)
+    tail = memoryview(hdr)[TENANT_AT:] if tenant else b""
+    struct.pack_into("<Q", hdr, 40, _checksum(key, memoryview(hdr)[:_PREFIX], payload, tail))
     return bytes(hdr)
 
 
-def encode_record_into(dst: memoryview, key: bytes, payload: memoryview, *, flags: int = 0) -> int:
+def encode_record_into(dst: memoryview, key: bytes, payload: memoryview, *, flags: int = 0, tenant: int = 0) -> int:
     """Write header + payload for ``key`` into ``dst``; return the record length."""
     if _fastrec is not None and type(key) is bytes:
-        return _fastrec.encode_into(dst, key, payload, flags)
+        return _fastrec.encode_into(dst, key, payload, flags, tenant)
     total = HEADER_SIZE + len(payload)
     if len(dst) < total:
         raise ValueError(f"destination of {len(dst)} bytes is smaller than the record ({total})")
     dst[HEADER_SIZE:total] = payload
-    dst[:HEADER_SIZE] = make_header(key, dst[HEADER_SIZE:total], flags=flags)
+    dst[:HEADER_SIZE] = make_header(key, dst[HEADER_SIZE:total], flags=flags, tenant=tenant)
     return total
 
 
-def encode_records_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) -> list[int]:
-    """Write the record of each (key, payload) of ``items`` one after another from the start of
-    ``dst``; return where each ends. With the C helper, one call: the GIL is let go once for all
+def encode_records_into(dst: memoryview, items: list[Any]) -> list[int]:
+    """Write the record of each (key, payload) or (key, payload, tenant) of ``items`` one after
+    another from the start of ``dst``; return where each ends. With the C helper, one call: the GIL is let go once for all
     the copies and checksums. A destination too small for all of them gets nothing."""
     if _fastrec is not None:
         ends: list[int] = _fastrec.encode_many(dst, items)
@@ -180,14 +217,14 @@ def encode_records_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) 
         raise ValueError(f"destination of {len(dst)} bytes is smaller than the records ({total})")
     ends = []
     off = 0
-    for key, payload in items:
-        off += encode_record_into(dst[off:], key, payload)
+    for key, payload, *tenant in items:
+        off += encode_record_into(dst[off:], key, payload, tenant=tenant[0] if tenant else 0)
         ends.append(off)
     return ends
 
 
-def encode_heads_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) -> None:
-    """Write the 64-byte header of each (key, payload) of ``items`` one after another from the
+def encode_heads_into(dst: memoryview, items: list[Any]) -> None:
+    """Write the 64-byte header of each (key, payload) or (key, payload, tenant) of ``items`` one after another from the
     start of ``dst``, the payloads left where they are: a record kept as header and payload
     apart (the LMDB tier stores them so: py-lmdb then copies each payload once, from where it
     is). The payloads must not change until they are stored. With the C helper, one call: the
@@ -197,15 +234,15 @@ def encode_heads_into(dst: memoryview, items: list[tuple[bytes, memoryview]]) ->
     if _fastrec is not None:
         _fastrec.heads_many(dst, items)
         return
-    for i, (key, payload) in enumerate(items):
-        dst[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = make_header(key, payload)
+    for i, (key, payload, *tenant) in enumerate(items):
+        dst[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = make_header(key, payload, tenant=tenant[0] if tenant else 0)
 
 
-def encode_record(key: bytes, payload: Any, *, flags: int = 0) -> bytearray:
+def encode_record(key: bytes, payload: Any, *, flags: int = 0, tenant: int = 0) -> bytearray:
     """A new ``bytearray`` holding the record for ``key`` (one copy of the payload)."""
     mv = as_readable(payload)
     out = bytearray(HEADER_SIZE + len(mv))
-    encode_record_into(memoryview(out), key, mv, flags=flags)
+    encode_record_into(memoryview(out), key, mv, flags=flags, tenant=tenant)
     return out
 
 
@@ -220,17 +257,20 @@ def decode_header(record: memoryview | bytes, payload_len: int | None = None) ->
     """
     if len(record) < HEADER_SIZE:
         raise CorruptRecordError(f"record of {len(record)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    magic, version, hsize, fp, group, flags, n, csum = HEADER.unpack_from(record, 0)
+    magic, version, hsize, fp, group, flags, n, csum, tenant = _HEADER2.unpack_from(record, 0)
     if magic != MAGIC:
         raise CorruptRecordError(f"bad magic {magic!r}; expected {MAGIC!r}")
-    if version != FORMAT_VERSION or hsize != HEADER_SIZE:
+    if version not in (FORMAT_VERSION, TENANT_VERSION) or hsize != HEADER_SIZE:
         raise CorruptRecordError(f"unsupported record format version {version} (header {hsize} bytes)")
+    sealed = version == TENANT_VERSION and flags & FLAG_SEALED
     present = len(record) - HEADER_SIZE if payload_len is None else payload_len
-    if n != present:
+    if n != present - (SEAL_TAG if sealed else 0):
         raise CorruptRecordError(f"payload length field {n} disagrees with the {present} payload bytes present")
-    if bytes(record[48:HEADER_SIZE]) != _ZERO_RESERVED:
+    if version == FORMAT_VERSION and bytes(record[48:HEADER_SIZE]) != _ZERO_RESERVED:
         raise CorruptRecordError("reserved header bytes 48..63 are not zero")
-    return RecordHeader(version, fp, group, flags, n, csum)
+    if version == TENANT_VERSION and not sealed and bytes(record[56:HEADER_SIZE]) != _ZERO_TAIL:
+        raise CorruptRecordError("reserved header bytes 56..63 are not zero")
+    return RecordHeader(version, fp, group, flags, n, csum, tenant)
 
 
 def verify_parts(header: memoryview | bytes, payload: memoryview, key: bytes) -> memoryview:
@@ -242,19 +282,23 @@ def verify_parts(header: memoryview | bytes, payload: memoryview, key: bytes) ->
     head = bytes(header[:HEADER_SIZE])  # the common case on 64 bytes of bytes; any doubt takes the long way
     if len(head) == HEADER_SIZE:
         n, csum = _LEN_SUM.unpack_from(head, 32)
-        if (
-            head.startswith(_LEAD)
-            and n == len(payload)
-            and head[8:28] == key_header_ids(key)
-            and head.endswith(_ZERO_RESERVED)
-        ):
-            if _checksum(key, head[:_PREFIX], payload) != csum:
-                raise CorruptRecordError("payload checksum mismatch")
-            return payload
+        if n == len(payload) and head[8:28] == key_header_ids(key):
+            if head.startswith(_LEAD) and head.endswith(_ZERO_RESERVED):
+                if _checksum(key, head[:_PREFIX], payload) != csum:
+                    raise CorruptRecordError("payload checksum mismatch")
+                return payload
+            if head.startswith(_LEAD2) and head.endswith(_ZERO_TAIL) and not head[28] & FLAG_SEALED:
+                if _checksum(key, head[:_PREFIX], payload, head[TENANT_AT:]) != csum:
+                    raise CorruptRecordError("payload checksum mismatch")
+                return payload
     hdr = decode_header(header[:HEADER_SIZE], len(payload))  # raises, naming what is wrong
     if hdr.fingerprint != key_fingerprint(key):
         raise CorruptRecordError("record belongs to another namespace")
-    raise CorruptRecordError(f"record is for group {hdr.group}, key says another")
+    if hdr.group != key_group(key):
+        raise CorruptRecordError(f"record is for group {hdr.group}, key says another")
+    if hdr.version == TENANT_VERSION and hdr.flags & FLAG_SEALED:
+        raise CorruptRecordError("record is sealed (encrypted): only a tier with its keys can open it")
+    raise CorruptRecordError("record header does not verify")
 
 
 def verify_record(record: memoryview | bytes, key: bytes) -> memoryview:

@@ -44,6 +44,7 @@ __all__ = [
     "split_stored_key",
     "stored_key",
     "stored_key_group",
+    "tenant_id",
     "with_group",
 ]
 
@@ -55,6 +56,16 @@ GROUP_SUFFIX = slice(-GROUP_BYTES, None)
 #: The shortest stored key: a namespace fingerprint, a block hash of at least one byte, a group.
 MIN_STORED_KEY_BYTES = FINGERPRINT_BYTES + 1 + GROUP_BYTES
 _MAX_GROUP = 2**32 - 1
+
+
+def tenant_id(tenant: str | bytes | None) -> int:
+    """The 64-bit id a record carries for ``tenant`` (vLLM: the request's ``cache_salt``; the
+    library: the ``tenant=`` of a call): 0 for no tenant (``None`` or empty), else a BLAKE2b of
+    the name, never 0. Records carry the id, never the name."""
+    if not tenant:
+        return 0
+    raw = tenant.encode() if isinstance(tenant, str) else bytes(tenant)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"tieredkv-tenant").digest(), "little") or 1
 
 
 def group_suffix(group: int) -> bytes:

@@ -61,6 +61,7 @@ from tieredkv.pipeline import (
 from tieredkv.policy import GroupRoute, TierPolicy
 from tieredkv.scheduler import OffloadScheduler
 from tieredkv.staging import KVGroupTensors
+from tieredkv.tenants import TenantQuotas
 from tieredkv.weights import namespace_weights
 
 __all__ = ["KeyState", "TieredStore", "open_store"]
@@ -109,6 +110,9 @@ class TieredStore:
             weights=namespace_weights(ns.weights_path, ns.weights_fingerprint),
         )
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
+        quotas = TenantQuotas.from_config(config.tenants)
+        for t in self.tiers:
+            t.set_quotas(quotas)
         self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])
         self.pipeline = Pipeline(self.tiers, self.policy, config.pipeline)
         #: ``probe(key)``: answer a lookup of ``key`` at once from the calling thread when every

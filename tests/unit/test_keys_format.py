@@ -30,6 +30,7 @@ from tieredkv.keys import (
     key_hash,
     make_chunk_key,
     split_stored_key,
+    tenant_id,
 )
 
 H = bytes(range(32))
@@ -228,6 +229,45 @@ def test_both_paths_write_the_same_records_and_accept_each_others(n: int, monkey
                 assert fmt.verify_into(memoryview(record), key, memoryview(dst)[shift:]) == n
                 assert dst[shift : shift + n] == as_readable(payload)
                 assert not any(dst[:shift]) and not any(dst[shift + n :])
+
+
+@pytest.mark.parametrize("n", [0, 100, 64 * 1024 + 3])
+def test_a_tenant_makes_a_version_2_record_both_paths_agree_and_a_flipped_tenant_fails(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record with a tenant is version 2, its tenant (bytes 48..55) covered by the checksum; the
+    default tenant keeps version 1, byte for byte as before. Both paths write and accept both."""
+    key = Namespace(model="m").key(H, 5)
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    tenant = tenant_id("acme")
+    made = []
+    for helper in (_NATIVE, None):
+        if helper is None and _NATIVE is None:
+            continue
+        monkeypatch.setattr(fmt, "_fastrec", helper)
+        rec = encode_record(key, payload, tenant=tenant)
+        heads = bytearray(HEADER_SIZE)
+        fmt.encode_heads_into(memoryview(heads), [(key, as_readable(payload), tenant)])
+        assert bytes(heads) == bytes(rec[:HEADER_SIZE])
+        made.append(rec)
+        assert struct.unpack_from("<H", rec, 4)[0] == 2 and decode_header(rec).tenant == tenant
+        assert struct.unpack_from("<H", encode_record(key, payload), 4)[0] == 1  # default tenant: version 1
+        assert decode_header(encode_record(key, payload)).tenant == 0
+    assert all(r == made[0] for r in made)
+    record = made[0]
+    for helper in (None, _NATIVE):
+        monkeypatch.setattr(fmt, "_fastrec", helper)
+        dst = bytearray(n)
+        assert fmt.verify_into(memoryview(record), key, memoryview(dst)) == n and dst == as_readable(payload)
+        for at in (48, 55, 56, 63):  # the tenant, and the bytes after it
+            bad = bytearray(record)
+            bad[at] ^= 0x10
+            with pytest.raises(CorruptRecordError):
+                fmt.verify_into(memoryview(bad), key, memoryview(bytearray(n)))
+        sealed = bytearray(record)
+        sealed[28] |= fmt.FLAG_SEALED
+        with pytest.raises(CorruptRecordError, match="sealed|length|verify"):
+            fmt.verify_record(sealed, key)
 
 
 _NATIVE = fmt._fastrec

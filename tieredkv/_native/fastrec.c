@@ -5,7 +5,8 @@
  * The record format is tieredkv/format.py's (a 64-byte header, then the payload); this module
  * computes exactly what format.py computes, and tests/unit/test_format.py checks both ways (a
  * record written by one path verifies on the other, a damaged one fails on both). The checksum is
- * XXH3-64 (seed 0) of the stored key, header bytes 0..31 and the payload, streamed through the
+ * XXH3-64 (seed 0) of the stored key, header bytes 0..31 (a version 2 record: then bytes 48..63,
+ * its tenant) and the payload, streamed through the
  * system's libxxhash (Debian's libxxhash0, a dependency of apt); its prototypes are declared here
  * because the -dev header is not on a new machine. Built as an optional extension: where it does
  * not build or load, format.py keeps its pure-Python path.
@@ -42,7 +43,10 @@ extern unsigned long long XXH3_64bits_digest(const XXH3_state_t *state);
 #define PREFIX 32
 #define FP_BYTES 16
 #define GROUP_BYTES 4
-#define FORMAT_VERSION 1
+#define FORMAT_VERSION 1 /* a record of the default tenant: as every earlier version wrote it */
+#define TENANT_VERSION 2 /* a record with a tenant (bytes 48..55), covered by the checksum */
+#define TENANT_AT 48
+#define FLAG_SEALED 1u /* sealed (AES-256-GCM) records are opened in Python, never here */
 /* Below this many payload bytes the GIL is kept: releasing and taking it back costs more than
  * the copy and the checksum of a small payload. */
 #define RELEASE_AT (16 * 1024)
@@ -108,6 +112,7 @@ static uint64_t copy_checksum(uint8_t *dst, const uint8_t *src, size_t n, const 
     XXH3_64bits_reset(st);
     XXH3_UPDATE(st, key, klen);
     XXH3_UPDATE(st, head, PREFIX);
+    if (get_le(head + 4, 2) == TENANT_VERSION) XXH3_UPDATE(st, head + TENANT_AT, HEADER_SIZE - TENANT_AT);
     if (dst == NULL) { /* the checksum alone: the payload stays where it is */
         XXH3_UPDATE(st, src, n);
         n = 0;
@@ -172,24 +177,36 @@ static void relock(PyThreadState *state) {
 }
 
 /* The header of a record for ``key`` with an n-byte payload, all but its checksum (bytes 40..47,
- * zero until the payload is hashed). */
-static void write_header(uint8_t *out, const uint8_t *key, size_t klen, uint64_t n, uint32_t flags) {
+ * zero until the payload is hashed): version 1 for the default tenant (0), else version 2 with
+ * the tenant in bytes 48..55. */
+static void write_header(uint8_t *out, const uint8_t *key, size_t klen, uint64_t n, uint32_t flags, uint64_t tenant) {
     memcpy(out, "TKVR", 4);
-    put_le(out + 4, FORMAT_VERSION, 2);
+    put_le(out + 4, tenant ? TENANT_VERSION : FORMAT_VERSION, 2);
     put_le(out + 6, HEADER_SIZE, 2);
     header_ids(key, klen, out + 8);
     put_le(out + 28, flags, 4);
     put_le(out + 32, n, 8);
     memset(out + 40, 0, HEADER_SIZE - 40);
+    put_le(out + TENANT_AT, tenant, 8);
 }
 
-/* encode_into(dst, key, payload, flags) -> record length
+/* A tenant argument (an int of 64 bits), or -1 with an exception set. */
+static int tenant_arg(PyObject *obj, uint64_t *tenant) {
+    unsigned long long t = PyLong_AsUnsignedLongLong(obj);
+    if (t == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *tenant = (uint64_t)t;
+    return 0;
+}
+
+/* encode_into(dst, key, payload, flags, tenant=0) -> record length
  * Writes the header and the payload for ``key`` into ``dst`` (format.encode_record_into). */
 static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "encode_into(dst, key, payload, flags)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "encode_into(dst, key, payload, flags, tenant=0)");
         return NULL;
     }
+    uint64_t tenant = 0;
+    if (nargs == 5 && tenant_arg(args[4], &tenant) < 0) return NULL;
     const uint8_t *key;
     Py_ssize_t klen;
     if (key_arg(args[1], &key, &klen) < 0) return NULL;
@@ -208,7 +225,7 @@ static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     uint8_t *out = (uint8_t *)dst.buf;
-    write_header(out, key, (size_t)klen, (uint64_t)n, (uint32_t)flags);
+    write_header(out, key, (size_t)klen, (uint64_t)n, (uint32_t)flags, tenant);
     int ok;
     PyThreadState *state = unlocked(n);
     uint64_t h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
@@ -238,8 +255,9 @@ static PyObject *int_list(const Py_ssize_t *v, Py_ssize_t n) {
     return list;
 }
 
-/* The work of encode_many (apart == 0) and heads_many (apart == 1): per (key, payload) of the
- * list ``items`` (flags 0), one after another from the start of ``dst``, the whole record
+/* The work of encode_many (apart == 0) and heads_many (apart == 1): per (key, payload) or
+ * (key, payload, tenant) of the list ``items`` (flags 0), one after another from the start of
+ * ``dst``, the whole record
  * (header, then the payload copied) or the header alone (the payload left where it is), the GIL
  * released once for every copy and checksum of the call. Returns where each record ends in
  * ``dst`` (apart: each payload's length). Nothing is written unless every item is good and all
@@ -259,7 +277,8 @@ static PyObject *encode_batch(PyObject *const *args, Py_ssize_t nargs, int apart
     Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
     PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
     Py_ssize_t *ends = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
-    if (bufs == NULL || keys == NULL || ends == NULL) {
+    uint64_t *tenants = PyMem_Calloc(count ? (size_t)count : 1, sizeof(uint64_t));
+    if (bufs == NULL || keys == NULL || ends == NULL || tenants == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -267,10 +286,11 @@ static PyObject *encode_batch(PyObject *const *args, Py_ssize_t nargs, int apart
         PyObject *item = PyList_GET_ITEM(items, held);
         const uint8_t *key;
         Py_ssize_t klen;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            PyErr_Format(PyExc_TypeError, "item %zd is not a (key, payload) pair", held);
+        if (!PyTuple_Check(item) || (PyTuple_GET_SIZE(item) != 2 && PyTuple_GET_SIZE(item) != 3)) {
+            PyErr_Format(PyExc_TypeError, "item %zd is not a (key, payload) pair or (key, payload, tenant)", held);
             goto done;
         }
+        if (PyTuple_GET_SIZE(item) == 3 && tenant_arg(PyTuple_GET_ITEM(item, 2), &tenants[held]) < 0) goto done;
         if (key_arg(PyTuple_GET_ITEM(item, 0), &key, &klen) < 0) goto done;
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
         keys[held] = Py_NewRef(PyTuple_GET_ITEM(item, 0));
@@ -287,7 +307,7 @@ static PyObject *encode_batch(PyObject *const *args, Py_ssize_t nargs, int apart
     for (Py_ssize_t i = 0; i < count && ok; i++) {
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
         size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]), n = (size_t)bufs[i].len;
-        write_header(out, key, klen, n, 0);
+        write_header(out, key, klen, n, 0, tenants[i]);
         uint64_t h = copy_checksum(apart ? NULL : out + HEADER_SIZE, bufs[i].buf, n, key, klen, out, 0, &ok);
         put_le(out + 40, h, 8);
         out += HEADER_SIZE + (apart ? 0 : n);
@@ -306,6 +326,7 @@ done:
     PyMem_Free(bufs);
     PyMem_Free(keys);
     PyMem_Free(ends);
+    PyMem_Free(tenants);
     PyBuffer_Release(&dst);
     return result;
 }
@@ -340,9 +361,12 @@ static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, 
     static const uint8_t zero[HEADER_SIZE - 48] = {0};
     uint8_t ids[FP_BYTES + GROUP_BYTES];
     header_ids(key, klen, ids);
-    if (memcmp(h, "TKVR", 4) != 0 || get_le(h + 4, 2) != FORMAT_VERSION || get_le(h + 6, 2) != HEADER_SIZE ||
-        memcmp(h + 8, ids, sizeof ids) != 0 || get_le(h + 32, 8) != (uint64_t)n ||
-        memcmp(h + 48, zero, sizeof zero) != 0)
+    uint64_t version = get_le(h + 4, 2);
+    if (memcmp(h, "TKVR", 4) != 0 || (version != FORMAT_VERSION && version != TENANT_VERSION) ||
+        get_le(h + 6, 2) != HEADER_SIZE || memcmp(h + 8, ids, sizeof ids) != 0 || get_le(h + 32, 8) != (uint64_t)n)
+        return -1;
+    if (version == FORMAT_VERSION ? memcmp(h + 48, zero, 16) != 0  /* version 1: bytes 48..63 zero */
+                                  : (get_le(h + 28, 4) & FLAG_SEALED) != 0 || memcmp(h + 56, zero, 8) != 0)
         return -1;
     if (n > dlen) return -2;
     uint64_t want = get_le(h + 40, 8);
@@ -882,7 +906,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"encode_into", (PyCFunction)(void (*)(void))encode_into, METH_FASTCALL,
-     "encode_into(dst, key, payload, flags) -> record length"},
+     "encode_into(dst, key, payload, flags, tenant=0) -> record length"},
     {"encode_many", (PyCFunction)(void (*)(void))encode_many, METH_FASTCALL,
      "encode_many(dst, items) -> list of record ends"},
     {"heads_many", (PyCFunction)(void (*)(void))heads_many, METH_FASTCALL,

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Self, TypeVar, overload
 from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, as_readable, as_writable
 from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES, Namespace, key_fingerprint, stored_key_group
+from tieredkv.tenants import TenantQuotas
 
 __all__ = [
     "OpObserver",
@@ -136,6 +137,10 @@ class TierCapabilities:
     #: ``CacheHitSource``): ``"host"`` (this host's memory), ``"disk"`` (a local file system) or
     #: ``"remote"`` (a server); ``"unspecified"`` for a tier that does not say.
     medium: str = "unspecified"
+    #: Keeps each record's tenant (the ``tenants`` of :meth:`Tier.put_many`, in the record's
+    #: header) and bounds tenants by :attr:`Tier.quotas`: a tenant over its quota loses its own
+    #: records first. A tier without it stores every record as the default tenant.
+    tenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,8 @@ class Tier(ABC):
         self._opened = False
         self._closed = False
         self._open_lock: asyncio.Lock | None = None
+        #: The tenants' quotas (see :meth:`set_quotas`); none by default.
+        self.quotas: TenantQuotas = TenantQuotas()
 
     @classmethod
     def missing(cls, config: Any) -> str | None:
@@ -304,28 +311,52 @@ class Tier(ABC):
 
     # ---- public operations -----------------------------------------------------------
 
-    async def put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
-        """Store every ``(key, payload)``; a later duplicate key wins.
+    async def put_many(self, items: Sequence[tuple[bytes, Any]], *, tenants: Sequence[int] | None = None) -> None:
+        """Store every ``(key, payload)``; a later duplicate key wins. ``tenants``: per item its
+        tenant id (:func:`tieredkv.keys.tenant_id`; None: the default tenant, 0), kept by a tier
+        with ``capabilities.tenants``.
 
         Raises:
             TierFullError: the batch does not fit even after evicting every unpinned record;
                 nothing of the batch was stored.
             TierUnavailableError / TierTimeoutError: the medium failed or ran past the deadline.
         """
-        await self.put_checked(check_items("put_many", items, as_readable))
+        checked = check_items("put_many", items, as_readable)
+        if tenants is not None:
+            tenants = list(tenants)
+            if len(tenants) != len(checked):
+                raise ValueError(f"put_many: {len(checked)} items but {len(tenants)} tenants")
+            for t in tenants:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**64:
+                    raise ValueError(f"put_many: tenant {t!r} is not a tenant id (tieredkv.keys.tenant_id)")
+        await self.put_checked(checked, tenants)
 
-    async def put_checked(self, items: list[tuple[bytes, memoryview]]) -> None:
-        """:meth:`put_many` of items already checked: stored keys, flat byte ``memoryview``s.
-        For callers that built them so (the pipeline's writer lanes: every key was checked when
-        its job was submitted); a later duplicate key still wins."""
+    async def put_checked(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
+        """:meth:`put_many` of items already checked: stored keys, flat byte ``memoryview``s, and
+        ``tenants`` (per item, or None: all the default tenant). For callers that built them so
+        (the pipeline's writer lanes: every key was checked when its job was submitted); a later
+        duplicate key still wins."""
         if not items:
             return
-        batch = dict(items)
-        if len(batch) < len(items):
-            items = list(batch.items())
+        if tenants is not None and not any(tenants):
+            tenants = None
+        if tenants is None:
+            batch = dict(items)
+            if len(batch) < len(items):
+                items = list(batch.items())
+            nbytes = sum(map(len, batch.values()))
+        else:
+            last = {k: i for i, (k, _) in enumerate(items)}
+            if len(last) < len(items):
+                keep = sorted(last.values())
+                items, tenants = [items[i] for i in keep], [tenants[i] for i in keep]
+            nbytes = sum(len(p) for _, p in items)
         await self._ensure_open()
-        nbytes = sum(map(len, batch.values()))
-        await self._guard("put_many", len(items), self._put_many(items), nbytes)
+        if tenants is not None and self.capabilities.tenants:
+            work = self._put_many(items, tenants)  # type: ignore[call-arg]
+        else:
+            work = self._put_many(items)
+        await self._guard("put_many", len(items), work, nbytes)
         self._count("puts", len(items))
         self._count("put_bytes", nbytes)
 
@@ -420,6 +451,21 @@ class Tier(ABC):
         st.counters = {**dict(self.counters), **st.counters}
         st.extra.setdefault("pinned_keys", len(self._pins))
         return st
+
+    def set_quotas(self, quotas: TenantQuotas) -> None:
+        """The tenants' quotas this tier applies (with ``capabilities.tenants``; see
+        :mod:`tieredkv.tenants`). Set before the tier is used; the store sets them from the
+        config's ``tenants`` section."""
+        self.quotas = quotas
+
+    async def tenant_usage(self) -> dict[int, int] | None:
+        """Bytes held per tenant id (records of the default tenant under 0); None for a tier
+        without ``capabilities.tenants``."""
+        if not self.capabilities.tenants:
+            return None
+        await self._ensure_open()
+        usage: dict[int, int] = await self._guard("tenant_usage", 0, self._tenant_usage())
+        return usage
 
     async def raw_get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Records exactly as stored (header + payload), unverified — for inspect, verify and migrate."""
@@ -559,6 +605,10 @@ class Tier(ABC):
         """Delete each key whose record is still exactly the given bytes, as one step per key
         (no writer can slip between the comparison and the deletion)."""
         raise NotImplementedError(f"tier kind {self.kind!r} cannot compare and delete a record")
+
+    async def _tenant_usage(self) -> dict[int, int]:
+        """Bytes per tenant id (a tier with ``capabilities.tenants`` implements it)."""
+        raise NotImplementedError(f"tier kind {self.kind!r} does not keep tenants")
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         raise NotImplementedError(f"tier kind {self.kind!r} does not accept raw records")

@@ -37,6 +37,7 @@ class FaultyTier(Tier):
         # What the inner tier can do, less what this wrapper does not pass through: the slot
         # API (reserve/borrow) and the synchronous probe.
         self.capabilities = dataclasses.replace(inner.capabilities, slots=False, sync_probe=False)  # type: ignore[misc]
+        self.quotas = inner.quotas
         self.evicts_locally = inner.evicts_locally  # type: ignore[misc]
         self.inner = inner
         self.delay_s = delay_s
@@ -61,10 +62,13 @@ class FaultyTier(Tier):
     async def _close(self) -> None:
         await self.inner.close()
 
-    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+    async def _put_many(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
         self.put_sizes.append(len(items))
         await self._fault("put_many")
-        await self.inner._put_many(items)
+        if tenants is None:
+            await self.inner._put_many(items)
+        else:
+            await self.inner._put_many(items, tenants)  # type: ignore[call-arg]  # (capabilities.tenants)
 
     async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[Any]:
         await self._fault("get_many")
@@ -92,3 +96,10 @@ class FaultyTier(Tier):
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         await self.inner._raw_put_many(items)
+
+    def set_quotas(self, quotas: Any) -> None:
+        super().set_quotas(quotas)
+        self.inner.set_quotas(quotas)
+
+    async def _tenant_usage(self) -> dict[int, int]:
+        return await self.inner._tenant_usage()

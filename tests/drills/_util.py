@@ -1,4 +1,5 @@
-"""Helpers shared by the drills: deterministic keys and payloads, and the drill report line."""
+"""Helpers shared by the drills: deterministic keys and payloads, the drill report line, and a
+child process whose output lines are collected as they come."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import contextlib
 import hashlib
 import os
 import random
+import signal
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +103,52 @@ def wait_jobs(p: Any, ids: set[int], timeout: float = 15.0) -> dict[int, Any]:
         assert time.monotonic() < deadline, f"jobs {sorted(ids - got.keys())} never finished: a hang or deadlock"
         time.sleep(0.002)
     return got
+
+
+class Child:
+    """A drill's child process (a writer): its stdout lines (stripped) collected by a thread as
+    they come; ``ready`` is set at its ``READY`` line."""
+
+    def __init__(self, argv: list[str], *, stdin: bool = False, stderr: bool = True, cwd: Path | None = None) -> None:
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if stderr else subprocess.DEVNULL,
+            text=True,
+            cwd=cwd,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+            if line.startswith("READY"):
+                self.ready.set()
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stderr(self) -> str:
+        """What it wrote to stderr (once it has exited; "" while it runs or when not kept)."""
+        if self.proc.stderr is None or self.running():
+            return ""
+        return self.proc.stderr.read()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait for its READY line; fail naming its last lines (and stderr, if it exited)."""
+        if not self.ready.wait(timeout):
+            raise AssertionError(f"the child never got ready: {self.lines[-3:]} {self.stderr()[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL it (if it still runs), reap it and let its output reader finish."""
+        if self.running():
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.reader.join(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

@@ -23,9 +23,7 @@ import os
 import random
 import signal
 import struct
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,7 +33,7 @@ import lmdb
 import pytest
 
 from tests.drills._lmdb_writer import config
-from tests.drills._util import check_payload, payload, report, skey
+from tests.drills._util import Child, check_payload, payload, report, skey
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.cli import ops
 from tieredkv.config import load_config
@@ -48,41 +46,22 @@ KILLS = 12  # per mode
 INDEX_OF = {skey(i): i for i in range(192)}
 
 
+def _writer(path: Path, mode: str, seed: int, first_seq: int, *, stderr: bool = True) -> Child:
+    return Child([sys.executable, str(WRITER), str(path), mode, str(seed), str(first_seq)], stderr=stderr)
+
+
 def _run_and_kill(path: Path, mode: str, seed: int, first_seq: int, rng: random.Random) -> list[str]:
     """Start the writer, SIGKILL it at a random moment after it opened, return its output lines."""
-    proc = subprocess.Popen(
-        [sys.executable, str(WRITER), str(path), mode, str(seed), str(first_seq)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if line.startswith("READY"):
-                ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    w = _writer(path, mode, seed, first_seq)
     try:
-        assert ready.wait(20), f"writer did not open the tier: {proc.stderr.read() if proc.poll() is not None else ''}"
+        w.wait_ready(20)
         time.sleep(rng.uniform(0.0, 0.3))
-        assert proc.poll() is None, f"writer exited early ({proc.returncode}): {lines[-3:]} {proc.stderr.read()}"
-        proc.send_signal(signal.SIGKILL)
+        assert w.running(), f"writer exited early ({w.proc.returncode}): {w.lines[-3:]} {w.stderr()}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        reader.join(timeout=10)
-        if proc.stderr is not None:
-            proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, lines[-3:])
-    assert not any(line.startswith("BAD") for line in lines), [x for x in lines if x.startswith("BAD")]
-    return lines
+        w.kill()
+    assert w.proc.returncode == -signal.SIGKILL, (w.proc.returncode, w.lines[-3:])
+    assert not any(line.startswith("BAD") for line in w.lines), [x for x in w.lines if x.startswith("BAD")]
+    return w.lines
 
 
 async def _verify(path: Path, mode: str, lines: list[str], first_seq: int) -> dict[str, int]:
@@ -177,36 +156,6 @@ STORM_WRITERS = 3
 STORM_KILLS = 18
 
 
-def _start(
-    path: Path, mode: str, seed: int, first_seq: int
-) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
-    proc = subprocess.Popen(
-        [sys.executable, str(WRITER), str(path), mode, str(seed), str(first_seq)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.strip())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    return proc, lines, reader
-
-
-def _kill(proc: subprocess.Popen[str], reader: threading.Thread) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    reader.join(timeout=10)
-    if proc.stdout is not None:
-        proc.stdout.close()
-
-
 def _on_disk(path: Path) -> dict[str, Any]:
     """What the directory holds, read as any process sees it: the record files the files DB names
     and the records it counts in each, the records each file holds by the access entries, and
@@ -240,33 +189,33 @@ def test_a_sigkill_storm_on_record_file_writers_leaves_every_record_verified(tmp
     path = tmp_path / "env"
     t0 = time.monotonic()
     started = 0
-    live: list[tuple[subprocess.Popen[str], list[str], threading.Thread]] = []
+    live: list[Child] = []
     outputs: list[list[str]] = []
 
     def start() -> None:
         nonlocal started
         started += 1
-        live.append(_start(path, mode, rng.randrange(1 << 30), started * 10_000_000))
+        live.append(_writer(path, mode, rng.randrange(1 << 30), started * 10_000_000, stderr=False))
 
     try:
         for _ in range(STORM_WRITERS):
             start()
         for _ in range(STORM_KILLS):
             deadline = time.monotonic() + 30
-            while not all(any(x == "READY" for x in lines) for _, lines, _ in live):
+            while not all(w.ready.is_set() for w in live):
                 assert time.monotonic() < deadline, "a writer did not open the tier"
-                assert all(p.poll() is None for p, _, _ in live), "a writer exited early"
+                assert all(w.running() for w in live), "a writer exited early"
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.3))
-            proc, lines, reader = live.pop(rng.randrange(len(live)))
-            _kill(proc, reader)
-            assert proc.returncode == -signal.SIGKILL, (proc.returncode, lines[-3:])
-            outputs.append(lines)
+            w = live.pop(rng.randrange(len(live)))
+            w.kill()
+            assert w.proc.returncode == -signal.SIGKILL, (w.proc.returncode, w.lines[-3:])
+            outputs.append(w.lines)
             start()
     finally:
-        for proc, lines, reader in live:
-            _kill(proc, reader)
-            outputs.append(lines)
+        for w in live:
+            w.kill()
+            outputs.append(w.lines)
     assert not [x for lines in outputs for x in lines if x.startswith("BAD")]
     begun = {int(x.split()[1]) for lines in outputs for x in lines if x.startswith("W ")}
     commits = sum(1 for lines in outputs for x in lines if x[:1] in "PD")

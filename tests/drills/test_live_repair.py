@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ import pytest
 import yaml
 
 from tests.drills._lmdb_writer import INDEX
-from tests.drills._util import check_payload, payload, report, skey
+from tests.drills._util import Child, check_payload, payload, report, skey
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.cli import ops
 from tieredkv.config import LMDBTierConfig, load_config
@@ -62,39 +60,16 @@ def tier_config(path: Path) -> dict[str, Any]:
     }
 
 
-class Writer:
+class Writer(Child):
     def __init__(self, path: Path, seconds: float) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WRITER), str(path), MODE, "41", "1", str(seconds)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-            if line.startswith("READY"):
-                self.ready.set()
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
+        super().__init__([sys.executable, str(WRITER), str(path), MODE, "41", "1", str(seconds)], cwd=ROOT)
 
     def finish(self) -> None:
         try:
             self.proc.wait(timeout=60)
         finally:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            self.reader.join(timeout=10)
-        err = self.proc.stderr.read() if self.proc.stderr is not None else ""
+            self.kill()
+        err = self.stderr()
         assert self.proc.returncode == 0, f"writer exited {self.proc.returncode}: {self.lines[-3:]} {err[-2000:]}"
 
     def expected(self) -> dict[int, int]:
@@ -150,7 +125,7 @@ def test_verify_and_repair_beside_a_live_writer_report_and_delete_only_damage(tm
             return n
 
     try:
-        assert writer.ready.wait(30), f"writer did not open the tier: {writer.lines[-3:]}"
+        writer.wait_ready(30)
         while writer.running():
             raw_read += asyncio.run(read_raw())
             runs += 1

@@ -12,9 +12,7 @@ read again before it is reported.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.drills._redis_writer import GOOD, KEYSPACE, damaged, key
-from tests.drills._util import check_payload, payload, report
+from tests.drills._util import Child, check_payload, payload, report
 from tests.integration.test_cli_admin import redis_tier, run_json, write_config
 from tieredkv.backends.base import Tier
 from tieredkv.backends.redis import RedisTier
@@ -90,35 +88,19 @@ def test_live_repair_while_a_writer_alternates_good_and_damaged_records(
 ) -> None:
     prefix = "live" + uuid.uuid4().hex[:8]
     cfg_path = write_config(tmp_path, redis_tier(redis_server.url, "r", prefix=prefix))
-    proc = subprocess.Popen(
-        [sys.executable, str(WRITER), redis_server.url, prefix, "7"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.split())
-            ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    writer = Child([sys.executable, str(WRITER), redis_server.url, prefix, "7"], stdin=True)
     runs: list[dict[str, Any]] = []
     try:
-        assert ready.wait(60), "the writer never started"
+        writer.wait_ready(60)
         while len(runs) < 8 or sum(r["tiers"][0]["repaired"] for r in runs) == 0:
             assert len(runs) < 40, "no scrub ever found a damaged record to repair"
             runs.append(run_json("verify", "-c", str(cfg_path), "--repair"))
-        assert proc.stdin is not None
-        proc.stdin.close()
-        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+        assert writer.proc.stdin is not None
+        writer.proc.stdin.close()
+        assert writer.proc.wait(60) == 0, writer.stderr()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        writer.kill()
+    lines = [line.split() for line in writer.lines]
     final = run_json("verify", "-c", str(cfg_path), "--repair")  # the writer is gone: what is left
     last: dict[int, tuple[str, int]] = {}
     for parts in lines:

@@ -60,6 +60,11 @@ def _hits(tiers: Path, algo: str) -> int:
     return res.external_hit_tokens
 
 
+def _status(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tieredkv.cli", "status", "-c", str(config), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+
+
 @pytest.mark.parametrize("algo", ["xxhash", "sha256"])
 def test_a_restart_hits_only_with_reproducible_hashes_and_the_other_case_is_said(
     algo: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -96,43 +101,10 @@ def test_the_gauge_on_both_endpoints_and_in_status(tmp_path: Path) -> None:
         assert "tieredkv_block_hashes_reproducible 0.0" in body
         config = tmp_path / "cli.json"
         config.write_text(json.dumps({k: v for k, v in cfg.items() if k != "metrics"}))
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tieredkv.cli",
-                "status",
-                "-c",
-                str(config),
-                "--metrics-url",
-                f"http://127.0.0.1:{port}/metrics",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            check=False,
-        )
+        url = f"http://127.0.0.1:{port}/metrics"
+        r = _status(config, "--metrics-url", url)
         assert "block hashes not reproducible" in r.stderr, (r.returncode, r.stdout, r.stderr)
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tieredkv.cli",
-                "status",
-                "-c",
-                str(config),
-                "--json",
-                "--metrics-url",
-                f"http://127.0.0.1:{port}/metrics",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            check=False,
-        )
-        assert json.loads(r.stdout)["block_hashes_reproducible"] is False
+        assert json.loads(_status(config, "--json", "--metrics-url", url).stdout)["block_hashes_reproducible"] is False
     # a fresh store (a new process would be) under sha256: reproducible, and said as 1
     with open_store(json.loads(_tiers(tmp_path / "kv2").read_text())) as store:
         init_none_hash(sha256)

@@ -134,7 +134,9 @@ def test_verify_and_repair_beside_a_live_writer_report_and_delete_only_damage(tm
                 key, rec = corrupt_record(runs)
 
                 async def inject(key: bytes = key, rec: bytes = rec) -> None:
-                    async with LMDBTier(tier_cfg) as tier:
+                    # with a cap of its own far above the writer's: the injection evicts nothing
+                    # (an eviction here, which the writer cannot report, would take a committed record)
+                    async with LMDBTier(tier_cfg.model_copy(update={"size_cap_bytes": 32 << 20})) as tier:
                         await tier.raw_put_many([(key, rec)])
 
                 asyncio.run(inject())

@@ -264,7 +264,9 @@ async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got
     ``record_files_moved_on``, not corrupt), and its new version stays. The writer is this
     process (the tier's own thread) or another process on the same directory, whose commit the
     look must see too."""
-    async with LMDBTier(cfg(tmp_path)) as tier:
+    # The other process (a Python start, torch imported) runs inside the read: a busy machine
+    # takes longer than the default 5 s deadline for that, which is not what is tested here.
+    async with LMDBTier(cfg(tmp_path, op_timeout_s=600)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
         real = lmdb_tier.read_placed_into
 

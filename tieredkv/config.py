@@ -37,6 +37,7 @@ import difflib
 import os
 import re
 import stat
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
@@ -872,6 +873,12 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
         return _SECTIONS.get(str(head))
     if len(loc) == 2 and head == "policy":
         return PolicyRule
+    if len(loc) > 2 and head == "tiers":  # a section of a tier's model (its encryption)
+        model = _model_at(loc[:2], raw)
+        for part in loc[2:]:
+            field = model.model_fields.get(str(part)) if model is not None else None
+            model = _section_model(field.annotation) if field is not None else None
+        return model
     if len(loc) == 2 and head == "tiers":
         items = raw.get("tiers") if isinstance(raw, dict) else None
         idx = loc[1]
@@ -886,6 +893,13 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
             except BackendNotFoundError:
                 return None
     return None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (``EncryptionConfig | None``: EncryptionConfig), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_section_model, typing.get_args(annotation)) if m is not None), None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -238,17 +238,18 @@ def build_tier(config: Any, **kwargs: Any) -> Tier:
             package.
         ConfigError: the encryption keys cannot be loaded (the message names the field and the fix).
     """
-    tier = get_tier_class(config.kind)(config, **kwargs)
+    cls = get_tier_class(config.kind)
     encryption = getattr(config, "encryption", None)
     if encryption is None:
-        return tier
+        return cls(config, **kwargs)
     from tieredkv import sealing
 
+    name = kwargs.get("name") or getattr(config, "name", "") or config.kind
     if sealing.AESGCM is None:
         raise BackendNotFoundError(
-            f"tier {tier.name!r}: encryption needs the cryptography package, which is not installed:"
-            f" {sealing.INSTALL_HINT}"
+            f"tier {name!r}: encryption needs the cryptography package, which is not installed: {sealing.INSTALL_HINT}"
         )
+    keyring = sealing.load_keyring(encryption, f"tier {name!r}: encryption")  # before the tier exists
     from tieredkv.backends._sealed import SealedTier
 
-    return SealedTier(tier, sealing.load_keyring(encryption, f"tier {tier.name!r}: encryption"))
+    return SealedTier(cls(config, **kwargs), keyring)

@@ -260,3 +260,12 @@ def test_encryption_fields_are_described_and_default_off() -> None:
     assert RedisTierConfig().encryption is None and LMDBTierConfig().encryption is None
     assert RedisTierConfig.model_fields["encryption"].description
     assert LMDBTierConfig.model_fields["encryption"].description
+
+
+def test_encryption_set_from_the_environment_like_any_field(tmp_path: Path) -> None:
+    path = key_file(tmp_path / "keys", K1.hex() + "\n")
+    env = {"TIEREDKV_TIERS__redis__ENCRYPTION__KEYS_FILE": path}
+    cfg = load_config({"tiers": [{"kind": "redis"}]}, env=env)
+    assert cfg.tiers[0].encryption == EncryptionConfig(keys_file=path)  # type: ignore[attr-defined]
+    tier = build_tier(cfg.tiers[0])
+    assert tier.keyring.ids == (key_id(K1),)  # type: ignore[attr-defined]

@@ -16,6 +16,8 @@ only sees whole records, the sealed ones, through its raw-record hooks:
   not in the ring, or for another key, namespace or tenant) is a miss, counted ``corrupt``, none of
   its bytes left where it landed, and deleted by compare-and-delete (only while the key still holds
   those very bytes). A Redis tier reads through :class:`_RedisReads` (bounded, in place).
+* A batch of 1 MiB or more is sealed, or opened, on a worker thread (AES-GCM lets go of the GIL:
+  the loop moves the other batches in flight meanwhile).
 * everything else — contains, delete, scan (sizes less the tag), stats, probes, pins, counters,
   quotas, stamps, raw records, compare-and-delete — is the inner tier's. Pins and counters are the
   inner tier's own objects: a pin taken here protects a record from the inner tier's eviction, and
@@ -30,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Container, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Container, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +46,10 @@ from tieredkv.tenants import TenantQuotas
 __all__ = ["SealedTier"]
 
 log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+#: Batches of at least this many payload bytes are sealed and opened off the loop (SealedTier._work).
+_OFF_LOOP_BYTES = 1 << 20
 
 
 class SealedTier(Tier):
@@ -66,6 +72,9 @@ class SealedTier(Tier):
         self._pin_lock = inner._pin_lock
         self.quotas = inner.quotas
         self._writing: dict[bytes, asyncio.Future[None]] = {}  # key -> the put_many writing it now
+        #: A batch of this many payload bytes or more is sealed / opened on a worker thread
+        #: (:meth:`_work`); None: always on the loop.
+        self.off_loop_bytes: int | None = _OFF_LOOP_BYTES
         self._reads: _RedisReads | None = None
         if inner.kind == "redis":
             from tieredkv.backends.redis import RedisTier
@@ -95,12 +104,12 @@ class SealedTier(Tier):
     # ---- writes ----------------------------------------------------------------------
 
     async def _put_many(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
-        records = self._seal(items, tenants)
         earlier = {f for f in (self._writing.get(k) for k, _ in items) if f is not None}
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for k, _ in items:
             self._writing[k] = mine
         try:
+            records = await self._work(sum(len(p) for _, p in items), self._seal, items, tenants)
             for f in earlier:
                 await asyncio.shield(f)  # a later call's cancel must not cancel the earlier call's future
             await self.inner._raw_put_many(records)
@@ -123,6 +132,20 @@ class SealedTier(Tier):
             at += n
         return out
 
+    async def _work(self, nbytes: int, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` — the AES-GCM of a batch — on a worker thread when the batch holds
+        :attr:`off_loop_bytes` or more (AES-GCM lets go of the GIL: the loop meanwhile moves the
+        other batches in flight), else here. Cancelled, it still waits for the thread to finish:
+        nothing is written into a caller's buffer after the call has ended."""
+        if self.off_loop_bytes is None or nbytes < self.off_loop_bytes:
+            return fn(*args)
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
     # ---- reads -----------------------------------------------------------------------
 
     async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
@@ -133,9 +156,7 @@ class SealedTier(Tier):
                 return out
             raws = await self.inner._raw_get_many(keys)
             bad: list[tuple[bytes, bytes]] = []
-            for i, (key, raw) in enumerate(zip(keys, raws, strict=True)):
-                if raw is not None:
-                    out[i] = self._open_one(key, raw, into[i], bad)
+            await self._work(sum(len(r) for r in raws if r is not None), self._open_all, keys, raws, into, out, bad)
             if bad:
                 await self._drop_corrupt(bad)
         except BaseException:
@@ -144,6 +165,18 @@ class SealedTier(Tier):
                     dst[:n] = bytes(n)
             raise
         return out
+
+    def _open_all(
+        self,
+        keys: list[bytes],
+        raws: list[Any],
+        into: list[memoryview | None],
+        out: list[int | bytes | None],
+        bad: list[tuple[bytes, bytes]],
+    ) -> None:
+        for i, (key, raw) in enumerate(zip(keys, raws, strict=True)):
+            if raw is not None:
+                out[i] = self._open_one(key, raw, into[i], bad)
 
     def _open_one(
         self, key: bytes, raw: Any, dst: memoryview | None, bad: list[tuple[bytes, bytes]]
@@ -249,8 +282,9 @@ class _RedisReads:
     deleted by the tier's compare-and-delete (``RedisTier._drop_corrupt``: only while the key
     still holds, or starts with, the bytes read).
 
-    The generic path (the tier's ``raw_get_many``: a whole ``GET`` through redis-py) read 0.65x
-    as fast at 1 MiB (``benchmarks/bench_sealed.py``) and unbounded. This relies on these
+    The generic path (the tier's ``raw_get_many``: a whole ``GET`` through redis-py) is unbounded,
+    and through a store loaded 0.32-0.39 GB/s against 0.72-1.18 here (64 KiB-1 MiB chunks, one
+    node, 2 vCPUs, interleaved runs). This relies on these
     RedisTier internals: ``_per_key``, ``_run_bytes``, ``_drop_corrupt``, ``_NativePipe``,
     ``_wrongtype`` (``tests/integration/test_sealed_tiers.py`` runs it on a node, with and without
     ``native_io``, and on a cluster).
@@ -301,15 +335,14 @@ class _RedisReads:
                     pipe.getrange(rkeys[j], 0, caps[j])  # at most caps[j] + 1 bytes: longer means too long
 
             replies = await inner._per_key(rkeys, add, ncmd=2, data=True)
+            todo: list[tuple[int, bytes, bytes, memoryview]] = []  # (index, redis key, header, sealed body)
             for j, (i, rk, limit, reply) in enumerate(zip(run, rkeys, caps, replies, strict=True)):
                 if isinstance(reply, BaseException):  # its node is down: a miss (counted node_errors)
                     continue
                 exists, value = reply
                 key = keys[i]
                 if isinstance(value, self._placed):
-                    out[i] = self._open(
-                        key, rk, bytes(heads[j]), bodies[j][: int(value) - HEADER_SIZE], into[i], corrupt
-                    )
+                    todo.append((i, rk, bytes(heads[j]), bodies[j][: int(value) - HEADER_SIZE]))
                     continue
                 if isinstance(value, BaseException):
                     if self._wrongtype(value):  # a foreign non-string value under our key: a miss
@@ -329,9 +362,21 @@ class _RedisReads:
                         corrupt.append((rk, value, False))
                     continue
                 mv = memoryview(value)
-                out[i] = self._open(key, rk, bytes(mv[:HEADER_SIZE]), mv[HEADER_SIZE:], into[i], corrupt)
+                todo.append((i, rk, bytes(mv[:HEADER_SIZE]), mv[HEADER_SIZE:]))
+            await tier._work(sum(len(b) for *_, b in todo), self._open_all, todo, keys, into, out, corrupt)
         if corrupt:
             await inner._drop_corrupt(corrupt)
+
+    def _open_all(
+        self,
+        todo: list[tuple[int, bytes, bytes, memoryview]],
+        keys: list[bytes],
+        into: list[memoryview],
+        out: list[int | bytes | None],
+        corrupt: list[tuple[bytes, bytes, bool]],
+    ) -> None:
+        for i, rk, head, body in todo:
+            out[i] = self._open(keys[i], rk, head, body, into[i], corrupt)
 
     def _open(
         self,

@@ -15,7 +15,9 @@ only sees whole records, the sealed ones, through its raw-record hooks:
   open (not sealed — forged by anyone who knows the format —, changed by a bit, sealed under a key
   not in the ring, or for another key, namespace or tenant) is a miss, counted ``corrupt``, none of
   its bytes left where it landed, and deleted by compare-and-delete (only while the key still holds
-  those very bytes). A Redis tier reads through :class:`_RedisReads` (bounded, in place).
+  those very bytes). A Redis tier reads through :class:`_RedisReads` (bounded, in place); any
+  other through its ``raw_get_many`` hook (LMDB: which leaves access stamps as they are, so a
+  sealed LMDB tier evicts by write order, not by use).
 * A batch of 1 MiB or more is sealed, or opened, on a worker thread (AES-GCM lets go of the GIL:
   the loop moves the other batches in flight meanwhile).
 * everything else — contains, delete, scan (sizes less the tag), stats, probes, pins, counters,

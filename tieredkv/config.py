@@ -6,7 +6,8 @@ Primitives:
   the model the tier registry gives for its ``kind`` (built in, or a third-party tier
   installed under the ``tieredkv.backends`` entry point): no kind is special here.
 * :class:`CPUTierConfig`, :class:`LMDBTierConfig`, :class:`RedisTierConfig` — the built-in
-  tiers' models, ``extra="forbid"``, every field documented.
+  tiers' models, ``extra="forbid"``, every field documented; :class:`EncryptionConfig` — the
+  ``encryption`` of an LMDB or Redis tier (sealed records, :mod:`tieredkv.sealing`).
 * :class:`NamespaceConfig` — what the namespace fingerprint is built from.
 * :class:`TieredKVConfig` — the whole file.
 * :func:`load_config` — from a YAML/JSON path, a dict or nothing (defaults), with
@@ -36,6 +37,7 @@ import difflib
 import os
 import re
 import stat
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
@@ -60,6 +62,7 @@ from tieredkv.errors import ConfigError
 
 __all__ = [
     "CPUTierConfig",
+    "EncryptionConfig",
     "EvictionPolicyName",
     "LMDBTierConfig",
     "MetricsConfig",
@@ -240,6 +243,54 @@ class CPUTierConfig(TierConfigBase):
         return self
 
 
+class EncryptionConfig(_Model):
+    """Sealed records (:mod:`tieredkv.sealing`): every payload the tier stores is encrypted and
+    authenticated with AES-256-GCM under a key derived per namespace and tenant from a master key;
+    a record no master key opens is a miss. The master keys come from a file or an environment
+    variable (exactly one of the two), newest first: the newest seals, every one opens."""
+
+    keys_file: str | None = Field(
+        None,
+        description="File of master keys, newest first: one per line, 64 hex digits (`openssl rand -hex 32`) or"
+        " the base64 of 32 bytes; '#' starts a comment. It must be its owner's alone (chmod 600).",
+    )
+    keys_env: str | None = Field(
+        None,
+        description="Name of an environment variable holding the master keys instead, newest first, separated"
+        " by spaces, commas or line breaks (e.g. TIEREDKV_KEYS).",
+    )
+
+    @field_validator("keys_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("must be the name of an environment variable (letters, digits, '_'), e.g. TIEREDKV_KEYS")
+        return v
+
+    @field_validator("keys_file")
+    @classmethod
+    def _file_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must name the key file, e.g. /etc/tieredkv/keys")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EncryptionConfig:
+        if (self.keys_file is None) == (self.keys_env is None):
+            raise ValueError(
+                "set exactly one of keys_file (a file of master keys) or keys_env (the name of an environment"
+                " variable holding them)"
+            )
+        return self
+
+
+_ENCRYPTION_DOC = (
+    "Seal every record (AES-256-GCM, keys from a key file or an environment variable): only a holder"
+    " of a key reads it, a forged or altered record is a miss. None: records are stored in clear,"
+    " with a checksum."
+)
+
+
 class LMDBTierConfig(TierConfigBase):
     """One LMDB environment on local disk (NVMe)."""
 
@@ -270,6 +321,7 @@ class LMDBTierConfig(TierConfigBase):
             " copies it twice); None keeps every record inside LMDB."
         ),
     )
+    encryption: EncryptionConfig | None = Field(None, description=_ENCRYPTION_DOC)
 
     local_dir_field: ClassVar[str | None] = "path"
 
@@ -329,6 +381,7 @@ class RedisTierConfig(TierConfigBase):
     connections: int = Field(
         2, ge=1, le=64, description="Data-path connections of native_io: a batch's reads are split over them."
     )
+    encryption: EncryptionConfig | None = Field(None, description=_ENCRYPTION_DOC)
 
     @field_validator("key_prefix")
     @classmethod
@@ -820,6 +873,12 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
         return _SECTIONS.get(str(head))
     if len(loc) == 2 and head == "policy":
         return PolicyRule
+    if len(loc) > 2 and head == "tiers":  # a section of a tier's model (its encryption)
+        model = _model_at(loc[:2], raw)
+        for part in loc[2:]:
+            field = model.model_fields.get(str(part)) if model is not None else None
+            model = _section_model(field.annotation) if field is not None else None
+        return model
     if len(loc) == 2 and head == "tiers":
         items = raw.get("tiers") if isinstance(raw, dict) else None
         idx = loc[1]
@@ -834,6 +893,13 @@ def _model_at(loc: tuple[Any, ...], raw: Any) -> type[BaseModel] | None:
             except BackendNotFoundError:
                 return None
     return None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (``EncryptionConfig | None``: EncryptionConfig), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_section_model, typing.get_args(annotation)) if m is not None), None)
 
 
 # ---------------------------------------------------------------------------------------

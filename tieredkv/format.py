@@ -21,9 +21,11 @@ tieredkv wrote, so records move both ways between versions; a record with a tena
 its tenant covered by the checksum.
 
 A **sealed** record (version 2, flag bit 0; :mod:`tieredkv.sealing`) carries AES-256-GCM
-ciphertext in place of the payload, followed by the 16-byte tag; bytes 40..47 and 56..59 hold the
-96-bit nonce and bytes 60..63 the id of the key that sealed it. The tag, over the stored key and
-the whole header as associated data, does the checksum's job. The checksum paths here refuse a
+ciphertext in place of the payload, followed by the 16-byte tag (:data:`SEAL_TAG`); its payload
+length field is the plaintext's; bytes 40..47 and 56..59 hold the 96-bit nonce
+(:data:`SEAL_NONCE_AT`), bytes 60..63 the id of the master key that sealed it
+(:data:`SEAL_KEY_ID_AT`), and the tenant stays at 48..55. The tag, over the stored key and the
+whole header as associated data, does the checksum's job. The checksum paths here refuse a
 sealed record (it is corrupt to a reader without the keys).
 
 The checksum covers the stored key as well as the payload, so a record copied or renamed
@@ -59,6 +61,9 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "NATIVE",
+    "SEAL_KEY_ID_AT",
+    "SEAL_NONCE",
+    "SEAL_NONCE_AT",
     "SEAL_TAG",
     "TENANT_AT",
     "TENANT_VERSION",
@@ -97,6 +102,13 @@ _LEAD2 = struct.pack("<4sHH", MAGIC, TENANT_VERSION, HEADER_SIZE)
 _LEN_SUM = struct.Struct("<QQ")  # bytes 32..47: payload length, checksum
 #: Bytes after a sealed record's ciphertext: the AES-GCM tag.
 SEAL_TAG = 16
+#: A sealed record's nonce: 96 bits, in header bytes 40..47 then 56..59 (around the tenant, which
+#: stays where every version 2 reader looks for it).
+SEAL_NONCE = 12
+SEAL_NONCE_AT = ((40, 48), (56, 60))
+#: Where a sealed record names the master key that sealed it: header bytes 60..63, a u32
+#: (little-endian) key id (:class:`tieredkv.sealing.Keyring`).
+SEAL_KEY_ID_AT = 60
 assert HEADER_SIZE == 64
 #: Whether records are encoded and checked by the C helper ``tieredkv._fastrec`` (one call per
 #: record, the GIL released for the copy and the checksum of a payload of 16 KiB or more).

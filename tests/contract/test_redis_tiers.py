@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 import redis
 
-from tieredkv.backends.redis import RedisTier
+from tieredkv.backends.base import Tier
+from tieredkv.backends.registry import build_tier
 from tieredkv.config import RedisTierConfig
+from tieredkv.format import SEAL_TAG
 from tieredkv.testing.contract import TierContract
 from tieredkv.testing.servers import RedisCluster, RedisServer
 
@@ -30,6 +32,7 @@ def _reset(clients: list[redis.Redis]) -> None:
 
 class _RedisContract(TierContract):
     cluster = False
+    sealed = False  # with encryption (the registry wraps the tier: SealedTier)
 
     def nodes(self, request: Any) -> tuple[str, list[redis.Redis]]:
         raise NotImplementedError
@@ -37,14 +40,16 @@ class _RedisContract(TierContract):
     @pytest.fixture
     async def make_tier(self, request: Any) -> Any:
         url, clients = self.nodes(request)
-        tiers: list[RedisTier] = []
+        tiers: list[Tier] = []
 
-        async def make(capacity_bytes: int | None) -> RedisTier:
-            extra = {}
+        async def make(capacity_bytes: int | None) -> Tier:
+            extra: dict[str, Any] = {}
             if capacity_bytes is not None:
                 _limit_memory(clients, capacity_bytes)
                 extra["hash_tag_buckets"] = 1  # one node holds the namespace: its maxmemory applies
-            tier = RedisTier(RedisTierConfig(url=url, cluster=self.cluster, **extra))
+            if self.sealed:
+                extra["encryption"] = {"keys_file": request.getfixturevalue("sealed_keys_file")}
+            tier = build_tier(RedisTierConfig(url=url, cluster=self.cluster, **extra))
             await tier.open()
             tiers.append(tier)
             return tier
@@ -67,3 +72,41 @@ class TestRedisCluster(_RedisContract):
     def nodes(self, request: Any) -> tuple[str, list[redis.Redis]]:
         cl: RedisCluster = request.getfixturevalue("redis_cluster")
         return cl.url, [redis.Redis(host=h, port=p) for h, p in cl.nodes]
+
+
+class TestSealedRedisSingleNode(TestRedisSingleNode):
+    sealed = True
+    record_tail = SEAL_TAG
+
+
+class TestSealedRedisSingleNodeRedisPy(TestRedisSingleNode):
+    """Sealed, over redis-py (``native_io: false``): the reads' other path."""
+
+    sealed = True
+    record_tail = SEAL_TAG
+
+    @pytest.fixture
+    async def make_tier(self, request: Any) -> Any:
+        srv: RedisServer = request.getfixturevalue("redis_server")
+        clients = [redis.Redis(host="127.0.0.1", port=srv.port)]
+        tiers: list[Tier] = []
+
+        async def make(capacity_bytes: int | None) -> Tier:
+            extra: dict[str, Any] = {"native_io": False}
+            if capacity_bytes is not None:
+                _limit_memory(clients, capacity_bytes)
+            extra["encryption"] = {"keys_file": request.getfixturevalue("sealed_keys_file")}
+            tier = build_tier(RedisTierConfig(url=srv.url, **extra))
+            await tier.open()
+            tiers.append(tier)
+            return tier
+
+        yield make
+        for t in tiers:
+            await t.close()
+        _reset(clients)
+
+
+class TestSealedRedisCluster(TestRedisCluster):
+    sealed = True
+    record_tail = SEAL_TAG

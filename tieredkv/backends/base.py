@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Callable, Container, Iterable, Sequen
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar, overload
 
-from tieredkv.errors import TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
-from tieredkv.format import HEADER_SIZE, as_readable, as_writable
+from tieredkv.errors import CorruptRecordError, TierClosedError, TieredKVError, TierTimeoutError, TierUnavailableError
+from tieredkv.format import HEADER_SIZE, as_readable, as_writable, verify_record
 from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES, Namespace, key_fingerprint, stored_key_group
 from tieredkv.tenants import TenantQuotas
 
@@ -499,6 +499,17 @@ class Tier(ABC):
         batch = check_items("raw_put_many", items, as_readable)
         await self._ensure_open()
         await self._guard("raw_put_many", len(batch), self._raw_put_many(batch))
+
+    def check_record(self, raw: bytes | memoryview, key: bytes) -> str | None:
+        """Why ``raw`` (a record as :meth:`raw_get_many` returned it) is not good for stored key
+        ``key``, or None when it is — what a read of this tier would judge (``tieredkv verify`` /
+        ``inspect`` ask it). By default the checksum check of :mod:`tieredkv.format`; a tier with
+        encryption opens the record (:mod:`tieredkv.sealing`)."""
+        try:
+            verify_record(raw, key)
+        except CorruptRecordError as e:
+            return str(e)
+        return None
 
     # ---- helpers for backends --------------------------------------------------------
 

@@ -7,6 +7,9 @@ A tier kind is one registry entry, whatever its origin:
   mykind = "pkg.mod:MyTier"``;
 * **register_tier**: ``register_tier("mykind", MyTier)`` at run time.
 
+A tier config with ``encryption`` set is built as its tier wrapped in a
+:class:`~tieredkv.backends._sealed.SealedTier` (records sealed, :mod:`tieredkv.sealing`).
+
 The tier class carries everything else as class variables: ``kind``, ``config_model`` (a
 :class:`~tieredkv.config.TierConfigBase` subclass), ``capabilities``. So the config validates
 ``kind: mykind`` with ``MyTier.config_model``, ``build_tier`` constructs it, and callers
@@ -225,5 +228,28 @@ def tier_entry(kind: str) -> TierEntry:
 
 
 def build_tier(config: Any, **kwargs: Any) -> Tier:
-    """Construct (not open) the tier that ``config`` (a tier config model) describes."""
-    return get_tier_class(config.kind)(config, **kwargs)
+    """Construct (not open) the tier that ``config`` (a tier config model) describes. A config
+    with ``encryption`` (:class:`~tieredkv.config.EncryptionConfig`; LMDB and Redis have the field)
+    gets that tier wrapped in a :class:`~tieredkv.backends._sealed.SealedTier`, its keys loaded
+    now: a missing, unsafe or malformed key file raises here.
+
+    Raises:
+        BackendNotFoundError: as :func:`get_tier_class`, or encryption without the cryptography
+            package.
+        ConfigError: the encryption keys cannot be loaded (the message names the field and the fix).
+    """
+    cls = get_tier_class(config.kind)
+    encryption = getattr(config, "encryption", None)
+    if encryption is None:
+        return cls(config, **kwargs)
+    from tieredkv import sealing
+
+    name = kwargs.get("name") or getattr(config, "name", "") or config.kind
+    if sealing.AESGCM is None:
+        raise BackendNotFoundError(
+            f"tier {name!r}: encryption needs the cryptography package, which is not installed: {sealing.INSTALL_HINT}"
+        )
+    keyring = sealing.load_keyring(encryption, f"tier {name!r}: encryption")  # before the tier exists
+    from tieredkv.backends._sealed import SealedTier
+
+    return SealedTier(cls(config, **kwargs), keyring)

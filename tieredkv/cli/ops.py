@@ -321,11 +321,12 @@ async def inspect_key(cfg: TieredKVConfig, names: Sequence[str] | None, key: byt
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
             (raw,) = await tier.raw_get_many([key])
-        found.append(InspectEntry(tcfg.label, False) if raw is None else _describe_record(tcfg.label, raw, key))
+            why = None if raw is None else tier.check_record(raw, key)  # sealed records: opened with the keys
+        found.append(InspectEntry(tcfg.label, False) if raw is None else _describe_record(tcfg.label, raw, key, why))
     return InspectResult(key.hex(), fp.hex(), block_hash.hex(), group, found)
 
 
-def _describe_record(tier: str, raw: bytes, key: bytes) -> InspectEntry:
+def _describe_record(tier: str, raw: bytes, key: bytes, why: str | None) -> InspectEntry:
     entry = InspectEntry(tier, True, record_bytes=len(raw))
     try:
         h = decode_header(raw)
@@ -341,12 +342,7 @@ def _describe_record(tier: str, raw: bytes, key: bytes) -> InspectEntry:
             "payload_bytes": h.payload_len,
             "checksum": f"{h.checksum:016x}",
         }
-    try:
-        verify_record(raw, key)
-    except CorruptRecordError as e:
-        entry.verified, entry.error = False, str(e)
-    else:
-        entry.verified = True
+    entry.verified, entry.error = why is None, why
     return entry
 
 
@@ -382,14 +378,14 @@ async def verify(
                 for k, raw in zip(keys, await tier.raw_get_many(keys), strict=True):
                     if raw is None:
                         vanished += 1
-                    elif _verifies(raw, k) is None:
+                    elif tier.check_record(raw, k) is None:
                         ok += 1
                     else:
                         failed[k] = raw
                 if failed:  # read again: only a record that still holds what failed is corrupt
                     again = await tier.raw_get_many(list(failed))
                     for (k, first), raw in zip(failed.items(), again, strict=True):
-                        err = None if raw is None else _verifies(raw, k)
+                        err = None if raw is None else tier.check_record(raw, k)
                         if raw is None:
                             vanished += 1
                         elif err is None:
@@ -401,15 +397,6 @@ async def verify(
             repaired = await _repair(tier, bad) if repair and bad else 0
         rows.append(VerifyRow(tcfg.label, len(infos), ok, len(bad), vanished, repaired))
     return VerifyResult(rows, corrupt, repair)
-
-
-def _verifies(raw: bytes, key: bytes) -> str | None:
-    """Why record ``raw`` fails for ``key`` (None: it verifies)."""
-    try:
-        verify_record(raw, key)
-    except CorruptRecordError as e:
-        return str(e)
-    return None
 
 
 async def _repair(tier: Tier, bad: list[tuple[bytes, bytes]]) -> int:

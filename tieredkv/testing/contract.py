@@ -70,6 +70,10 @@ def _h(i: int) -> bytes:
 class TierContract:
     """Behaviour every tier must show. Subclasses provide the ``make_tier`` fixture."""
 
+    #: Bytes a stored record holds past its header and payload (as ``raw_get_many`` returns it):
+    #: 0, or for a tier with encryption the AEAD tag (:data:`tieredkv.format.SEAL_TAG`).
+    record_tail = 0
+
     @pytest.fixture
     def ns(self) -> Namespace:
         return Namespace(model="contract/model", tenant_salt=uuid.uuid4().hex)
@@ -230,7 +234,7 @@ class TierContract:
         key = ns.key(_h(3), 0)
         await tier.put_many([(key, payload(100)), (ns.key(_h(3), 1), payload(100))])
         (rec,) = await tier.raw_get_many([key])
-        assert rec is not None and len(rec) == HEADER_SIZE + 100
+        assert rec is not None and len(rec) == HEADER_SIZE + 100 + self.record_tail
         bad = {
             "truncated": rec[: HEADER_SIZE + 2],
             "tiny": rec[:10],

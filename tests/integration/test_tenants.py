@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -290,3 +292,13 @@ async def test_cpu_tier_at_quota_an_overwrite_fits_and_pinned_records_refuse_the
         tier.unpin_many(keys[:4])
         await tier.put_many([(keys[4], bytes(CHUNK))], tenants=[A])
         assert await tier.contains_many(keys) == [False] + [True] * 4  # its least recently used went
+
+
+def test_the_readme_tenants_example_is_a_valid_config() -> None:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("### Tenants") :]
+    block = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml"))]
+    quotas = TenantQuotas.from_config(load_config(yaml.safe_load(block), env={}).tenants)
+    assert quotas.limit(tenant_id("acme"), None) == 8 << 30
+    assert quotas.limit(tenant_id("globex"), 1000) == 250
+    assert quotas.limit(tenant_id("anyone"), None) == 2 << 30 and quotas.report_top == 20

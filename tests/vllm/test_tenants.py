@@ -48,7 +48,7 @@ def workload() -> list[list[ReqSpec]]:
     return [steady, flood, again]
 
 
-def run(tmp_path: Path, tenants: dict[str, Any] | None) -> tuple[Any, dict[int, int] | None]:
+def run(tmp_path: Path, tenants: dict[str, Any] | None) -> tuple[Any, dict[int, int] | None, dict[str, int]]:
     config = {
         "namespace": {"model": "engine-tenants"},
         "tiers": [
@@ -71,9 +71,10 @@ def run(tmp_path: Path, tenants: dict[str, Any] | None) -> tuple[Any, dict[int, 
         store = eng.connector_scheduler.manager.store  # type: ignore[union-attr]
         assert store.drain(30)
         usage = store.tenant_usage()["cpu"]
+        counters = dict(store.tiers[0].counters)
     finally:
         eng.shutdown()
-    return eng, usage
+    return eng, usage, counters
 
 
 def steady_hits(eng: Any) -> dict[str, int]:
@@ -82,7 +83,7 @@ def steady_hits(eng: Any) -> dict[str, int]:
 
 
 def test_a_flooding_tenant_leaves_the_others_records_within_their_quota(tmp_path: Path) -> None:
-    eng, usage = run(tmp_path, {"quotas": {"steady": 16 * CHUNK, "flood": 8 * CHUNK}})
+    eng, usage, counters = run(tmp_path, {"quotas": {"steady": 16 * CHUNK, "flood": 8 * CHUNK}})
     res = eng.result
     assert all(res.phase_idle) and res.wrong_slots == 0 and not res.unfinished_requests, res.summary()
     whole = {f"S{i}x": (n - 1) // 16 * 16 for i, n in enumerate(STEADY_PROMPTS)}  # vLLM never hits the last token
@@ -91,8 +92,9 @@ def test_a_flooding_tenant_leaves_the_others_records_within_their_quota(tmp_path
     assert usage[tenant_id("steady")] == sum(n // 16 for n in STEADY_PROMPTS) * CHUNK  # 15 chunks
     assert 0 < usage[tenant_id("flood")] <= 8 * CHUNK
     assert usage[0] == 0  # every record has its request's tenant
+    assert counters["tenant_evictions"] == counters["evictions"] > 0  # flood's own, and only those
 
-    control, shared = run(tmp_path, None)  # no quotas: one LRU for everybody
+    control, shared, _ = run(tmp_path, None)  # no quotas: one LRU for everybody
     assert all(control.result.phase_idle) and control.result.wrong_slots == 0
     assert steady_hits(control) == {name: 0 for name in whole}  # the flood took them all
     assert shared is not None and shared[tenant_id("flood")] > 32 * CHUNK  # unbounded: half the tier and more

@@ -302,3 +302,18 @@ def test_the_readme_tenants_example_is_a_valid_config() -> None:
     assert quotas.limit(tenant_id("acme"), None) == 8 << 30
     assert quotas.limit(tenant_id("globex"), 1000) == 250
     assert quotas.limit(tenant_id("anyone"), None) == 2 << 30 and quotas.report_top == 20
+
+
+async def test_cpu_tier_room_a_tenant_makes_comes_back_in_slab_order() -> None:
+    """The slots a tenant's own evictions free go to its batch in the order they lie in the slab,
+    so a job's chunks stay back to back and move with one copy (``span_view``), as they do when
+    the slab evicts by itself."""
+    tier = CPUTier(CPUTierConfig(capacity_bytes="1MiB", segment_bytes="1MiB", min_slot_bytes="16KiB"))
+    tier.set_quotas(TenantQuotas.from_config(load_config({"tenants": {"quotas": {"acme": "128KiB"}}}).tenants))
+    async with tier:
+        for r in range(4):  # each job takes the whole quota: acme's previous job makes the room
+            keys = [NS.key(bytes([r]) * 4 + i.to_bytes(28, "big"), 0) for i in range(8)]
+            slots = tier.reserve([(k, CHUNK) for k in keys], A)
+            assert tier.span_view(slots) is not None, [s.offset for s in slots]
+            tier.commit(list(zip(keys, slots)))
+        assert tier.counters["tenant_evictions"] == 24

@@ -717,7 +717,11 @@ class CPUTier(Tier):
                 f" {self._tbytes.get(tenant, 0)} bytes, {excess} too many of them in records being read or"
                 " written (pinned, reserved)",
             )
-        for key in victims:  # the listener (write-back) only queues: the index holds them all still
+        # Newest victim first: its slot goes on the free list first and is taken last, so the batch
+        # gets the freed slots in the order they lie in the slab (a job's chunks back to back: one
+        # copy per run, as after the slab's own evictions). The listener (write-back) only queues:
+        # the index holds them all still.
+        for key in reversed(victims):
             self._evict(key, self._index[key])
         self._count("tenant_evictions", len(victims))
 

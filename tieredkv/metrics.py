@@ -4,8 +4,9 @@ Primitives:
 
 * :class:`TieredKVCollector` — a custom collector. At each scrape it reads the tiers'
   ``counters`` (plain ints under a lock), an optional cached :class:`~tieredkv.backends.base.TierStats`
-  snapshot per tier (refreshed by :meth:`TieredKVCollector.refresh_stats`, since ``stats()`` is
-  async), and, when given, a pipeline whose ``stats()`` returns a typed
+  snapshot per tier and, for a tier that keeps tenants, its bytes per tenant (both refreshed by
+  :meth:`TieredKVCollector.refresh_stats`, since ``stats()`` and ``tenant_usage()`` are async),
+  and, when given, a pipeline whose ``stats()`` returns a typed
   :class:`~tieredkv.pipeline.stats.PipelineStats` (read by attribute: a renamed field breaks the
   tests, not the dashboards). Per-group metrics are one per :class:`~tieredkv.pipeline.stats.GroupStats`
   field, named by the field's metadata: to add a metric, add a field there and count it in the
@@ -23,9 +24,15 @@ Metric names (all prefixed ``tieredkv_``; ``tier`` / ``group`` labels):
 ``tier_loaded_bytes_total``            payload bytes read by ``get_many``
 ``tier_corrupt_records_total``         records that failed verification (deleted)
 ``tier_evictions_total``               records evicted by the tier's own policy
+``tier_tenant_evictions_total``        of those, records evicted because their tenant was over its quota
+``tier_tenant_refusals_total``         stores refused because they did not fit their tenant's quota
 ``tier_errors_total``                  operations that failed (``timeouts_total``: past deadline)
 ``tier_events_total{event}``           any other tier counter
 ``tier_used_bytes`` / ``capacity_bytes`` / ``records``   last stats snapshot
+``tenant_used_bytes{tier,tenant}``     bytes a tenant holds in a tier (``-``: records without a
+                                       tenant; the tenants the config names, and the
+                                       ``tenants.report_top`` largest)
+``tenant_quota_bytes{tier,tenant}``    those tenants' quotas in the tier (where one applies)
 ``tier_op_seconds{op,outcome}``        histogram of operation latency
 ``dropped_stores_total``               chunks a pipeline dropped for a tier (dead/full tier)
 ``breaker_state{state}``               1 for the breaker's current state (closed/open/half_open)
@@ -55,6 +62,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tieredkv.pipeline.stats import GroupStats, PipelineStats, group_metric_fields
+from tieredkv.tenants import DEFAULT_TENANT, TenantQuotas
 
 __all__ = [
     "BREAKER_STATES",
@@ -81,6 +89,11 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "puts": ("tier_stored_records", "Records written by put_many."),
     "corrupt": ("tier_corrupt_records", "Records that failed verification and were deleted."),
     "evictions": ("tier_evictions", "Records evicted by the tier's own capacity policy."),
+    "tenant_evictions": (
+        "tier_tenant_evictions",
+        "Records evicted because their tenant was over its quota (the tenant's own, oldest first).",
+    ),
+    "tenant_refusals": ("tier_tenant_refusals", "Stores a tier refused because they did not fit their tenant's quota."),
     "errors": ("tier_errors", "Tier operations that failed."),
     "timeouts": ("tier_timeouts", "Tier operations that ran past their deadline."),
     "deletes": ("tier_deletes", "Records removed by delete_many."),
@@ -117,6 +130,7 @@ class TieredKVCollector(Collector):
         self._lock = threading.Lock()
         self._tiers: dict[str, Any] = {}
         self._stats: dict[str, Any] = {}
+        self._usage: dict[str, dict[int, int]] = {}  # tier -> bytes per tenant id (tiers that keep tenants)
         self.pipeline = pipeline
         self.engine = engine
         for t in tiers:
@@ -132,9 +146,13 @@ class TieredKVCollector(Collector):
             return dict(self._tiers)
 
     async def refresh_stats(self) -> None:
-        """Cache one ``stats()`` snapshot per tier (call it periodically from the tiers' loop)."""
+        """Cache one ``stats()`` snapshot per tier, and its bytes per tenant where it keeps
+        tenants (call it periodically from the tiers' loop)."""
         for name, tier in self.tiers.items():
             try:
+                usage = await tier.tenant_usage() if hasattr(tier, "tenant_usage") else None
+                if usage is not None:
+                    self._usage[name] = usage
                 self._stats[name] = await tier.stats()
             except Exception as e:  # noqa: BLE001 - an unreachable tier keeps its last snapshot
                 log.debug("metrics: stats of tier %s failed: %s", name, e)
@@ -142,6 +160,10 @@ class TieredKVCollector(Collector):
     def set_stats(self, name: str, stats: Any) -> None:
         """Store a stats snapshot taken elsewhere."""
         self._stats[name] = stats
+
+    def set_tenant_usage(self, name: str, usage: Mapping[int, int]) -> None:
+        """Store a tier's bytes per tenant id taken elsewhere (``Tier.tenant_usage``)."""
+        self._usage[name] = dict(usage)
 
     # ---- collection -------------------------------------------------------------------
 
@@ -167,6 +189,14 @@ class TieredKVCollector(Collector):
         used = GaugeMetricFamily(_name("tier_used_bytes"), "Bytes used (last stats snapshot).", labels=["tier"])
         cap = GaugeMetricFamily(_name("tier_capacity_bytes"), "Capacity (last stats snapshot).", labels=["tier"])
         recs = GaugeMetricFamily(_name("tier_records"), "Records held (last stats snapshot).", labels=["tier"])
+        t_used = GaugeMetricFamily(
+            _name("tenant_used_bytes"),
+            "Bytes a tenant's records hold in a tier (last stats snapshot; tenant '-': records without one).",
+            labels=["tier", "tenant"],
+        )
+        t_quota = GaugeMetricFamily(
+            _name("tenant_quota_bytes"), "A tenant's quota in a tier (bytes).", labels=["tier", "tenant"]
+        )
         for name, tier in self.tiers.items():
             counters = getattr(tier, "counters", None) or {}
             lock = getattr(tier, "_counter_lock", None)
@@ -187,8 +217,20 @@ class TieredKVCollector(Collector):
                     cap.add_metric([name], float(st.capacity_bytes))
                 if st.records is not None:
                     recs.add_metric([name], float(st.records))
+            usage = self._usage.get(name)
+            if usage is not None:
+                quotas = getattr(tier, "quotas", None)
+                if not isinstance(quotas, TenantQuotas):
+                    quotas = TenantQuotas()
+                capacity = getattr(st, "capacity_bytes", None)
+                for tid in dict.fromkeys((DEFAULT_TENANT, *quotas.reported(usage))):
+                    label = quotas.label(tid)
+                    t_used.add_metric([name, label], float(usage.get(tid, 0)))
+                    limit = quotas.limit(tid, capacity)
+                    if limit is not None:
+                        t_quota.add_metric([name, label], float(limit))
         yield from fams.values()
-        yield from (other, used, cap, recs)
+        yield from (other, used, cap, recs, t_used, t_quota)
 
     def _collect_pipeline(self, p: Any) -> Iterator[Any]:
         stats = _get(p, "stats")

@@ -13,6 +13,10 @@
     store.close()
 
 Tensors may live on a CUDA device or on the CPU; the same code paths run in both cases.
+Every store, load and record call takes a ``tenant=`` (a name: vLLM's ``cache_salt``, a
+customer; see :mod:`tieredkv.tenants`): the records it writes are that tenant's, bounded by its
+quota in each tier that keeps tenants, and :meth:`TieredStore.tenant_usage` reports each
+tenant's bytes per tier.
 Request-level planning (which chunks of which request to store or load, across several KV
 groups) is :class:`tieredkv.scheduler.OffloadScheduler`; ``tieredkv demo`` shows the two
 used together.
@@ -45,6 +49,7 @@ from tieredkv.keys import (
     group_suffix,
     key_fingerprint,
     key_group,
+    tenant_id,
 )
 from tieredkv.metrics import MetricsServer, TieredKVMetrics, start_metrics_server
 from tieredkv.pipeline import (
@@ -67,6 +72,8 @@ from tieredkv.weights import namespace_weights
 __all__ = ["KeyState", "TieredStore", "open_store"]
 
 ChunkArg = tuple[bytes, Sequence[int]]
+#: A tenant as callers name it: a name (str / bytes), an id from ``tenant_id`` (int), or None.
+TenantArg = str | bytes | int | None
 
 #: Longest stored key any tier takes (LMDB's default key limit is 511 bytes).
 MAX_KEY_BYTES = 511
@@ -110,7 +117,7 @@ class TieredStore:
             weights=namespace_weights(ns.weights_path, ns.weights_fingerprint),
         )
         self.tiers = list(tiers) if tiers is not None else [build_tier(t) for t in config.tiers]
-        quotas = TenantQuotas.from_config(config.tenants)
+        self._quotas = quotas = TenantQuotas.from_config(config.tenants)
         for t in self.tiers:
             t.set_quotas(quotas)
         self.policy = TierPolicy(config.policy, [t.name for t in self.tiers])
@@ -268,22 +275,34 @@ class TieredStore:
         """Per key: ``(HIT, tier)``, ``(PENDING, None)`` while a store is in flight, or ``(MISS, None)``."""
         return self.pipeline.lookup(keys, timeout)
 
-    def store(self, group: int, chunks: Iterable[ChunkArg]) -> int | None:
+    def store(self, group: int, chunks: Iterable[ChunkArg], *, tenant: TenantArg = None) -> int | None:
         """Submit whole chunks ``(key, block_ids)`` of ``group`` for storing. Returns the job id at
         once, or None when refused (staging full: back-pressure; offer the chunks again later).
         A job larger than the whole staging pool is accepted once some staging is free and moves
-        through it in parts (see :meth:`tieredkv.pipeline.Pipeline.submit_store`)."""
+        through it in parts (see :meth:`tieredkv.pipeline.Pipeline.submit_store`).
+
+        ``tenant``: whose records these are — a name (``str`` / ``bytes``: vLLM's
+        ``cache_salt``, a customer id), an id :func:`~tieredkv.keys.tenant_id` made (``int``), or
+        None (the default tenant, no quota). A tier that keeps tenants bounds each by its quota
+        (the config's ``tenants``): a store that would take the tenant over it evicts that
+        tenant's own oldest records there first, and one larger than its whole quota is refused
+        there (the job's ``failed`` keys)."""
         refs = self._checked(group, chunks, "store")
         job_id = next(self._ids)
-        if not self.pipeline.submit_store(StoreJob(job_id, group, refs)):
+        tid = 0 if tenant is None else as_tenant_id(tenant)
+        if not self.pipeline.submit_store(StoreJob(job_id, group, refs, tid)):
             return None
         self._open_jobs.add(job_id)
         return job_id
 
-    def load(self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0) -> int | None:
+    def load(
+        self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0, tenant: TenantArg = None
+    ) -> int | None:
         """Submit a load of whole chunks into their blocks (see :class:`~tieredkv.pipeline.LoadJob`).
         Returns the job id at once, or None when refused (back-pressure). A job larger than the
-        whole staging pool moves through it in parts, like :meth:`store`."""
+        whole staging pool moves through it in parts, like :meth:`store`. ``tenant`` (as in
+        :meth:`store`): a chunk promoted from a lower tier into the first one becomes that
+        tenant's record there, counted against its quota."""
         refs = self._checked(group, chunks, "load")
         bpc = self._geometry[group][0].blocks_per_chunk
         if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int) or not 0 <= skip_blocks < bpc:
@@ -292,7 +311,8 @@ class TieredStore:
                 f"(blocks to skip inside the first chunk of group {group})"
             )
         job_id = next(self._ids)
-        if not self.pipeline.submit_load(LoadJob(job_id, group, refs, skip_blocks)):
+        tid = 0 if tenant is None else as_tenant_id(tenant)
+        if not self.pipeline.submit_load(LoadJob(job_id, group, refs, skip_blocks, tid)):
             return None
         self._open_jobs.add(job_id)
         return job_id
@@ -350,21 +370,29 @@ class TieredStore:
 
     # ---- raw records (callers that hold the bytes in host memory: vLLM's secondary tier) -------
 
-    def put_records(self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None) -> int | None:
-        """Store ``(stored key, host buffer)`` records, each routed by its key's group. Returns the
-        job id (``job_id`` if given) at once, or None when refused (store closed). Keep the buffers
-        unchanged until the job's result (kind ``"put"``) is polled."""
-        return self._submit_records("put", items, job_id)
+    def put_records(
+        self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None, tenant: TenantArg = None
+    ) -> int | None:
+        """Store ``(stored key, host buffer)`` records (of ``tenant``, as in :meth:`store`), each
+        routed by its key's group. Returns the job id (``job_id`` if given) at once, or None when
+        refused (store closed). Keep the buffers unchanged until the job's result (kind ``"put"``)
+        is polled."""
+        return self._submit_records("put", items, job_id, tenant)
 
-    def get_records(self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None) -> int | None:
+    def get_records(
+        self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None, tenant: TenantArg = None
+    ) -> int | None:
         """Read ``(stored key, writable host buffer)`` records, each buffer filled completely by its
-        record. Result kind ``"get"``: ``done`` found and copied, ``failed`` missing."""
-        return self._submit_records("get", items, job_id)
+        record. Result kind ``"get"``: ``done`` found and copied, ``failed`` missing. ``tenant``:
+        as in :meth:`load` (promotions are its records)."""
+        return self._submit_records("get", items, job_id, tenant)
 
-    def _submit_records(self, kind: str, items: Sequence[tuple[bytes, Any]], job_id: int | None) -> int | None:
+    def _submit_records(
+        self, kind: str, items: Sequence[tuple[bytes, Any]], job_id: int | None, tenant: TenantArg
+    ) -> int | None:
         jid = next(self._ids) if job_id is None else int(job_id)
         submit = self.pipeline.submit_put if kind == "put" else self.pipeline.submit_get
-        if not submit(jid, items):
+        if not submit(jid, items, 0 if tenant is None else as_tenant_id(tenant)):
             return None
         self._open_jobs.add(jid)
         return jid
@@ -389,6 +417,23 @@ class TieredStore:
         """Run ``coro`` — a call on one of :attr:`tiers`, e.g. ``tier.stats()`` or
         ``tier.delete_many(keys)`` — on the store's loop (where the tiers live) and return its result."""
         return self.pipeline.run(coro, timeout)
+
+    def tenant_usage(self, timeout: float = 10.0) -> dict[str, dict[int, int] | None]:
+        """Per tier, the bytes each tenant holds there (by tenant id, :func:`~tieredkv.keys.tenant_id`;
+        the default tenant under 0; label them with ``quotas.label``); None for a tier that does
+        not keep tenants or cannot answer (unreachable or past ``timeout``)."""
+        out: dict[str, dict[int, int] | None] = {}
+        for tier in self.tiers:
+            try:
+                out[tier.name] = self.run(tier.tenant_usage(), timeout)
+            except (TieredKVError, TimeoutError):
+                out[tier.name] = None
+        return out
+
+    @property
+    def quotas(self) -> TenantQuotas:
+        """The tenants' quotas (the config's ``tenants`` section), as every tier applies them."""
+        return self._quotas
 
     def tier_stats(self, timeout: float = 10.0) -> dict[str, TierStats | None]:
         """Each tier's :class:`~tieredkv.backends.base.TierStats` now; None for a tier that cannot
@@ -495,6 +540,19 @@ class TieredStore:
         for r in self.pipeline.poll_finished():
             self._results[r.job_id] = r
             self._open_jobs.discard(r.job_id)
+
+
+def as_tenant_id(tenant: str | bytes | int) -> int:
+    """The tenant id of a call's ``tenant=``: a name (``str`` / ``bytes``, hashed by
+    :func:`~tieredkv.keys.tenant_id`; empty: the default tenant) or an id it made (``int``)."""
+    if isinstance(tenant, (str, bytes)):
+        return tenant_id(tenant)
+    if isinstance(tenant, int) and not isinstance(tenant, bool) and 0 <= tenant < 2**64:
+        return tenant
+    raise TypeError(
+        f"tenant={tenant!r} is not a tenant: expected a name (str or bytes, e.g. vLLM's cache_salt),"
+        " an id from tieredkv.keys.tenant_id (int), or None"
+    )
 
 
 def _check_tensors(group: int, tensors: Sequence[Any]) -> None:

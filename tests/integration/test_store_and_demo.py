@@ -383,6 +383,7 @@ README_METRICS = {
     "evictions": ["tieredkv_tier_evictions_total"],
     "breaker state": ["tieredkv_breaker_state", "tieredkv_breaker_open"],
     "usage and capacity": ["tieredkv_tier_used_bytes", "tieredkv_tier_capacity_bytes"],
+    "Per tenant": ["tieredkv_tenant_used_bytes"],
     "latency histogram": ["tieredkv_tier_op_seconds_bucket", "tieredkv_tier_op_seconds_count"],
 }
 

@@ -251,3 +251,32 @@ def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
         assert 'tieredkv_breaker_open{tier="cpu"} 0.0' in body
     with pytest.raises(OSError):
         urllib.request.urlopen(srv.url, timeout=2)
+
+
+async def test_tenant_usage_is_reported_for_named_tenants_the_largest_and_records_without_one() -> None:
+    from tieredkv.keys import tenant_id
+    from tieredkv.tenants import TenantQuotas
+
+    tier = CPUTier(CPUTierConfig(capacity_bytes="4MiB", segment_bytes="1MiB", min_slot_bytes="16KiB", prefault=False))
+    quotas = load_config({"tenants": {"default_quota": "25%", "quotas": {"acme": "512KiB"}, "report_top": 2}})
+    tier.set_quotas(TenantQuotas.from_config(quotas.tenants))
+    async with tier:
+        m = TieredKVMetrics([tier])
+        chunk = b"x" * 16384
+        for i, n in enumerate((1, 2, 3, 4)):  # t0..t3 hold 1..4 chunks; acme none yet
+            keys = [NS.key(bytes([i, j]) * 4, 0) for j in range(n)]
+            await tier.put_many([(k, chunk) for k in keys], tenants=[tenant_id(f"t{i}")] * n)
+        await tier.put_many([(NS.key(b"plain!!!", 0), chunk)])
+        await m.refresh_stats()
+        used = {labels: v for (name, labels), v in samples(m.registry).items() if name == "tieredkv_tenant_used_bytes"}
+        t2, t3 = f"{tenant_id('t2'):016x}", f"{tenant_id('t3'):016x}"
+        assert used == {
+            (("tenant", "-"), ("tier", "cpu")): 16384.0,
+            (("tenant", "acme"), ("tier", "cpu")): 0.0,  # named in the config: reported, even empty
+            (("tenant", t3), ("tier", "cpu")): 4 * 16384.0,  # report_top: the two largest others
+            (("tenant", t2), ("tier", "cpu")): 3 * 16384.0,
+        }
+        assert value(m.registry, "tieredkv_tenant_quota_bytes", tier="cpu", tenant="acme") == 512 * 1024
+        assert value(m.registry, "tieredkv_tenant_quota_bytes", tier="cpu", tenant=t3) == 1 << 20  # 25%
+        assert ("tieredkv_tenant_quota_bytes", (("tenant", "-"), ("tier", "cpu"))) not in samples(m.registry)
+        assert value(m.registry, "tieredkv_tier_tenant_refusals_total", tier="cpu") == 0  # present as zero

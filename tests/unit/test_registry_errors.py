@@ -67,7 +67,13 @@ def test_every_builtin_entry_is_consistent(kind: str) -> None:
 def test_builtin_capabilities() -> None:
     caps = {k: reg.tier_capabilities(k) for k in reg.known_tiers}
     assert caps["cpu"] == TierCapabilities(
-        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True, medium="host"
+        in_process=True,
+        slots=True,
+        access_stamps=True,
+        local_eviction=True,
+        sync_probe=True,
+        medium="host",
+        tenants=True,
     )
     assert caps["lmdb"] == TierCapabilities(
         access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2, medium="disk"

@@ -273,6 +273,7 @@ class ReqSpec:
     prompt: tuple[int, ...]
     max_tokens: int
     note: str = ""
+    cache_salt: str | None = None  # the request's tenant (vLLM folds it into the first block hash)
 
 
 def build_workload(seed: int = 0) -> list[list[ReqSpec]]:
@@ -786,6 +787,7 @@ class Engine:
             sampling_params=sp,
             pooling_params=None,
             block_hasher=self.hasher,
+            cache_salt=spec.cache_salt,
         )
         self.reqs[rid] = req
         self.seqs[rid] = _Seq(list(spec.prompt))

@@ -24,6 +24,20 @@ change); eviction write-back hands the payload to the next tier, which seals its
 Records that came from outside (:meth:`raw_put_many`) carry their header and are verified on
 first use — a corrupt one is a counted miss, deleted — and trusted after that.
 
+Tenants (``capabilities.tenants``): each slot knows its record's tenant id (``put_many(tenants=)``,
+``reserve(tenant=)``, the header of a raw record), and the tier keeps each tenant's bytes (slot
+sizes, as ``used_bytes``; slots reserved and not yet committed count) and, per tenant and slot
+class, the tenant's records in its eviction policy's order. Before a tenant's slots are
+allocated, that tenant's own records are evicted (unpinned, least recently used first, the
+batch's slot class first) until what it holds plus the batch fits its quota
+(:meth:`~tieredkv.tenants.TenantQuotas.limit` of the slab's capacity); no other tenant loses a
+record for that. A batch larger than a tenant's whole quota, or one that its unevictable records
+leave no room for, is refused (:class:`~tieredkv.errors.TierFullError`, ``tenant_refusals``
+counted) before anything is allocated. When the slab itself is full, a victim of a tenant over
+its quota (a quota lowered, records that came raw) goes before the class's own order. The
+default tenant (0) has no quota and none of this bookkeeping: without tenants the slab runs the
+code it always ran.
+
 Slot lifetime has one owner, :meth:`CPUTier._release`: a slot lent to a reader by
 :meth:`CPUTier.borrow` (the pipeline copies straight from it) carries a reference count,
 and a slot that loses its key while lent (an overwrite, a promotion into this tier, a
@@ -36,7 +50,7 @@ instance belongs to one event loop.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Container, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +58,8 @@ from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities
 from tieredkv.config import CPUTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
 from tieredkv.eviction import EvictionPolicy, make_policy
-from tieredkv.format import HEADER_SIZE, make_header, verify_parts
+from tieredkv.format import HEADER_SIZE, TENANT_AT, TENANT_VERSION, make_header, verify_parts
+from tieredkv.tenants import TenantQuotas
 
 __all__ = ["CPUTier"]
 
@@ -60,6 +75,7 @@ class _Slot:
     checked: bool = True  # False: bytes came from outside the process, verify before serving
     refs: int = 0  # readers holding this slot (borrow .. give_back)
     dead: bool = False  # dropped from the index while lent: freed by the last give_back
+    tenant: int = 0  # the record's tenant id (tieredkv.keys.tenant_id; 0: the default tenant)
 
 
 class CPUTier(Tier):
@@ -67,7 +83,13 @@ class CPUTier(Tier):
 
     kind = "cpu"
     capabilities = TierCapabilities(
-        in_process=True, slots=True, access_stamps=True, local_eviction=True, sync_probe=True, medium="host"
+        in_process=True,
+        slots=True,
+        access_stamps=True,
+        local_eviction=True,
+        sync_probe=True,
+        medium="host",
+        tenants=True,
     )
     config_model = CPUTierConfig
 
@@ -84,8 +106,14 @@ class CPUTier(Tier):
         self._class_sizes = sorted({x for x in sizes if x < self._seg_bytes} | {self._seg_bytes})
         self._slab: Any = None
         self._mv: memoryview | None = None
-        self._evict_listener: Callable[[bytes, bytes], None] | None = None
+        self._evict_listener: Callable[[bytes, bytes, int], None] | None = None
         self.pinned = False
+        # Tenants (ids other than 0 only; see the module docstring).
+        self._tbytes: dict[int, int] = {}  # tenant -> slot bytes held, reserved slots included
+        self._tresv: dict[int, int] = {}  # tenant -> bytes of its slots reserved, not yet committed
+        self._tpol: dict[int, dict[int, EvictionPolicy]] = {}  # tenant -> slot class -> its records
+        self._over: set[int] = set()  # tenants holding more than their quota
+        self._limits: dict[int, int | None] = {}  # tenant -> its quota here (cache of quotas.limit)
 
     @classmethod
     def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits:
@@ -132,10 +160,16 @@ class CPUTier(Tier):
 
     # ---- public extras -----------------------------------------------------------------
 
-    def set_evict_listener(self, fn: Callable[[bytes, bytes], None] | None) -> None:
-        """Call ``fn(key, payload_bytes)`` for every record evicted (not deleted), before its slot
-        is reused — write-back demotes it to a lower tier. Corrupt records are not passed on."""
+    def set_evict_listener(self, fn: Callable[[bytes, bytes, int], None] | None) -> None:
+        """Call ``fn(key, payload_bytes, tenant)`` for every record evicted (not deleted), before
+        its slot is reused — write-back demotes it to a lower tier, under its own tenant. Corrupt
+        records are not passed on."""
         self._evict_listener = fn
+
+    def set_quotas(self, quotas: TenantQuotas) -> None:
+        super().set_quotas(quotas)
+        self._limits = {}
+        self._over = {t for t, b in self._tbytes.items() if (lim := self._limit(t)) is not None and b > lim}
 
     @property
     def slab(self) -> Any:
@@ -144,10 +178,10 @@ class CPUTier(Tier):
 
     # ---- hooks -----------------------------------------------------------------------
 
-    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+    async def _put_many(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
         mv = self._mv
         assert mv is not None
-        slots = self.reserve([(key, len(payload)) for key, payload in items])
+        slots = self.reserve([(key, len(payload)) for key, payload in items], tenants or 0)
         for (_, payload), slot in zip(items, slots):
             mv[slot.offset : slot.offset + slot.length] = payload
         self.commit([(key, slot) for (key, _), slot in zip(items, slots)], count=False)
@@ -165,6 +199,8 @@ class CPUTier(Tier):
             out.append(self._deliver(key, mv[slot.offset : slot.offset + slot.length], dst))
             slot.stamp = now
             self._policies[slot.cls].touch(key)
+            if slot.tenant:
+                self._tpol[slot.tenant][slot.cls].touch(key)
         return out
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
@@ -226,8 +262,16 @@ class CPUTier(Tier):
                 "slot_classes": {s: len(p) for s, p in zip(self._class_sizes, self._policies) if len(p)},
                 "lent_slots": sum(len(v) for v in self._lent.values()),
                 "parked_slots": self._parked,
+                "tenants": len(self._tbytes),
+                "tenants_over_quota": len(self._over),
             },
         )
+
+    async def _tenant_usage(self) -> dict[int, int]:
+        """Slot bytes of the committed records per tenant; the default tenant (0) is the rest."""
+        resv = self._tresv
+        usage = {t: n for t, b in self._tbytes.items() if (n := b - resv.get(t, 0))}
+        return {0: self._used - sum(usage.values()), **usage}
 
     # ---- raw records ---------------------------------------------------------------------
 
@@ -245,7 +289,7 @@ class CPUTier(Tier):
         record leaves the process; a published slot's bytes never change, so it is cached."""
         if not slot.header:
             assert self._mv is not None
-            slot.header = make_header(key, self._mv[slot.offset : slot.offset + slot.length])
+            slot.header = make_header(key, self._mv[slot.offset : slot.offset + slot.length], tenant=slot.tenant)
         return slot.header
 
     def _check(self, key: bytes, slot: _Slot) -> bool:
@@ -269,17 +313,26 @@ class CPUTier(Tier):
         for key, rec in items:
             n = max(len(rec) - HEADER_SIZE, 0)
             cls = self._class_for(n)
+            tenant = _header_tenant(rec)  # the header is verified on first use; until then, as it says
+            if tenant:
+                self._make_room(tenant, self._class_sizes[cls], {key}, (cls,))
             off, seg = self._allocate(cls, {key}, set())
             mv[off : off + n] = rec[HEADER_SIZE:]
-            self._install(key, _Slot(off, cls, seg, n, bytes(rec[:HEADER_SIZE]), time.time(), checked=False))
+            slot = _Slot(off, cls, seg, n, bytes(rec[:HEADER_SIZE]), time.time(), checked=False, tenant=tenant)
+            if tenant:
+                self._charge(tenant, self._class_sizes[cls])
+            self._install(key, slot)
 
     def _install(self, key: bytes, slot: _Slot) -> None:
-        """Publish a written slot under ``key``, freeing the slot it replaces."""
+        """Publish a written slot under ``key``, freeing the slot it replaces (a tenant's slot is
+        charged to it already)."""
         old = self._index.get(key)
         if old is not None:
             self._drop(key, old)
         self._index[key] = slot
         self._policies[slot.cls].insert(key, self._class_sizes[slot.cls])
+        if slot.tenant:
+            self._tenant_policy(slot.tenant, slot.cls).insert(key, self._class_sizes[slot.cls])
         self._seg_keys[slot.seg].add(key)
         self._used += self._class_sizes[slot.cls]
 
@@ -290,11 +343,15 @@ class CPUTier(Tier):
     # and copies from them straight to the device. Each saves one memcpy through a staging
     # buffer.
 
-    def reserve(self, items: list[tuple[bytes, int]]) -> list[_Slot]:
+    def reserve(self, items: list[tuple[bytes, int]], tenant: int | Sequence[int] = 0) -> list[_Slot]:
         """Allocate a slot per ``(key, nbytes)``, all or nothing (TierFullError). Slots stay
-        invisible to readers until :meth:`commit`."""
+        invisible to readers until :meth:`commit`. ``tenant``: the records' tenant id, or one per
+        item (0: the default tenant); a tenant's own records make room for its quota first (see
+        the module docstring)."""
         if self._mv is None:
             raise TierClosedError(f"tier {self.name!r} is not open")
+        if tenant:
+            return self._reserve_tenants(items, tenant)
         plan: list[_Slot] = []
         reserved: set[bytes] = set()
         segs: set[int] = set()
@@ -363,6 +420,8 @@ class CPUTier(Tier):
             index[key] = slot
             size = sizes[slot.cls]
             policies[slot.cls].insert(key, size)
+            if slot.tenant:
+                self._commit_tenant(key, slot, size)
             seg_keys[seg].add(key)
             self._used += size
         if count:
@@ -370,8 +429,13 @@ class CPUTier(Tier):
             self._count("put_bytes", sum(s.length for _, s in items))
 
     def abort(self, slots: list[_Slot]) -> None:
+        """Give back reserved slots that were never committed."""
         for slot in slots:
             self._unreserve(slot)
+            if slot.tenant:
+                size = self._class_sizes[slot.cls]
+                self._charge(slot.tenant, -size)
+                self._add(self._tresv, slot.tenant, -size)
             self._release(slot)
 
     def _unreserve(self, slot: _Slot) -> None:
@@ -399,6 +463,8 @@ class CPUTier(Tier):
                 continue
             slot.stamp = now
             self._policies[slot.cls].touch(key)
+            if slot.tenant:
+                self._tpol[slot.tenant][slot.cls].touch(key)
             slot.refs += 1
             self._seg_lent[slot.seg] = self._seg_lent.get(slot.seg, 0) + 1
             self._lent.setdefault(key, []).append(slot)
@@ -480,7 +546,14 @@ class CPUTier(Tier):
 
     def _evict_one(self, cls: int, reserved: set[bytes]) -> bool:
         """Evict the first record of class ``cls`` its policy offers that is neither pinned nor
-        part of the batch being reserved."""
+        part of the batch being reserved (one of a tenant over its quota first)."""
+        if self._over:
+            for tenant in list(self._over):
+                key = self._tenant_victim(tenant, reserved, cls)
+                if key is not None:
+                    self._evict(key, self._index[key])
+                    self._count("tenant_evictions")
+                    return True
         for key in self._policies[cls].victims():
             if key not in reserved and not self.is_pinned(key):
                 self._evict(key, self._index[key])  # ends the iteration: the policy changes
@@ -513,7 +586,7 @@ class CPUTier(Tier):
             if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
                 self._count("evictions")
                 return
-            self._evict_listener(key, bytes(self._mv[slot.offset : slot.offset + slot.length]))
+            self._evict_listener(key, bytes(self._mv[slot.offset : slot.offset + slot.length]), slot.tenant)
         self._drop(key, slot)
         self._count("evictions")
 
@@ -522,6 +595,8 @@ class CPUTier(Tier):
         self._policies[slot.cls].remove(key)
         self._seg_keys[slot.seg].discard(key)
         self._used -= self._class_sizes[slot.cls]
+        if slot.tenant:
+            self._drop_tenant(key, slot)
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
@@ -532,3 +607,179 @@ class CPUTier(Tier):
                 self._parked += 1
             return
         self._free[slot.cls].append(slot.offset)
+
+    # ---- tenants (ids other than 0; see the module docstring) ----------------------------------
+
+    def _limit(self, tenant: int) -> int | None:
+        """Tenant ``tenant``'s quota in this slab (None: unbounded), cached per tenant."""
+        limits = self._limits
+        try:
+            return limits[tenant]
+        except KeyError:
+            if len(limits) >= 1 << 16:
+                limits.clear()
+            lim = limits[tenant] = self.quotas.limit(tenant, self._nseg * self._seg_bytes)
+            return lim
+
+    @staticmethod
+    def _add(counts: dict[int, int], tenant: int, delta: int) -> int:
+        n = counts.get(tenant, 0) + delta
+        if n:
+            counts[tenant] = n
+        else:
+            counts.pop(tenant, None)
+        return n
+
+    def _charge(self, tenant: int, delta: int) -> None:
+        """Move tenant ``tenant``'s bytes by ``delta`` (and whether it is over its quota)."""
+        held = self._add(self._tbytes, tenant, delta)
+        lim = self._limit(tenant)
+        if lim is not None:
+            if held > lim:
+                self._over.add(tenant)
+            else:
+                self._over.discard(tenant)
+
+    def _tenant_policy(self, tenant: int, cls: int) -> EvictionPolicy:
+        pols = self._tpol.get(tenant)
+        if pols is None:
+            pols = self._tpol[tenant] = {}
+        pol = pols.get(cls)
+        if pol is None:
+            pol = pols[cls] = make_policy(self.config.eviction_policy)
+        return pol
+
+    def _commit_tenant(self, key: bytes, slot: _Slot, size: int) -> None:
+        """A reserved slot of a tenant published under ``key`` (charged when it was reserved)."""
+        self._add(self._tresv, slot.tenant, -size)
+        self._tenant_policy(slot.tenant, slot.cls).insert(key, size)
+
+    def _drop_tenant(self, key: bytes, slot: _Slot) -> None:
+        tenant, cls = slot.tenant, slot.cls
+        self._charge(tenant, -self._class_sizes[cls])
+        pols = self._tpol[tenant]
+        pol = pols[cls]
+        pol.remove(key)
+        if not len(pol):
+            del pols[cls]
+            if not pols:
+                del self._tpol[tenant]
+
+    def _tenant_victim(self, tenant: int, skip: Container[bytes], cls: int) -> bytes | None:
+        """The first record of ``tenant`` of class ``cls`` in its policy order that is neither
+        pinned nor in ``skip``; None if none."""
+        pol = self._tpol.get(tenant, {}).get(cls)
+        if pol is not None:
+            for key in pol.victims():
+                if key not in skip and not self.is_pinned(key):
+                    return key
+        return None
+
+    def _refuse(self, tenant: int, why: str) -> TierFullError:
+        self._count("tenant_refusals")
+        return TierFullError(f"tier {self.name!r}: tenant {self.quotas.label(tenant)}: {why}")
+
+    def _make_room(self, tenant: int, need: int, batch: Collection[bytes], classes: Sequence[int]) -> None:
+        """Evict ``tenant``'s own records (of ``classes`` first, each class in its policy order;
+        never pinned ones or those the ``batch`` overwrites, whose slots it frees itself) until
+        it holds at most its quota less ``need`` bytes. TierFullError (counted), with nothing
+        evicted, when they cannot make that room."""
+        lim = self._limit(tenant)
+        if lim is None:
+            return
+        excess = self._tbytes.get(tenant, 0) + need - lim
+        if excess <= 0:
+            return
+        index, sizes = self._index, self._class_sizes
+        for key in batch:  # an overwrite of its own record: the old slot goes at commit
+            old = index.get(key)
+            if old is not None and old.tenant == tenant:
+                excess -= sizes[old.cls]
+        if excess <= 0:
+            return
+        skip = batch
+        pols = self._tpol.get(tenant) or {}
+        victims: list[bytes] = []
+        for cls in [c for c in classes if c in pols] + [c for c in pols if c not in classes]:
+            size = self._class_sizes[cls]
+            for key in pols[cls].victims():  # collected first: evicting changes the policy
+                if key not in skip and not self.is_pinned(key):
+                    victims.append(key)
+                    excess -= size
+                    if excess <= 0:
+                        break
+            if excess <= 0:
+                break
+        if excess > 0:
+            raise self._refuse(
+                tenant,
+                f"a store of {need} bytes does not fit its quota of {lim} bytes: it holds"
+                f" {self._tbytes.get(tenant, 0)} bytes, {excess} too many of them in records being read or"
+                " written (pinned, reserved)",
+            )
+        # Newest victim first: its slot goes on the free list first and is taken last, so the batch
+        # gets the freed slots in the order they lie in the slab (a job's chunks back to back: one
+        # copy per run, as after the slab's own evictions). The listener (write-back) only queues:
+        # the index holds them all still.
+        for key in reversed(victims):
+            self._evict(key, self._index[key])
+        self._count("tenant_evictions", len(victims))
+
+    def _reserve_tenants(self, items: list[tuple[bytes, int]], tenant: int | Sequence[int]) -> list[_Slot]:
+        """:meth:`reserve` of records with tenants: each tenant's quota first (refused before
+        anything is evicted when a tenant's part of the batch exceeds its whole quota; else its
+        own records make room), then the slots, charged to their tenants."""
+        tenants = [tenant] * len(items) if isinstance(tenant, int) else list(tenant)
+        if len(tenants) != len(items):
+            raise ValueError(f"reserve: {len(items)} items but {len(tenants)} tenants")
+        sizes = self._class_sizes
+        cls_of: dict[int, int] = {}
+        classes: list[int] = []
+        need: dict[int, int] = {}
+        for (_, n), t in zip(items, tenants):
+            cls = cls_of.get(n)
+            if cls is None:
+                cls = cls_of[n] = self._class_for(n)
+            classes.append(cls)
+            if t:
+                need[t] = need.get(t, 0) + sizes[cls]
+        for t, nbytes in need.items():
+            lim = self._limit(t)
+            if lim is not None and nbytes > lim:
+                raise self._refuse(t, f"a store of {nbytes} bytes is larger than its whole quota ({lim} bytes)")
+        batch = {k for k, _ in items}
+        for t, nbytes in need.items():
+            self._make_room(t, nbytes, batch, sorted(set(cls_of.values())))
+        plan: list[_Slot] = []
+        reserved: set[bytes] = set()
+        segs: set[int] = set()
+        now = time.time()
+        seg_bytes, seg_reserved = self._seg_bytes, self._seg_reserved
+        try:
+            for (key, n), t, cls in zip(items, tenants, classes):
+                free = self._free[cls]
+                if free:
+                    off = free.pop()
+                    seg = off // seg_bytes
+                else:
+                    off, seg = self._allocate(cls, reserved, segs)
+                plan.append(_Slot(off, cls, seg, n, b"", now, True, 0, False, t))
+                reserved.add(key)
+                segs.add(seg)
+                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
+        except TierFullError:
+            for slot in plan:  # not charged yet
+                self._unreserve(slot)
+                self._release(slot)
+            raise
+        for t, nbytes in need.items():  # charged once per tenant, when every slot is had
+            self._charge(t, nbytes)
+            self._add(self._tresv, t, nbytes)
+        return plan
+
+
+def _header_tenant(record: memoryview) -> int:
+    """The tenant a raw record's header names (0: version 1, or no header)."""
+    if len(record) < HEADER_SIZE or bytes(record[4:6]) != TENANT_VERSION.to_bytes(2, "little"):
+        return 0
+    return int.from_bytes(record[TENANT_AT : TENANT_AT + 8], "little")

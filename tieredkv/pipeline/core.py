@@ -113,7 +113,7 @@ class Pipeline:
             self._lanes[tier.name] = lane
             hook = getattr(tier, "set_evict_listener", None)
             if hook is not None:
-                hook(self.writeback.on_evict)
+                hook(self.writeback.evict_listener(tier.name))
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has finished; False if ``timeout`` passed first."""
@@ -312,28 +312,30 @@ class Pipeline:
 
     # ---- host-buffer jobs (a caller that already holds the bytes in host memory) ---------------
 
-    def submit_put(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
-        """Store ``(key, host buffer)`` items, each routed by its key's group. Returns at once;
-        the caller keeps the buffers unchanged until the job's result is polled (kind "put").
-        A bad item raises here (``ValueError`` / ``TypeError`` naming it), before anything is queued."""
+    def submit_put(self, job_id: int, items: Sequence[tuple[bytes, Any]], tenant: int = 0) -> bool:
+        """Store ``(key, host buffer)`` items (records of ``tenant``, a tenant id), each routed by
+        its key's group. Returns at once; the caller keeps the buffers unchanged until the job's
+        result is polled (kind "put"). A bad item raises here (``ValueError`` / ``TypeError``
+        naming it), before anything is queued."""
         if self._refused("put"):
             return False
         items = check_items("put", items, as_readable)
         self.inflight.begin([k for k, _ in items])
-        self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter()))
+        self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter(), tenant))
         return True
 
-    def submit_get(self, job_id: int, items: Sequence[tuple[bytes, Any]]) -> bool:
+    def submit_get(self, job_id: int, items: Sequence[tuple[bytes, Any]], tenant: int = 0) -> bool:
         """Read ``(key, writable host buffer)`` items, each buffer filled completely by its record
-        (result kind "get": ``done`` found and copied, ``failed`` missing)."""
+        (result kind "get": ``done`` found and copied, ``failed`` missing); what is promoted into
+        a route's first tier is ``tenant``'s record there."""
         if self._refused("get"):
             return False
         items = check_items("get", items, as_writable)
         self.inflight.begin()
-        self.loop.spawn(self._get_buffers(job_id, items, time.perf_counter()))
+        self.loop.spawn(self._get_buffers(job_id, items, time.perf_counter(), tenant))
         return True
 
-    async def _put_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
+    async def _put_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float, tenant: int = 0) -> None:
         run = JobRun("put", job_id, self.cfg.job_timeout_s)
         done: list[bytes] = []
         written: collections.Counter[str] = collections.Counter()
@@ -341,7 +343,9 @@ class Pipeline:
             async with run.guard():
                 for group, idx in by_group(items).items():
                     keys = [items[i][0] for i in idx]
-                    got, w = await self.writeback.write(self.policy.get(group), keys, [items[i][1] for i in idx])
+                    got, w = await self.writeback.write(
+                        self.policy.get(group), keys, [items[i][1] for i in idx], tenant
+                    )
                     done += got
                     written.update(w)
                     got_set = set(got)
@@ -358,7 +362,7 @@ class Pipeline:
             failed = tuple(k for k, _ in items if k not in done_set)
             self._finish(run, t0, nbytes, tuple(done), failed, dict(written))
 
-    async def _get_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float) -> None:
+    async def _get_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float, tenant: int = 0) -> None:
         run = JobRun("get", job_id, self.cfg.job_timeout_s)
         found: dict[int, str] = {}
         try:
@@ -372,7 +376,7 @@ class Pipeline:
                         route.tiers, keys, views, sizes.pop() if len(sizes) == 1 else None
                     )
                     found.update({idx[j]: t for j, t in got.items()})
-                    await self.writeback.promote(route, keys, views, got)
+                    await self.writeback.promote(route, keys, views, got, tenant)
                     gs = self.group_stats[group]
                     gs.loads += len(got)
                     gs.loaded_bytes += sum(_nbytes(views[j]) for j in got)

@@ -49,9 +49,13 @@ class ChunkRef(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class StoreJob:
+    """Store whole chunks from GPU blocks, as records of ``tenant`` (a
+    :func:`~tieredkv.keys.tenant_id`; 0: the default tenant)."""
+
     job_id: int
     group: int
     chunks: tuple[ChunkRef, ...]
+    tenant: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +65,15 @@ class LoadJob:
     A chunk's ``block_ids`` either list one destination per block of the chunk — where the
     group was registered with a null block (vLLM's block 0), that id marks a block not to copy —
     or (first chunk only) just the blocks after ``skip_blocks`` blocks that are not copied (the
-    local prefix ends mid-chunk).
+    local prefix ends mid-chunk). ``tenant``: who loads them; a chunk promoted from a lower tier
+    into the first one is that tenant's record there.
     """
 
     job_id: int
     group: int
     chunks: tuple[ChunkRef, ...]
     skip_blocks: int = 0
+    tenant: int = 0
 
     def placements(self, i: int, blocks_per_chunk: int, null_block: int | None = None) -> list[tuple[int, int]]:
         """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i`` (``null_block``: the

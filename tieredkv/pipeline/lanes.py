@@ -1,7 +1,9 @@
 """Tier lanes: per tier, one writer task that batches queued chunks, and one circuit breaker.
 
 A lane is the only place the pipeline calls a tier's data operations. Writes are queued and
-sent in batches (one LMDB transaction or one Redis pipeline per batch); reads and existence
+sent in batches (one LMDB transaction or one Redis pipeline per batch), each item with its
+tenant (a batch may mix tenants; one refused for its quota never takes another's records down
+with it: a refused batch of several tenants is sent again per tenant); reads and existence
 checks go straight through. What reaches a lane was checked when it was submitted (stored keys,
 flat byte ``memoryview``s), so lanes use the tiers' ``put_checked`` / ``get_checked``. Every call is guarded by the tier's
 :class:`~tieredkv.policy.CircuitBreaker`: a dead tier means dropped (counted) stores and
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -38,12 +40,13 @@ class Outcome(Enum):
 
 @dataclass(slots=True)
 class _WriteItem:
-    """Consecutive items of one caller, written in one batch and sharing its outcome."""
+    """Consecutive items of one caller (one tenant), written in one batch and sharing its outcome."""
 
     keys: list[bytes]
     payloads: list[Any]
     nbytes: int
     fut: asyncio.Future[Outcome]
+    tenant: int = 0
 
 
 class TierLane:
@@ -63,14 +66,17 @@ class TierLane:
     def stats(self) -> LaneStats:
         return LaneStats(self.breaker.state.value, self.breaker.opens, self.dropped, self.batches)
 
-    def write(self, key: bytes, payload: Any) -> asyncio.Future[Outcome]:
-        """Queue one item; its outcome once its batch is written."""
-        return self._queue([key], [payload], len(payload))
+    def write(self, key: bytes, payload: Any, tenant: int = 0) -> asyncio.Future[Outcome]:
+        """Queue one item (of ``tenant``); its outcome once its batch is written."""
+        return self._queue([key], [payload], len(payload), tenant)
 
-    def write_many(self, keys: list[bytes], payloads: list[Any]) -> list[tuple[int, asyncio.Future[Outcome]]]:
-        """Queue items as slices of at most one batch each (``max_batch_items``, and bytes until
-        ``max_batch_bytes`` is reached); per slice, its length and its outcome. The per-item work
-        on the loop is a size sum: a job's chunks travel together (no future or queue entry each)."""
+    def write_many(
+        self, keys: list[bytes], payloads: list[Any], tenant: int = 0
+    ) -> list[tuple[int, asyncio.Future[Outcome]]]:
+        """Queue items (of ``tenant``) as slices of at most one batch each (``max_batch_items``, and
+        bytes until ``max_batch_bytes`` is reached); per slice, its length and its outcome. The
+        per-item work on the loop is a size sum: a job's chunks travel together (no future or
+        queue entry each)."""
         parts: list[tuple[int, asyncio.Future[Outcome]]] = []
         n, start = len(keys), 0
         while start < n:
@@ -78,13 +84,13 @@ class TierLane:
             while end < n and end - start < self.max_items and nbytes < self.max_bytes:
                 nbytes += len(payloads[end])
                 end += 1
-            parts.append((end - start, self._queue(keys[start:end], payloads[start:end], nbytes)))
+            parts.append((end - start, self._queue(keys[start:end], payloads[start:end], nbytes, tenant)))
             start = end
         return parts
 
-    def _queue(self, keys: list[bytes], payloads: list[Any], nbytes: int) -> asyncio.Future[Outcome]:
+    def _queue(self, keys: list[bytes], payloads: list[Any], nbytes: int, tenant: int = 0) -> asyncio.Future[Outcome]:
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self.queue.append(_WriteItem(keys, payloads, nbytes, fut))
+        self.queue.append(_WriteItem(keys, payloads, nbytes, fut, tenant))
         self._wake.set()
         return fut
 
@@ -121,13 +127,29 @@ class TierLane:
             await asyncio.gather(*sending, return_exceptions=True)  # nothing left writing at close
 
     async def _write_batch(self, batch: list[_WriteItem]) -> None:
-        outcome = Outcome.OK
+        tenanted = any(it.tenant for it in batch)  # per batch, not per item: without tenants, one test
+        outcome = await self._put(batch)
+        if outcome is Outcome.FULL and tenanted and len({it.tenant for it in batch}) > 1:
+            # Refused, with several tenants in it: perhaps for one tenant's quota. Each tenant's
+            # part again, so no tenant's records are refused for another's.
+            parts: dict[int, list[_WriteItem]] = defaultdict(list)
+            for it in batch:
+                parts[it.tenant].append(it)
+            for part in parts.values():
+                self._answer(part, await self._put(part))
+            return
+        self._answer(batch, outcome)
+
+    async def _put(self, batch: list[_WriteItem]) -> Outcome:
+        """One ``put_checked`` of ``batch``'s items (with their tenants, if any has one)."""
         items = sum(len(it.keys) for it in batch)
+        outcome = Outcome.OK
         if not self.breaker.allow():
             outcome = Outcome.DROPPED
         else:
+            tenants = [it.tenant for it in batch for _ in it.keys] if any(it.tenant for it in batch) else None
             try:
-                await self.tier.put_checked([kv for it in batch for kv in zip(it.keys, it.payloads)])
+                await self.tier.put_checked([kv for it in batch for kv in zip(it.keys, it.payloads)], tenants)
                 self.breaker.success()
                 self.batches += 1
             except TierFullError:
@@ -143,6 +165,10 @@ class TierLane:
                 outcome = Outcome.DROPPED
         if outcome is Outcome.DROPPED:
             self.dropped += items
+        return outcome
+
+    @staticmethod
+    def _answer(batch: list[_WriteItem], outcome: Outcome) -> None:
         for it in batch:
             if not it.fut.done():
                 it.fut.set_result(outcome)
@@ -176,11 +202,12 @@ class Lanes(dict[str, TierLane]):
     """Every tier's lane by name, with the multi-tier write and read the jobs share."""
 
     async def write_items(
-        self, tiers: Sequence[str], keys: list[bytes], views: list[Any]
+        self, tiers: Sequence[str], keys: list[bytes], views: list[Any], tenant: int = 0
     ) -> tuple[list[bytes], dict[str, int]]:
-        """Write every item to each of ``tiers``; keys held by at least one tier, and per-tier counts."""
+        """Write every item (of ``tenant``) to each of ``tiers``; keys held by at least one tier,
+        and per-tier counts."""
         lanes = [self[n] for n in tiers]
-        queued = [lane.write_many(keys, views) for lane in lanes]  # every tier's writer gets them at once
+        queued = [lane.write_many(keys, views, tenant) for lane in lanes]  # every tier's writer gets them at once
         results: list[list[Outcome]] = []
         for parts in queued:
             res: list[Outcome] = []

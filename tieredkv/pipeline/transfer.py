@@ -41,7 +41,7 @@ class SlotTier(Protocol):
 
     name: str
 
-    def reserve(self, items: list[tuple[bytes, int]]) -> list[Any]: ...
+    def reserve(self, items: list[tuple[bytes, int]], tenant: int = 0) -> list[Any]: ...
     def slot_view(self, slot: Any) -> Any: ...
     def span_view(self, slots: Sequence[Any]) -> Any: ...
     def commit(self, items: list[tuple[bytes, Any]], *, count: bool = True) -> None: ...
@@ -127,10 +127,11 @@ class Transfers:
     async def _store_into_slots(
         self, tier: SlotTier, job: StoreJob, grp: GroupBinding, ready: Any
     ) -> tuple[list[bytes], dict[str, int]]:
-        """Device blocks straight into the tier's slots (one copy), then publish them."""
+        """Device blocks straight into the tier's slots (one copy), then publish them (as records
+        of the job's tenant)."""
         keys = [c.key for c in job.chunks]
         try:
-            slots = tier.reserve([(k, grp.chunk_bytes) for k in keys])
+            slots = tier.reserve([(k, grp.chunk_bytes) for k in keys], job.tenant)
         except TierFullError:
             return [], {tier.name: 0}
         try:
@@ -144,7 +145,7 @@ class Transfers:
             tier.abort(slots)
             raise
         tier.commit(list(zip(keys, slots)))
-        self.writeback.mark_dirty(grp.route, keys)
+        self.writeback.mark_dirty(grp.route, keys, job.tenant)
         return keys, {tier.name: len(keys)}
 
     async def _store_staged(
@@ -167,7 +168,7 @@ class Transfers:
                 views.append(view)
             await wait_event(ev)
             part_keys = keys if len(part) == len(keys) else [keys[i] for i in part]
-            got, w = await self.writeback.write(grp.route, part_keys, views)
+            got, w = await self.writeback.write(grp.route, part_keys, views, job.tenant)
             done += got  # the writes are over: the buffer is free for the next part
             for name, n in w.items():
                 written[name] = written.get(name, 0) + n
@@ -238,6 +239,7 @@ class Transfers:
                         part_keys,
                         [None if v is None or found_in[i] == first else v for v, i in zip(views, part)],
                         {j: found_in[i] for j, i in enumerate(part)},
+                        job.tenant,
                     )
         finally:
             if borrowed:

@@ -5,9 +5,9 @@ found them.
   an in-process one (the CPU slab), holds it; the chunk is *dirty* until it is sent one tier
   down — when the first tier evicts it (:meth:`WriteBack.on_evict`) or at close
   (:meth:`WriteBack.flush`, bounded by its timeout; what cannot be written is counted in
-  ``write_back_lost`` and logged).
+  ``write_back_lost`` and logged). It goes down as a record of its own tenant.
 * **Promotion** (a route with ``promote``): chunks a load found below the route's first tier
-  are copied into it (:meth:`WriteBack.promote`).
+  are copied into it (:meth:`WriteBack.promote`), as records of the loading tenant.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tieredkv.backends.base import Tier
@@ -46,37 +46,56 @@ class WriteBack:
         self.policy = policy
         self.inflight = inflight
         self.counters = counters
-        #: Chunks a write-back route acknowledged in its first tier and not yet sent down.
-        self.dirty: dict[bytes, GroupRoute] = {}
+        #: Chunks a write-back route acknowledged in its first tier and not yet sent down: their
+        #: route and tenant.
+        self.dirty: dict[bytes, tuple[GroupRoute, int]] = {}
         #: Eviction write-backs in flight -> whether the chunk was dirty (acknowledged, held by
         #: no other tier): its loss is counted when the write's outcome is known.
         self._queued: dict[asyncio.Future[Outcome], bool] = {}
         self.lost_at_eviction = 0  # dirty chunks the next tier did not take when they were evicted
 
-    async def write(self, route: GroupRoute, keys: list[bytes], views: list[Any]) -> tuple[list[bytes], dict[str, int]]:
-        """Write items along ``route`` (every write tier at once); keys held by at least one tier,
-        and per-tier counts. On a write-back route the written keys become dirty."""
-        done, written = await self.lanes.write_items(route.write_tiers, keys, views)
-        self.mark_dirty(route, done)
+    async def write(
+        self, route: GroupRoute, keys: list[bytes], views: list[Any], tenant: int = 0
+    ) -> tuple[list[bytes], dict[str, int]]:
+        """Write items (of ``tenant``) along ``route`` (every write tier at once); keys held by at
+        least one tier, and per-tier counts. On a write-back route the written keys become dirty."""
+        done, written = await self.lanes.write_items(route.write_tiers, keys, views, tenant)
+        self.mark_dirty(route, done, tenant)
         return done, written
 
-    def mark_dirty(self, route: GroupRoute, keys: Sequence[bytes]) -> None:
-        """Record chunks a write-back route just acknowledged in its in-process first tier (they
-        live only there)."""
+    def mark_dirty(self, route: GroupRoute, keys: Sequence[bytes], tenant: int = 0) -> None:
+        """Record chunks (of ``tenant``) a write-back route just acknowledged in its in-process
+        first tier (they live only there)."""
         if route.write == "back" and len(route.tiers) > 1 and self.tiers[route.tiers[0]].capabilities.in_process:
+            entry = (route, tenant)
             for k in keys:
-                self.dirty[k] = route
+                self.dirty[k] = entry
 
-    def on_evict(self, key: bytes, payload: bytes) -> None:
-        """First-tier eviction (loop thread): write-back groups send the chunk one tier down. A
-        dirty chunk (acknowledged, held only by the first tier) that the next tier does not take
-        is lost: counted in ``write_back_lost`` when its write's outcome is known."""
+    def evict_listener(self, tier: str) -> Callable[[bytes, bytes, int], None]:
+        """The eviction listener of tier ``tier`` (``set_evict_listener``): :meth:`on_evict` of
+        the records it evicts."""
+
+        def listener(key: bytes, payload: bytes, tenant: int) -> None:
+            self.on_evict(key, payload, tenant, tier=tier)
+
+        return listener
+
+    def on_evict(self, key: bytes, payload: bytes, tenant: int = 0, *, tier: str | None = None) -> None:
+        """First-tier eviction (loop thread) of a record of ``tenant``: write-back groups send the
+        chunk one tier down, as that tenant's record. A dirty chunk (acknowledged, held only by the
+        first tier) that the next tier does not take is lost: counted in ``write_back_lost`` when
+        its write's outcome is known. An eviction from another tier than the route's first
+        (``tier``, when known: a slab lower on the route) sends nothing anywhere."""
+        route = self.policy.get(key_group(key))
+        if tier is not None and route.tiers and tier != route.tiers[0]:
+            return
         dirty = self.dirty.pop(key, None)
-        route = dirty or self.policy.get(key_group(key))
+        if dirty is not None:
+            route = dirty[0]
         if route.write != "back" or len(route.tiers) < 2:
             return
         self.inflight.begin([key])  # pending for lookups, in flight for drain(), until written
-        fut = self.lanes[route.tiers[1]].write(key, memoryview(payload))
+        fut = self.lanes[route.tiers[1]].write(key, memoryview(payload), tenant)
         self._queued[fut] = dirty is not None
         self.counters["write_backs"] += 1
 
@@ -95,14 +114,18 @@ class WriteBack:
             self.lost_at_eviction += n
             log.debug("write-back: %d acknowledged chunks evicted from the first tier were not written down", n)
 
-    async def promote(self, route: GroupRoute, keys: list[bytes], views: list[Any], found_in: dict[int, str]) -> None:
-        """Copy items found below the route's first tier into it (waits, since ``views`` are reused after)."""
+    async def promote(
+        self, route: GroupRoute, keys: list[bytes], views: list[Any], found_in: dict[int, str], tenant: int = 0
+    ) -> None:
+        """Copy items found below the route's first tier into it, as records of ``tenant`` (the
+        loader's: a promotion counts against its quota there); waits, since ``views`` are reused
+        after."""
         first = route.tiers[0]
         if not route.promote:
             return
         up = [i for i, n in found_in.items() if n != first]
         if up:
-            for _, fut in self.lanes[first].write_many([keys[i] for i in up], [views[i] for i in up]):
+            for _, fut in self.lanes[first].write_many([keys[i] for i in up], [views[i] for i in up], tenant):
                 await fut
             self.counters["promotions"] += len(up)
 
@@ -120,10 +143,10 @@ class WriteBack:
         # evicted meanwhile is written down (and counted) by on_evict instead. Chunks that became
         # dirty during the flush (a store still in flight) are taken in the next round.
         while self.dirty and deadline - loop.time() > 0:
-            todo: dict[tuple[str, str], list[bytes]] = collections.defaultdict(list)
-            for key, route in self.dirty.items():
-                todo[(route.tiers[0], route.tiers[1])].append(key)
-            for (top, down), keys in todo.items():
+            todo: dict[tuple[str, str, int], list[bytes]] = collections.defaultdict(list)
+            for key, (route, tenant) in self.dirty.items():
+                todo[(route.tiers[0], route.tiers[1], tenant)].append(key)
+            for (top, down, tenant), keys in todo.items():
                 lane = self.lanes[down]
                 for start in range(0, len(keys), lane.max_items):
                     left = deadline - loop.time()
@@ -152,7 +175,9 @@ class WriteBack:
                         continue
                     parts = {
                         fut: count
-                        for count, fut in lane.write_many([k for k, _ in held], [memoryview(v) for _, v in held])
+                        for count, fut in lane.write_many(
+                            [k for k, _ in held], [memoryview(v) for _, v in held], tenant
+                        )
                     }
                     done, _ = await asyncio.wait(list(parts), timeout=max(0.0, deadline - loop.time()))
                     ok = sum(parts[f] for f in done if f.result() is Outcome.OK)

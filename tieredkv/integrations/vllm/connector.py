@@ -27,6 +27,11 @@ side decides, with the rules of :class:`tieredkv.scheduler.ChunkLedger` (the pla
   would be loaded); the lookup is repeated with the bound on the grid until it agrees.
 * **Misses are fed back**: a full-attention lookup that misses a chunk the ledger counted as
   stored (evicted since) makes it storable again.
+* **The request's ``cache_salt`` is its tenant.** vLLM hands a manager only a ``ReqContext``,
+  without the salt; this connector records it there when vLLM adds the request
+  (:mod:`tieredkv.integrations.vllm.tenants`), so tieredkv's spec and secondary tiers bound each
+  tenant by its quota (the config's ``tenants``). Under vLLM's own ``OffloadingConnector`` they
+  see a salt only if the request puts one in ``kv_transfer_params["cache_salt"]``.
 
 **Metrics on vLLM's own ``/metrics``.** tieredkv's counters reach vLLM's connector stats through
 the spec's manager (``TieredKVManager.get_stats``) or a tieredkv secondary tier, the hooks vLLM's
@@ -83,6 +88,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.request import Request, RequestStatus
 
 from tieredkv.groups import _check_int
+from tieredkv.integrations.vllm.tenants import set_request_tenant
 from tieredkv.scheduler import _WAITING, ChunkLedger
 
 __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
@@ -200,6 +206,15 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         if self._lock_is_noop and self._step_region is None:
             return _UNLOCKED
         return super()._manager_locked()
+
+    # ------------------------------------------------------------------ requests
+
+    def on_new_request(self, request: Request) -> None:
+        super().on_new_request(request)
+        salt = request.cache_salt
+        status = self._req_status.get(request.request_id)
+        if salt and status is not None:  # the request's tenant, for the manager and secondary tiers
+            set_request_tenant(status.req_context, salt)
 
     # ------------------------------------------------------------------ ledgers
 

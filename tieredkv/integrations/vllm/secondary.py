@@ -9,6 +9,12 @@ key's group along that group's :class:`~tieredkv.policy.GroupRoute` (LMDB, Redis
 
 Every method runs on vLLM's scheduler thread and returns at once: I/O happens on the pipeline's
 loop thread; lookups go through ``TieredStore.lookup_async`` and answer RETRY until it resolves.
+
+Tenants: a cascade (store) or promotion (load) job carries the request's ``ReqContext``, so its
+rows are stored (and promoted within tieredkv's routes) as records of the request's tenant
+(:func:`~tieredkv.integrations.vllm.tenants.request_tenant`: its ``cache_salt`` when
+``TieredKVConnector`` recorded it, else ``kv_transfer_params["cache_salt"]``, else the default
+tenant). vLLM's own primary CPU region knows no tenants.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
+from tieredkv.integrations.vllm.tenants import request_tenant
 from tieredkv.keys import chunk_key_of, stored_key
 from tieredkv.store import TieredStore
 
@@ -170,7 +177,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         for skey, _ in items:
             self._writing[skey] += 1
         self._jobs[job_id] = ("put", tuple(k for k, _ in items))
-        if self.store.put_records(items, job_id=job_id) is None:
+        tenant = request_tenant(job_metadata.req_context)
+        if self.store.put_records(items, job_id=job_id, tenant=tenant) is None:
             self._end_put(job_id)
             self.counters["store_refused"] += 1
             self._finished.append(JobResult(job_id=job_id, success=False))
@@ -179,7 +187,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         items = [(self._skey(k), self._row(c)) for k, c in zip(job_metadata.keys, job_metadata.chunk_ids)]
         job_id = int(job_metadata.job_id)
         self._jobs[job_id] = ("get", tuple(k for k, _ in items))
-        if self.store.get_records(items, job_id=job_id) is None:
+        tenant = request_tenant(job_metadata.req_context)
+        if self.store.get_records(items, job_id=job_id, tenant=tenant) is None:
             self._jobs.pop(job_id, None)
             self._finished.append(JobResult(job_id=job_id, success=False, successful_keys=()))
 

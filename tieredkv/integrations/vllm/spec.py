@@ -8,11 +8,14 @@ spec owns both sides:
   RETRY until a batched ``TieredStore.lookup_async`` (sent at the end of the step) resolves it.
   ``prepare_store`` is all-or-nothing: ``None`` (retry the same range later) when the chunks in
   flight would overrun the staging budget, never a key dropped for lack of space.
-  ``prepare_load`` pins the chunks in every tier until ``complete_load``.
+  ``prepare_load`` pins the chunks in every tier until ``complete_load``. Both name the request's
+  tenant (:func:`~tieredkv.integrations.vllm.tenants.request_tenant`: its ``cache_salt`` behind
+  ``TieredKVConnector``, else ``kv_transfer_params["cache_salt"]``) in the transfer's spec.
 * :class:`TieredKVWorker` (worker side) — registers each KV group's tensors with tieredkv's
   pipeline (staging pool + copier; CUDA or CPU tensors) and turns vLLM's
-  ``GPULoadStoreSpec`` + key list into per-group store / load jobs. The pipeline routes each
-  group to its tiers by tieredkv's per-group policy (chunk bytes, kind).
+  ``GPULoadStoreSpec`` + key list into per-group store / load jobs, as records of the spec's
+  tenant (bounded by its quota in every tier; a load's promotions are the loading tenant's). The
+  pipeline routes each group to its tiers by tieredkv's per-group policy (chunk bytes, kind).
 
 The manager and the worker share one :class:`~tieredkv.store.TieredStore` per engine and
 process (vLLM runs the scheduler and a single worker in one process: ``world_size == 1``), so
@@ -54,6 +57,7 @@ from tieredkv.errors import ConfigError
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds, namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
+from tieredkv.integrations.vllm.tenants import request_tenant
 from tieredkv.keys import (
     GROUP_SUFFIX,
     Namespace,
@@ -78,16 +82,23 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
     ``fingerprint`` is the namespace (cache generation included) the manager prepared the
     transfer under; ``stored`` (loads) is, per key, the stored key to read: the whole chunk or a
     partial record (:func:`~tieredkv.keys.partial_chunk_key`) whose leading sub-blocks are invalid.
+    ``tenant``: the request's tenant id (its ``cache_salt``; 0: the default tenant), whose records
+    a store writes and a load promotes.
     """
 
     def __init__(
-        self, keys: Sequence[OffloadKey], fingerprint: bytes = b"", stored: Sequence[bytes] | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        fingerprint: bytes = b"",
+        stored: Sequence[bytes] | None = None,
+        tenant: int = 0,
     ) -> None:
         self.keys: list[OffloadKey] = list(keys)
         self.fingerprint = fingerprint
         self.stored: list[bytes] = (
             list(stored) if stored is not None else [stored_key(fingerprint, k) for k in self.keys]
         )
+        self.tenant = tenant
 
     def __repr__(self) -> str:
         return f"TieredKVLoadStoreSpec({len(self.keys)} keys)"
@@ -441,7 +452,7 @@ class TieredKVManager(OffloadingManager):
         self.counters["load_chunks"] += len(stored)
         if stored is not skeys:
             self.counters["load_partial_chunks"] += sum(r is not s for r, s in zip(stored, skeys))
-        return TieredKVLoadStoreSpec(list(keys), sk.fp, stored)
+        return TieredKVLoadStoreSpec(list(keys), sk.fp, stored, request_tenant(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         sk, loading = self._sh.skeys, self._loading
@@ -478,7 +489,9 @@ class TieredKVManager(OffloadingManager):
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
         return PrepareStoreOutput(
-            keys_to_store=todo, store_spec=TieredKVLoadStoreSpec(todo, sk.fp, todo_skeys), evicted_keys=[]
+            keys_to_store=todo,
+            store_spec=TieredKVLoadStoreSpec(todo, sk.fp, todo_skeys, request_tenant(req_context)),
+            evicted_keys=[],
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -641,7 +654,10 @@ class TieredKVWorker(OffloadingWorker):
             log.info("tieredkv: group %d (%s, %d-byte chunks) -> %s", g, self.kinds[g], cb, list(route.tiers))
         self._jobs: dict[int, _Job] = {}
         self._sub_to_job: dict[int, int] = {}
-        self._retry: collections.deque[tuple[int, str, int, list[tuple[bytes, tuple[int, ...]]]]] = collections.deque()
+        # (job id, kind, group, chunks, tenant) of sub-jobs staging could not take yet
+        self._retry: collections.deque[tuple[int, str, int, list[tuple[bytes, tuple[int, ...]]], int]] = (
+            collections.deque()
+        )
         self._results: list[TransferResult] = []
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
@@ -705,7 +721,7 @@ class TieredKVWorker(OffloadingWorker):
                 job.whole[skey] = whole
                 chunks.append((skey, (0,) * valid_from + tuple(blocks)))
             if chunks:
-                self._submit(job_id, "store", g, chunks)
+                self._submit(job_id, "store", g, chunks, dst_spec.tenant)
         self._maybe_finish(job_id, job)
         return True
 
@@ -745,31 +761,38 @@ class TieredKVWorker(OffloadingWorker):
                     bad,
                 )
             if any(any(b for b in placed) for _, placed in chunks):
-                self._submit(job_id, "load", g, chunks)
+                self._submit(job_id, "load", g, chunks, src_spec.tenant)
         if expedited:
             self.wait({job_id})
         self._maybe_finish(job_id, job)
         return True
 
-    def _submit(self, job_id: int, kind: str, group: int, chunks: list[tuple[bytes, tuple[int, ...]]]) -> None:
+    def _submit(
+        self, job_id: int, kind: str, group: int, chunks: list[tuple[bytes, tuple[int, ...]]], tenant: int = 0
+    ) -> None:
         step = self._max_job_chunks[group]
         for i in range(0, len(chunks), step):
             part = chunks[i : i + step]
-            sub = self.store.store(group, part) if kind == "store" else self.store.load(group, part)
+            sub = self._send(kind, group, part, tenant)
             if sub is None:  # staging full: keep the job open and offer it again on the next poll
                 self._jobs[job_id].queued += 1
-                self._retry.append((job_id, kind, group, part))
+                self._retry.append((job_id, kind, group, part, tenant))
                 self.counters[f"{kind}_backpressure"] += 1
             else:
                 self._jobs[job_id].subs.add(sub)
                 self._sub_to_job[sub] = job_id
 
+    def _send(self, kind: str, group: int, part: list[tuple[bytes, tuple[int, ...]]], tenant: int) -> int | None:
+        if kind == "store":
+            return self.store.store(group, part, tenant=tenant)
+        return self.store.load(group, part, tenant=tenant)
+
     def _resubmit(self) -> None:
         for _ in range(len(self._retry)):
-            job_id, kind, group, part = self._retry.popleft()
-            sub = self.store.store(group, part) if kind == "store" else self.store.load(group, part)
+            job_id, kind, group, part, tenant = self._retry.popleft()
+            sub = self._send(kind, group, part, tenant)
             if sub is None:
-                self._retry.append((job_id, kind, group, part))
+                self._retry.append((job_id, kind, group, part, tenant))
                 break
             job = self._jobs[job_id]
             job.queued -= 1

@@ -62,6 +62,14 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "get_bytes": ("tier_loaded_bytes", "Payload bytes read from a tieredkv tier."),
     "corrupt": ("tier_corrupt_records", "Records of a tieredkv tier that failed verification (deleted)."),
     "evictions": ("tier_evictions", "Records a tieredkv tier evicted by its own capacity policy."),
+    "tenant_evictions": (
+        "tier_tenant_evictions",
+        "Records a tieredkv tier evicted because their tenant (cache_salt) was over its quota.",
+    ),
+    "tenant_refusals": (
+        "tier_tenant_refusals",
+        "Stores a tieredkv tier refused because they did not fit their tenant's (cache_salt's) quota.",
+    ),
     "errors": ("tier_errors", "tieredkv tier operations that failed."),
 }
 # store.live_counts() lanes[tier] (LaneStats) field -> (metric suffix, help); label "tier"

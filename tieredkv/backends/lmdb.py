@@ -3,9 +3,11 @@
 Layout: named DB ``records`` (stored key → payload, a whole record, or a record's place in a
 record file), named DB ``access`` (stored key → ``<d Q`` last-access Unix time, record bytes,
 then the record's 64-byte header when the record is stored apart, or its place when it is in a
-record file), named DB ``files`` (record file token → ``<Q`` records it still holds) and, in the
+record file), named DB ``files`` (record file token → ``<Q`` records it still holds), named DB
+``tenants`` (per-tenant bytes and records: :mod:`~tieredkv.backends._lmdb_tenants`) and, in the
 main DB, ``tieredkv:used-bytes`` (``<Q``: the sum of every record's bytes, kept in the same
-write transaction as the records it counts).
+write transaction as the records it counts) and ``tieredkv:tenants-at`` (the transaction that
+last left the tenant counters exact).
 
 * **A record stored apart** (``put_many``): its payload alone in ``records``, its header
   (:mod:`tieredkv.format`, checksum over key, header and payload) after its access stamp. The
@@ -51,6 +53,12 @@ write transaction as the records it counts).
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
   alone. A read of any kind delivers only a payload that its header vouches for.
+* **Tenants** (:mod:`~tieredkv.backends._lmdb_tenants`): a record's tenant is in its header (a
+  record of the default tenant is version 1, as before) and, for a record in a record file,
+  after its place in its ``records`` value, so evictions, scans and the counters find it in the
+  index. Each tenant's bytes are counted in the ``tenants`` DB inside the same write transaction
+  as its records; a writer that does not keep them (an earlier version) is noticed by the next
+  one, which counts them again by a scan.
 
 The access DB survives restarts; at open it is read once to rebuild the in-memory eviction
 order: an :class:`~tieredkv.eviction.EvictionPolicy` named by ``eviction_policy`` (``lru``), fed
@@ -62,7 +70,11 @@ environment that holds one: they read every access entry as 16 bytes.)
   on the event loop; all LRU state is touched only from that thread.
 * ``put_many`` is one write transaction: it evicts the least-recently-used unpinned records
   until the batch fits under ``size_cap_bytes`` (or raises TierFullError having stored
-  nothing), then writes every record. The headers of a batch of 1 MiB or more are computed by
+  nothing), then writes every record. With tenant quotas (:attr:`Tier.quotas`): a tenant whose
+  batch would take it over its quota first loses its own least-recently-used records (this
+  process's order of them; the shared stamps when it has not seen enough of them, as below),
+  and when the cap is reached the records of tenants over their quota go before anyone's; a
+  tenant's batch larger than its quota is refused (TierFullError, nothing stored). The headers of a batch of 1 MiB or more are computed by
   a helper thread: a pipeline lane keeps two batches in flight here (``writes_in_flight``), and
   one batch's checksums run while the tier's thread writes the one before. A smaller batch's
   are computed on the tier's thread, right before its transaction, unless a batch before it is

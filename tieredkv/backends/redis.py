@@ -62,6 +62,16 @@ applications' keys too (it is ``extra["db_keys"]``); ``tieredkv status`` counts 
 Capacity is the server's (``maxmemory``): the tier does not evict (``evicts_locally`` is
 false). A put that Redis refuses (``OOM``) raises :class:`~tieredkv.errors.TierFullError`
 after deleting the records of that call that were already written (best effort).
+
+Tenants: a record's header names its tenant (version 2; the default tenant's records are
+version 1, as before). With tenant quotas configured, each tenant's usage is kept in Redis
+itself, shared by every engine and node, and a tenant over its quota loses its own oldest
+records (:mod:`~tieredkv.backends._redis_tenants`, which says what that costs); a quota given as
+a share is a share of the primaries' summed ``maxmemory`` (unbounded where one has none).
+``scan`` gives each record's tenant: an active scan reads header bytes 48..55 (``GETRANGE``, an
+access like ``STRLEN``); a passive one cannot read a header without touching the key (Redis
+before 7.2 has no ``CLIENT NO-TOUCH``), so it finds tenants in the tenants' books (``ZMSCORE``:
+exact for records stored while quotas were configured; unknown, None, without books).
 """
 
 from __future__ import annotations

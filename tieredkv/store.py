@@ -34,6 +34,7 @@ import torch
 
 from tieredkv.backends.base import Tier, TierStats
 from tieredkv.backends.registry import build_tier
+from tieredkv.catalog import write_catalog
 from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError, TierClosedError, TieredKVError, TierTimeoutError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
@@ -82,8 +83,11 @@ class TieredStore:
         namespace: Namespace | None = None,
         tiers: Sequence[Tier] | None = None,
         parallel: ParallelLayout | None = None,
+        catalog: bool = True,
     ) -> None:
         self.config = config
+        # namespace catalog (tieredkv.catalog): fingerprints whose record this store has written
+        self._catalog: set[bytes] | None = set() if catalog else None
         ns = config.namespace
         # A namespace given whole (the vLLM integrations build theirs from vLLM's config) is used as
         # is. One built from the config is completed from what the engine itself says: the dtype
@@ -274,6 +278,7 @@ class TieredStore:
         A job larger than the whole staging pool is accepted once some staging is free and moves
         through it in parts (see :meth:`tieredkv.pipeline.Pipeline.submit_store`)."""
         refs = self._checked(group, chunks, "store")
+        self._catalog_namespace()
         job_id = next(self._ids)
         if not self.pipeline.submit_store(StoreJob(job_id, group, refs)):
             return None
@@ -363,11 +368,20 @@ class TieredStore:
 
     def _submit_records(self, kind: str, items: Sequence[tuple[bytes, Any]], job_id: int | None) -> int | None:
         jid = next(self._ids) if job_id is None else int(job_id)
+        if kind == "put":
+            self._catalog_namespace()
         submit = self.pipeline.submit_put if kind == "put" else self.pipeline.submit_get
         if not submit(jid, items):
             return None
         self._open_jobs.add(jid)
         return jid
+
+    def _catalog_namespace(self) -> None:
+        """The first store under a namespace writes its catalog record (model, revision, weights)
+        in the persistent tiers, in the background (:mod:`tieredkv.catalog`)."""
+        if self._catalog is not None and self.namespace.fingerprint not in self._catalog:
+            self._catalog.add(self.namespace.fingerprint)
+            self.pipeline.run_background(write_catalog(self.tiers, self.namespace))
 
     # ---- non-blocking lookups and tier calls --------------------------------------------------
 

@@ -169,6 +169,7 @@ from tieredkv.backends._lmdb_tenants import (
     read_counters,
 )
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.catalog import catalog_key
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
@@ -183,6 +184,7 @@ from tieredkv.format import (
     verify_record,
     write_records,
 )
+from tieredkv.keys import FINGERPRINT_BYTES
 
 __all__ = ["LMDBTier"]
 
@@ -499,6 +501,24 @@ def _punch(path: str, holes: list[tuple[int, int]]) -> None:
                 return
     finally:
         os.close(fd)
+
+
+def _catalogued(txn: Any, acc: Any) -> int:
+    """How many namespaces have a catalog record (:mod:`tieredkv.catalog`): one look-up per
+    namespace, stepping from one fingerprint to the next in key order."""
+    cur = txn.cursor(db=acc)
+    n, start = 0, b""
+    while cur.set_range(start):
+        fp = bytes(cur.key()[:FINGERPRINT_BYTES])
+        if len(fp) < FINGERPRINT_BYTES:
+            break
+        if txn.get(catalog_key(fp), db=acc) is not None:
+            n += 1
+        value = int.from_bytes(fp, "big") + 1
+        if value >> (8 * FINGERPRINT_BYTES):
+            break
+        start = value.to_bytes(FINGERPRINT_BYTES, "big")
+    return n
 
 
 def _release_env(shared: _SharedEnv) -> None:
@@ -1778,7 +1798,7 @@ class LMDBTier(Tier):
         sh = self._shared
         assert sh is not None
 
-        def read(txn: Any) -> tuple[int, int, int, int, int]:
+        def read(txn: Any) -> tuple[int, int, int, int, int, int]:
             pages = 0
             for db in (sh.rec, sh.acc):
                 st = txn.stat(db)
@@ -1789,10 +1809,11 @@ class LMDBTier(Tier):
                 pages,
                 txn.stat(sh.files)["entries"],
                 txn.stat(sh.tenants)["entries"],
+                _catalogued(txn, sh.acc),
             )
             return counts
 
-        records, used, pages, files, tenants = self._txn(read)
+        records, used, pages, files, tenants, catalogued = self._txn(read)
         info = sh.env.info()
         psize = sh.env.stat()["psize"]
         return TierStats(
@@ -1810,6 +1831,7 @@ class LMDBTier(Tier):
                 "readers": info["num_readers"],
                 "record_files": files,  # files under files/ that hold records (large write batches)
                 "tenants": tenants,  # tenants other than the default one that hold records
+                "catalog_records": catalogued,  # namespace catalog records among the records (tieredkv.catalog)
             },
         )
 

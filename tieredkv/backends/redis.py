@@ -957,6 +957,10 @@ class RedisTier(Tier):
                 "db_keys_scope": "DBSIZE: every key in the database(s), other applications' too",
                 "key_prefix": self.config.key_prefix,
                 "url": self._where,
+                "tenants_note": (
+                    "per-tenant usage is kept in Redis while tenant quotas are configured, for tenants'"
+                    " records only (the default tenant's are part of the server's own usage)"
+                ),
             },
         )
 

@@ -77,6 +77,7 @@ exact for records stored while quotas were configured; unknown, None, without bo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -908,7 +909,7 @@ class RedisTier(Tier):
             rks = [self.redis_key(infos[i].key) for i in run]
             idles = await self._per_key(rks, _each("object", rks, "idletime"))
             for i, idle in zip(run, idles, strict=True):
-                out[i] = RecordInfo(infos[i].key, infos[i].size, _stamp(idle, now))
+                out[i] = dataclasses.replace(infos[i], stamp=_stamp(idle, now))
         return out
 
     async def _scan_batches(self, match: bytes) -> AsyncIterator[list[bytes]]:

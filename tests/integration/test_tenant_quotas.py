@@ -106,7 +106,7 @@ def test_a_flooding_tenant_keeps_to_its_quota_and_the_others_survive(tmp_path: P
         flood = 200
         for first in range(0, flood, 4):
             put(store, "a", first, 4)
-        usage = store.run(tier.tenant_usage())
+        usage = store.run(tier.tenant_usage()) or {}
         b_ok, c_ok = loaded(store, "b", range(12)), loaded(store, "c", range(12))
         plain_ok = store.run(tier.get_many([k for k, _ in plain])) == [p for _, p in plain]
         a_kept = loaded(store, "a", range(flood))
@@ -115,7 +115,7 @@ def test_a_flooding_tenant_keeps_to_its_quota_and_the_others_survive(tmp_path: P
             f" b kept {sum(b_ok)}/12, c kept {sum(c_ok)}/12, default tenant {plain_ok}; usage {usage};"
             f" counters {dict(tier.counters)}"
         )
-        assert all(b_ok) and all(c_ok) and plain_ok
+        assert all(b_ok) and all(c_ok) and plain_ok, "the flood took records of other tenants"
         assert usage[B] == 12 * REC and usage[C] == 12 * REC
         assert QUOTA - 4 * REC < usage[A] <= QUOTA  # at its quota, never past it
         assert usage[A] == sum(a_kept) * REC and all(a_kept[-4:])  # its newest batch is there

@@ -155,6 +155,27 @@ def test_a_tenant_batch_larger_than_its_quota_is_refused_and_nothing_is_lost(
         store.close()
 
 
+def test_a_record_written_again_by_another_tenant_is_not_the_first_ones_to_evict(
+    tmp_path: Path, tier_cfg: dict[str, Any]
+) -> None:
+    """a writes 4 records, then b writes one of those keys again as its own; a's flood then never
+    takes that record (it is b's now: Redis's books still list it under a, and the deletion checks
+    the header's tenant first), and it counts for b, not a."""
+    store, _ = open_tenant_store(tmp_path, tier_cfg)
+    try:
+        tier = store.tiers[0]
+        put(store, "a", 0, 4)
+        shared = key("a", 1)
+        store.run(tier.put_many([(shared, data("b", 99))], tenants=[B]))
+        for first in range(4, 60, 4):
+            put(store, "a", first, 4)
+        usage = store.run(tier.tenant_usage())
+        assert store.run(tier.get_many([shared])) == [data("b", 99)]
+        assert usage[B] == REC and usage[A] <= QUOTA
+    finally:
+        store.close()
+
+
 # ---- LMDB specifics ------------------------------------------------------------------------------
 
 

@@ -994,6 +994,8 @@ class LMDBTier(Tier):
                 continue
             meta = txn.get(k, db=sh.acc)  # (read once: its size, and its place in a record file)
             size = 0 if meta is None else _ACCESS.unpack_from(meta)[1]
+            if size and tenant is not None and entry_tenant(meta, lambda k=k: txn.get(k, db=sh.rec)) != tenant:
+                continue  # written again since by another tenant (in another process): not this tenant's
             if size:
                 take(k, size, meta)
                 excess -= size

@@ -434,7 +434,7 @@ class RedisTier(Tier):
 
         try:
             await self._books.tenants(client)  # (books exist: deletions take records out of them)
-        except NoPermissionError as e:  # an ACL without +smembers: no books here
+        except ResponseError as e:  # an ACL without +smembers, a foreign key of that name: no books here
             log.warning("tier %s: tenant books not read: %s", self.name, e)
         if self.quotas.enabled:
             self._capacity = (await self._memory())[0]
@@ -516,6 +516,7 @@ class RedisTier(Tier):
                         f" its quota ({quota} bytes); nothing of it was stored"
                     )
         tenant_of_key = dict(zip((k for k, _ in items), tenants, strict=True)) if tenants is not None else {}
+        booked: dict[int, list[tuple[bytes, int]]] = {}  # per tenant: (Redis key, record bytes) written
         try:
             for run in runs(items, lambda it: HEADER_SIZE + len(it[1]), self._run_bytes()):
                 rkeys = [self.redis_key(k) for k, _ in run]
@@ -538,6 +539,10 @@ class RedisTier(Tier):
                 results = await self._per_key(rkeys, add if tenants is None else add_tenant, data=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 written.extend(rk for rk, r in zip(rkeys, results, strict=True) if not isinstance(r, BaseException))
+                if books:
+                    for (k, p), rk in zip(run, rkeys, strict=True):
+                        if tenant := tenant_of_key[k]:
+                            booked.setdefault(tenant, []).append((rk, HEADER_SIZE + len(p)))
                 if failed:
                     raise failed[0]
         except ResponseError:
@@ -546,36 +551,30 @@ class RedisTier(Tier):
             raise
         if items:
             self._note_size(HEADER_SIZE + len(items[-1][1]))
-        if books:
-            await self._keep_books(items, tenant_of_key, quotas)
+        if booked:
+            await self._keep_books(booked, quotas, len(items))
 
     async def _keep_books(
-        self, items: list[tuple[bytes, memoryview]], tenants: dict[bytes, int], quotas: dict[int, int | None]
+        self, written: dict[int, list[tuple[bytes, int]]], quotas: dict[int, int | None], n: int
     ) -> None:
-        """Count written records in their tenants' books and delete the victims over quota
-        (keys this process has pinned are put back instead). Failures of the books are logged
-        and counted, never the put's: its records are stored."""
-        written: dict[int, list[tuple[bytes, int]]] = {}
-        for k, p in items:
-            t = tenants[k]
-            if t:
-                written.setdefault(t, []).append((self.redis_key(k), HEADER_SIZE + len(p)))
+        """Count written records (per tenant: Redis key, bytes) in their tenants' books and
+        delete the victims over quota (keys this process has pinned are put back instead).
+        Failures of the books are logged and counted, never the put's: its records are stored."""
         ttl = self.config.ttl_s
         try:
             victims = await self._books.account(written, quotas, None if ttl is None else ttl * 1000)
             pinned: dict[int, list[tuple[bytes, int]]] = {}
-            for t, rks in victims.items():
-                keep = {rk for rk in rks if self.is_pinned(parse_redis_key(self._prefix, rk) or b"")}
+            for t, gone in victims.items() if self._pins else ():
+                keep = [v for v in gone if self.is_pinned(parse_redis_key(self._prefix, v[0]) or b"")]
                 if keep:
-                    victims[t] = [rk for rk in rks if rk not in keep]
-                    pinned[t] = [(rk, 0) for rk in keep]
-            if pinned:  # in use here: back in the books (their sizes come back with the next write)
+                    victims[t] = [v for v in gone if v not in keep]
+                    pinned[t] = keep
+            if pinned:  # in use here (being loaded): back in the books, as the newest
                 await self._books.account(pinned, {}, None)
-            n = await self._books.delete_victims(victims)
-            self._count("tenant_evictions", n)
+            self._count("tenant_evictions", await self._books.delete_victims(victims))
         except RedisError as e:
             self._count("tenant_books_errors")
-            log.warning("tier %s: tenant books not kept for a batch of %d records: %s", self.name, len(items), e)
+            log.warning("tier %s: tenant books not kept for a batch of %d records: %s", self.name, n, e)
 
     async def _rollback(self, rkeys: list[bytes]) -> None:
         if not rkeys:

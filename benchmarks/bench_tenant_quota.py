@@ -15,8 +15,11 @@ with ``--cluster``), flushed between runs. Variants, interleaved within each rep
   batches), filled before the clock starts: every batch also
   takes its oldest records out of the books and deletes them.
 
-Medians of ``--reps`` runs per variant and chunk size (64 KiB and 1 MiB). Not part of the test
-suite; the numbers go into ``benchmarks/results/tenant-quota-redis-*.md``.
+Medians of ``--reps`` runs per variant and chunk size (64 KiB and 1 MiB) of three figures: GB/s
+(wall clock), and CPU seconds per GB of the client process (``time.process_time``: every thread)
+and of the server(s) (``INFO cpu``: ``used_cpu_user + used_cpu_sys``). On a shared, loaded
+machine the wall figure swings; the CPU figures are what the books cost whatever else runs.
+Not part of the test suite; the numbers go into ``benchmarks/results/tenant-quota-redis-*.md``.
 """
 
 from __future__ import annotations
@@ -47,8 +50,19 @@ VARIANTS = ("default", "tenant", "quota", "quota-full")
 BATCH_ITEMS, BATCH_BYTES, IN_FLIGHT = 64, 16 * MiB, 2
 
 
-async def one_run(url: str, cluster: bool, variant: str, size: int, total: int) -> float:
-    """Seconds to store ``total`` bytes of ``size``-byte chunks in ``variant``'s way."""
+def server_cpu(ports: list[int]) -> float:
+    out = 0.0
+    for port in ports:
+        r = redis.Redis(port=port)
+        info = r.info("cpu")
+        r.close()
+        out += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return out
+
+
+async def one_run(url: str, cluster: bool, variant: str, size: int, total: int, ports: list[int]) -> tuple[float, ...]:
+    """(wall seconds, client CPU seconds, server CPU seconds) to store ``total`` bytes of
+    ``size``-byte chunks in ``variant``'s way."""
     n = total // size
     per = max(1, min(BATCH_ITEMS, BATCH_BYTES // size))
     tier = RedisTier(RedisTierConfig(url=url, cluster=cluster, key_prefix="bq", op_timeout_s=120, socket_timeout_s=60))
@@ -74,17 +88,17 @@ async def one_run(url: str, cluster: bool, variant: str, size: int, total: int) 
                 else:
                     await tier.put_many(items, tenants=[tenant] * len(items))
 
-        t0 = time.perf_counter()
+        s0, c0, t0 = server_cpu(ports), time.process_time(), time.perf_counter()
         tasks = []
         for b in range(0, n, per):
             await slots.acquire()  # (as a lane: the next batch is formed once a slot is free)
             slots.release()
             tasks.append(asyncio.create_task(put(keys[b : b + per])))
         await asyncio.gather(*tasks)
-        dt = time.perf_counter() - t0
+        dt, cpu, srv = time.perf_counter() - t0, time.process_time() - c0, server_cpu(ports) - s0
         if variant == "quota-full":
             assert tier.counters["tenant_evictions"] > 0
-    return dt
+    return dt, cpu, srv
 
 
 def flush(ports: list[int]) -> None:
@@ -102,7 +116,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     total = a.total_mib * MiB
-    results: dict[str, dict[str, list[float]]] = {}
+    results: dict[str, dict[str, dict[str, list[float]]]] = {}
     server: Any = RedisCluster(masters=3) if a.cluster else RedisServer()
     with server:
         ports = [p for _, p in server.nodes] if a.cluster else [server.port]
@@ -111,16 +125,30 @@ def main() -> None:
                 order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
                 for v in order:
                     flush(ports)
-                    dt = asyncio.run(one_run(server.url, a.cluster, v, size, total))
-                    results.setdefault(f"{size >> 10}KiB", {}).setdefault(v, []).append(total / dt / 1e9)
-                    print(f"{size >> 10} KiB rep {rep} {v:<10} {total / dt / 1e9:.3f} GB/s", flush=True)
-    print()
-    print("| chunk | " + " | ".join(VARIANTS) + " |")
-    print("|---|" + "---|" * len(VARIANTS))
-    for size, by in results.items():
-        base = statistics.median(by["default"])
-        cells = [f"{statistics.median(by[v]):.2f} ({statistics.median(by[v]) / base:.2f}x)" for v in VARIANTS]
-        print(f"| {size} | " + " | ".join(cells) + " |")
+                    dt, cpu, srv = asyncio.run(one_run(server.url, a.cluster, v, size, total, ports))
+                    got = {
+                        "gbps": total / dt / 1e9,
+                        "client_s_per_gb": cpu / total * 1e9,
+                        "server_s_per_gb": srv / total * 1e9,
+                    }
+                    by = results.setdefault(f"{size >> 10}KiB", {}).setdefault(v, {})
+                    for name, value in got.items():
+                        by.setdefault(name, []).append(value)
+                    print(
+                        f"{size >> 10} KiB rep {rep} {v:<10} " + " ".join(f"{k} {x:.3f}" for k, x in got.items()),
+                        flush=True,
+                    )
+    for figure in ("gbps", "client_s_per_gb", "server_s_per_gb"):
+        print(f"\n{figure} (median; against default)")
+        print("| chunk | " + " | ".join(VARIANTS) + " |")
+        print("|---|" + "---|" * len(VARIANTS))
+        for size, by in results.items():
+            base = statistics.median(by["default"][figure])
+            cells = [
+                f"{statistics.median(by[v][figure]):.3f} ({statistics.median(by[v][figure]) / base:.2f}x)"
+                for v in VARIANTS
+            ]
+            print(f"| {size} | " + " | ".join(cells) + " |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"total_bytes": total, "cluster": a.cluster, "gbps": results}, f, indent=1)

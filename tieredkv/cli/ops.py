@@ -422,8 +422,8 @@ def _describe_record(tier: str, raw: bytes, key: bytes, quotas: TenantQuotas | N
             "flags": h.flags,
             "payload_bytes": h.payload_len,
             "checksum": f"{h.checksum:016x}",
-            "tenant": (quotas or TenantQuotas()).label(h.tenant),
-            "tenant_id": f"{h.tenant:016x}",
+            "tenant": (quotas or TenantQuotas()).label(h.tenant),  # ("-": the default tenant)
+            **({"tenant_id": f"{h.tenant:016x}"} if h.tenant else {}),
         }
     try:
         verify_record(raw, key)
@@ -620,7 +620,7 @@ async def migrate(
     problems: list[dict[str, str]] = []
     stopped = False
     t0 = time.perf_counter()
-    async with open_tier(src_cfg) as src, open_tier(dst_cfg, create=True, quotas=_quotas(cfg)) as dst:
+    async with open_tier(src_cfg) as src, open_tier(dst_cfg, create=True) as dst:
         infos = await _all_records(src, namespace, group, progress, src_cfg.label, catalog=True)
         task = progress.add_task(f"migrate {src_cfg.label} → {dst_cfg.label}", total=len(infos))
         for run in batches(infos, batch_bytes, batch_records):

@@ -20,7 +20,6 @@ from tieredkv.cli.exits import EXIT_BAD_INPUT, CLIError
 from tieredkv.config import TieredKVConfig
 from tieredkv.errors import BackendNotFoundError, ConfigError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE
-from tieredkv.tenants import TenantQuotas
 
 __all__ = [
     "BATCH_BYTES",
@@ -107,18 +106,15 @@ def with_data_dir(cfg: TieredKVConfig, data_dir: Path) -> TieredKVConfig:
 
 
 @asynccontextmanager
-async def open_tier(tcfg: Any, *, create: bool = False, quotas: TenantQuotas | None = None) -> AsyncIterator[Tier]:
+async def open_tier(tcfg: Any, *, create: bool = False) -> AsyncIterator[Tier]:
     """Open one tier for admin work. A local directory that holds nothing yet is "unreachable"
     (a typo in a path must not create an empty store) unless ``create``. Scans are passive:
     listing records must not count as reading them (a tier that can tell sets ``passive_scans``).
-    ``quotas``: the config's tenant quotas (what a write through this tier, e.g. ``migrate``'s,
-    is held to, as an engine's would be)."""
+    No tenant quotas are set: an admin write (``migrate``) copies records as they are."""
     path = local_path(tcfg)
     if path is not None and not create and not (os.path.isdir(path) and os.listdir(path)):
         raise TierUnavailableError(f"tier {tcfg.label!r} ({tcfg.kind}): no data at {path}; check the path")
     tier: Tier = build_tier(tcfg)
-    if quotas is not None:
-        tier.set_quotas(quotas)
     tier.passive_scans = True
     try:
         await tier.open()

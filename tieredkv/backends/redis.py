@@ -71,7 +71,8 @@ a share is a share of the primaries' summed ``maxmemory`` (unbounded where one h
 ``scan`` gives each record's tenant: an active scan reads header bytes 48..55 (``GETRANGE``, an
 access like ``STRLEN``); a passive one cannot read a header without touching the key (Redis
 before 7.2 has no ``CLIENT NO-TOUCH``), so it finds tenants in the tenants' books (``ZMSCORE``:
-exact for records stored while quotas were configured; unknown, None, without books).
+exact for records stored while quotas were configured; a record in no book is taken for the
+default tenant's; every tenant is unknown, None, where there are no books).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def pipeline_store_load(
         staging_bytes=min(n * size, 512 * MiB) + BATCH_BYTES,
     )
     cfg = TieredKVConfig(namespace=NamespaceConfig(model=ns.model), pipeline=pipeline)
-    store = TieredStore(cfg, namespace=ns, tiers=[tier], catalog=False)  # (leaves the tier as it found it)
+    store = TieredStore(cfg, namespace=ns, tiers=[tier])
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
     with store.start():
         store.register_group(0, [blocks])

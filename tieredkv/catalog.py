@@ -10,9 +10,11 @@ JSON::
     {"tieredkv_catalog": 1, "fingerprint": "<32 hex>", "namespace": Namespace.describe(),
      "weights": "<weights fingerprint or ''>", "written_at": <unix seconds>}
 
-A :class:`~tieredkv.store.TieredStore` writes the catalog record of its namespace in every tier
-outside the engine's process the first time it stores under that namespace
-(:func:`write_catalog`, in the background: best effort, a failure is logged). The admin CLI
+A :class:`~tieredkv.store.TieredStore` that builds its tiers from the config (``open_store``,
+the vLLM integrations, the demo; one handed its tier objects only with ``catalog=True``) writes
+the catalog record of its namespace in every tier outside the engine's process the first time
+it stores under that namespace (:func:`write_catalog`, in the background: best effort, a
+failure is logged). The admin CLI
 hides catalog records from ``ls``, ``status`` and ``evict`` (they are not the engine's records);
 ``verify``, ``migrate`` and ``flush`` treat them as records.
 

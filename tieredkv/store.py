@@ -83,11 +83,12 @@ class TieredStore:
         namespace: Namespace | None = None,
         tiers: Sequence[Tier] | None = None,
         parallel: ParallelLayout | None = None,
-        catalog: bool = True,
+        catalog: bool | None = None,
     ) -> None:
         self.config = config
-        # namespace catalog (tieredkv.catalog): fingerprints whose record this store has written
-        self._catalog: set[bytes] | None = set() if catalog else None
+        # namespace catalog (tieredkv.catalog): fingerprints whose record this store has written;
+        # by default only in tiers it builds itself (a caller that hands in its tiers owns them)
+        self._catalog: set[bytes] | None = set() if (tiers is None if catalog is None else catalog) else None
         ns = config.namespace
         # A namespace given whole (the vLLM integrations build theirs from vLLM's config) is used as
         # is. One built from the config is completed from what the engine itself says: the dtype

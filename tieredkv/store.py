@@ -38,6 +38,7 @@ import torch
 
 from tieredkv.backends.base import Tier, TierStats
 from tieredkv.backends.registry import build_tier
+from tieredkv.catalog import write_catalog
 from tieredkv.config import TieredKVConfig, load_config
 from tieredkv.errors import ConfigError, TierClosedError, TieredKVError, TierTimeoutError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
@@ -89,8 +90,12 @@ class TieredStore:
         namespace: Namespace | None = None,
         tiers: Sequence[Tier] | None = None,
         parallel: ParallelLayout | None = None,
+        catalog: bool | None = None,
     ) -> None:
         self.config = config
+        # namespace catalog (tieredkv.catalog): fingerprints whose record this store has written;
+        # by default only in tiers it builds itself (a caller that hands in its tiers owns them)
+        self._catalog: set[bytes] | None = set() if (tiers is None if catalog is None else catalog) else None
         ns = config.namespace
         # A namespace given whole (the vLLM integrations build theirs from vLLM's config) is used as
         # is. One built from the config is completed from what the engine itself says: the dtype
@@ -288,6 +293,7 @@ class TieredStore:
         tenant's own oldest records there first, and one larger than its whole quota is refused
         there (the job's ``failed`` keys)."""
         refs = self._checked(group, chunks, "store")
+        self._catalog_namespace()
         job_id = next(self._ids)
         tid = 0 if tenant is None else as_tenant_id(tenant)
         if not self.pipeline.submit_store(StoreJob(job_id, group, refs, tid)):
@@ -391,11 +397,20 @@ class TieredStore:
         self, kind: str, items: Sequence[tuple[bytes, Any]], job_id: int | None, tenant: TenantArg
     ) -> int | None:
         jid = next(self._ids) if job_id is None else int(job_id)
+        if kind == "put":
+            self._catalog_namespace()
         submit = self.pipeline.submit_put if kind == "put" else self.pipeline.submit_get
         if not submit(jid, items, 0 if tenant is None else as_tenant_id(tenant)):
             return None
         self._open_jobs.add(jid)
         return jid
+
+    def _catalog_namespace(self) -> None:
+        """The first store under a namespace writes its catalog record (model, revision, weights)
+        in the persistent tiers, in the background (:mod:`tieredkv.catalog`)."""
+        if self._catalog is not None and self.namespace.fingerprint not in self._catalog:
+            self._catalog.add(self.namespace.fingerprint)
+            self.pipeline.run_background(write_catalog(self.tiers, self.namespace))
 
     # ---- non-blocking lookups and tier calls --------------------------------------------------
 

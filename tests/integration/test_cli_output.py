@@ -51,7 +51,7 @@ def test_tables_in_a_pipe_are_plain_rows_with_whole_cells(tmp_path: Path) -> Non
     r = narrow("ls", "-c", str(cfg))
     assert r.returncode == 0 and "…" not in r.stdout
     header, *rows, footer = r.stdout.splitlines()
-    assert header.split("\t") == ["tier", "key", "group", "size", "age"]
+    assert header.split("\t") == ["tier", "key", "group", "size", "age", "tenant"]
     assert [row.split("\t")[:3] for row in rows] == [[name, k.hex(), str(i % 2)] for i, k in enumerate(keys)]
     assert footer == "records 1–3 of 3"
 

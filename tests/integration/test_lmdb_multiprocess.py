@@ -446,3 +446,96 @@ async def test_many_opens_of_one_fresh_directory_at_once_all_succeed(tmp_path: P
         async with tier:
             assert await tier.contains_many([k(i) for i in range(width)]) == [True] * width
         assert not [p.name for p in path.iterdir() if p.name.startswith(".tieredkv-write-test")]
+
+
+# ---- 5: two processes flooding as different tenants -------------------------------------------------
+
+TENANT_WRITER = """
+from tieredkv.keys import tenant_id
+from tieredkv.tenants import TenantQuotas
+async def main():
+    cap, quota, base = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    cfg = LMDBTierConfig(path=sys.argv[1], map_size_bytes=8 * cap, size_cap_bytes=cap, max_map_size_bytes=16 * cap,
+                         file_batch_bytes=FILE_BATCH)
+    tier = LMDBTier(cfg)
+    tier.set_quotas(TenantQuotas(default=quota))
+    async with tier:
+        say("open")
+        while (cmd := order())[0] == "put":
+            r, name = int(cmd[1]), cmd[2]
+            first = base + r * 4
+            await tier.put_many([(k(first + j), payload(30000, first + j)) for j in range(4)],
+                                tenants=[tenant_id(name)] * 4)
+            say("put", r)
+        say("done", *(f"{t:x}={n}" for t, n in sorted((await tier.tenant_usage()).items())))
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("file_batch", [None, 100_000], ids=["in-lmdb", "record-files"])
+async def test_two_processes_flooding_as_tenants_keep_exact_per_tenant_accounting(
+    tmp_path: Path, children: list[Child], file_batch: int | None
+) -> None:
+    """Process 1 floods as tenant a; process 2 floods as b and a by turns (so each sees only part
+    of a's records: the other's are evicted by the shared stamps), each 7 MiB against a 1 MiB
+    quota, after this process stored tenant c's records (within its quota) and the default
+    tenant's. The per-tenant counters both keep in the environment stay exact (equal to a count
+    of every record's header), a and b stay within their quota with their newest records, and
+    none of c's or the default tenant's records is lost (before: no counters, and the flood
+    evicted c and the default tenant)."""
+    from tieredkv.backends._lmdb_tenants import count_tenants
+    from tieredkv.keys import tenant_id
+    from tieredkv.tenants import TenantQuotas
+
+    cap, quota, rec = 8 * MiB, 1 * MiB, 30000 + HEADER_SIZE
+    a, b, c = tenant_id("a"), tenant_id("b"), tenant_id("c")
+    tier = LMDBTier(cfg(tmp_path, map_size_bytes=8 * cap, size_cap_bytes=cap, max_map_size_bytes=16 * cap))
+    tier.set_quotas(TenantQuotas(default=quota))
+    async with tier:
+        mine = [(k(i), payload(30000, i)) for i in range(40)]
+        await tier.put_many(mine[:20], tenants=[c] * 20)
+        await tier.put_many(mine[20:])
+    code = TENANT_WRITER.replace("sys.argv[1]", repr(str(tmp_path))).replace("FILE_BATCH", repr(file_batch))
+    ws = [
+        Child(code.replace("sys.argv[2]", str(cap)).replace("sys.argv[3]", str(quota)).replace("sys.argv[4]", base))
+        for base in ("1000000", "2000000")
+    ]
+    children.extend(ws)
+    for w in ws:
+        w.expect("open")
+    rounds = 60
+    for r in range(rounds):  # lockstep: both are open and writing all along
+        ws[0].send(f"put {r} a")
+        ws[1].send(f"put {r} {'b' if r % 2 else 'a'}")
+        for w in ws:
+            w.expect("put")
+    said = []
+    for w in ws:
+        w.send("quit")
+        said.append({int(t, 16): int(n) for t, n in (x.split("=") for x in w.expect("done"))})
+        w.finish()
+    async with tier.__class__(tier.config) as again:
+        again.set_quotas(TenantQuotas(default=quota))
+        usage = await again.tenant_usage()
+        got = await again.get_many([key for key, _ in mine])
+        newest = await again.contains_many(
+            [k(1_000_000 + (rounds - 1) * 4 + j) for j in range(4)]
+            + [k(2_000_000 + (rounds - 1) * 4 + j) for j in range(4)]
+        )
+    env = lmdb.open(str(tmp_path), max_dbs=4, readonly=True, lock=True)
+    try:
+        acc, rec_db = env.open_db(b"access", create=False), env.open_db(b"records", create=False)
+        with env.begin() as txn:
+            counted = count_tenants(txn, acc, rec_db)
+    finally:
+        env.close()
+    print(
+        f"\n[drill 5] 2 writers x {rounds} rounds x 4 records of {rec} B, quota {quota} B: usage {usage}; counted from"
+        f" the headers {counted}; what each writer said last {said}"
+    )
+    assert {t: n for t, n in usage.items() if t} == {t: cnt[0] for t, cnt in counted.items()}
+    assert said[1] == usage  # the last writer's figures are the environment's
+    assert quota - 4 * rec < usage[a] <= quota and quota - 4 * rec < usage[b] <= quota
+    assert usage[c] == 20 * rec and usage[0] == 20 * rec
+    assert got == [p.numpy().tobytes() for _, p in mine], "a record of c or of the default tenant was lost"
+    assert newest == [True] * 8

@@ -76,12 +76,18 @@ def test_builtin_capabilities() -> None:
         tenants=True,
     )
     assert caps["lmdb"] == TierCapabilities(
-        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2, medium="disk"
+        access_stamps=True,
+        local_eviction=True,
+        shared=True,
+        sync_probe=True,
+        writes_in_flight=2,
+        medium="disk",
+        tenants=True,
     )
     assert caps["cpu"].writes_in_flight == 1
     assert caps["redis"].writes_in_flight == 2  # ordered per key by the tier itself (RedisTier._put_many)
     assert not caps["redis"].local_eviction and caps["redis"].shared and not caps["redis"].in_process
-    assert caps["redis"].medium == "remote"
+    assert caps["redis"].medium == "remote" and caps["redis"].tenants  # quotas kept in Redis (_redis_tenants)
 
 
 def test_importing_config_or_registry_or_validating_imports_no_backend() -> None:

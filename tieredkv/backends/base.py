@@ -85,6 +85,9 @@ class RecordInfo:
     """Payload bytes (without the 64-byte header)."""
     stamp: float | None = None
     """Last write or access time (Unix seconds) where the tier tracks one."""
+    tenant: int | None = None
+    """The record's tenant id (:func:`tieredkv.keys.tenant_id`; 0: the default tenant) where the
+    tier can tell without reading the record; None: unknown."""
 
     @property
     def fingerprint(self) -> bytes:

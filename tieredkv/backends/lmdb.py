@@ -3,9 +3,11 @@
 Layout: named DB ``records`` (stored key → payload, a whole record, or a record's place in a
 record file), named DB ``access`` (stored key → ``<d Q`` last-access Unix time, record bytes,
 then the record's 64-byte header when the record is stored apart, or its place when it is in a
-record file), named DB ``files`` (record file token → ``<Q`` records it still holds) and, in the
+record file), named DB ``files`` (record file token → ``<Q`` records it still holds), named DB
+``tenants`` (per-tenant bytes and records: :mod:`~tieredkv.backends._lmdb_tenants`) and, in the
 main DB, ``tieredkv:used-bytes`` (``<Q``: the sum of every record's bytes, kept in the same
-write transaction as the records it counts).
+write transaction as the records it counts) and ``tieredkv:tenants-at`` (the transaction that
+last left the tenant counters exact).
 
 * **A record stored apart** (``put_many``): its payload alone in ``records``, its header
   (:mod:`tieredkv.format`, checksum over key, header and payload) after its access stamp. The
@@ -51,6 +53,12 @@ write transaction as the records it counts).
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
   alone. A read of any kind delivers only a payload that its header vouches for.
+* **Tenants** (:mod:`~tieredkv.backends._lmdb_tenants`): a record's tenant is in its header (a
+  record of the default tenant is version 1, as before) and, for a record in a record file,
+  after its place in its ``records`` value, so evictions, scans and the counters find it in the
+  index. Each tenant's bytes are counted in the ``tenants`` DB inside the same write transaction
+  as its records; a writer that does not keep them (an earlier version) is noticed by the next
+  one, which counts them again by a scan.
 
 The access DB survives restarts; at open it is read once to rebuild the in-memory eviction
 order: an :class:`~tieredkv.eviction.EvictionPolicy` named by ``eviction_policy`` (``lru``), fed
@@ -62,7 +70,11 @@ environment that holds one: they read every access entry as 16 bytes.)
   on the event loop; all LRU state is touched only from that thread.
 * ``put_many`` is one write transaction: it evicts the least-recently-used unpinned records
   until the batch fits under ``size_cap_bytes`` (or raises TierFullError having stored
-  nothing), then writes every record. The headers of a batch of 1 MiB or more are computed by
+  nothing), then writes every record. With tenant quotas (:attr:`Tier.quotas`): a tenant whose
+  batch would take it over its quota first loses its own least-recently-used records (this
+  process's order of them; the shared stamps when it has not seen enough of them, as below),
+  and when the cap is reached the records of tenants over their quota go before anyone's; a
+  tenant's batch larger than its quota is refused (TierFullError, nothing stored). The headers of a batch of 1 MiB or more are computed by
   a helper thread: a pipeline lane keeps two batches in flight here (``writes_in_flight``), and
   one batch's checksums run while the tier's thread writes the one before. A smaller batch's
   are computed on the tier's thread, right before its transaction, unless a batch before it is
@@ -145,7 +157,19 @@ from tieredkv.backends._lmdb_space import (
     preallocate,
     spares_fit,
 )
+from tieredkv.backends._lmdb_tenants import (
+    TENANTS_DB,
+    Ledger,
+    TenantOrders,
+    count_tenants,
+    counters_exact,
+    entry_tenant,
+    header_tenant,
+    place_value,
+    read_counters,
+)
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.catalog import catalog_key
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
@@ -160,6 +184,7 @@ from tieredkv.format import (
     verify_record,
     write_records,
 )
+from tieredkv.keys import FINGERPRINT_BYTES
 
 __all__ = ["LMDBTier"]
 
@@ -212,6 +237,7 @@ class _SharedEnv:
         self.rec: Any = None
         self.acc: Any = None
         self.files: Any = None
+        self.tenants: Any = None
         self._cond = threading.Condition(threading.Lock())
         self._readers = 0
         self._exclusive = False
@@ -369,7 +395,7 @@ def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEn
             env = lmdb.open(
                 path,
                 map_size=int(cfg.map_size_bytes),
-                max_dbs=3,
+                max_dbs=4,
                 max_readers=cfg.max_readers,
                 writemap=False,  # writes go through pwrite: a full disk is an error, never a SIGBUS
                 sync=not fast,
@@ -390,10 +416,15 @@ def _open_env(key: tuple[int, int], path: str, cfg: LMDBTierConfig) -> _SharedEn
                 shared.rec = env.open_db(b"records")
                 shared.acc = env.open_db(b"access")
                 shared.files = env.open_db(b"files")
+                shared.tenants = env.open_db(TENANTS_DB)
                 with env.begin(write=True) as txn:
                     if txn.get(_USED_KEY) is None:  # created by an older version: count once
                         total = sum(_ACCESS.unpack_from(v)[1] for v in txn.cursor(db=shared.acc).iternext(keys=False))
                         txn.put(_USED_KEY, _USED.pack(total))
+                    if not counters_exact(txn, write=True):
+                        # tenant counters missing or left behind by a writer that does not keep
+                        # them (an older version): counted once, here
+                        Ledger(shared.tenants, shared.acc, shared.rec).rebuild(txn)
                 break
             except lmdb.MapResizedError:
                 if attempt == _RESIZE_RETRIES:
@@ -472,6 +503,24 @@ def _punch(path: str, holes: list[tuple[int, int]]) -> None:
         os.close(fd)
 
 
+def _catalogued(txn: Any, acc: Any) -> int:
+    """How many namespaces have a catalog record (:mod:`tieredkv.catalog`): one look-up per
+    namespace, stepping from one fingerprint to the next in key order."""
+    cur = txn.cursor(db=acc)
+    n, start = 0, b""
+    while cur.set_range(start):
+        fp = bytes(cur.key()[:FINGERPRINT_BYTES])
+        if len(fp) < FINGERPRINT_BYTES:
+            break
+        if txn.get(catalog_key(fp), db=acc) is not None:
+            n += 1
+        value = int.from_bytes(fp, "big") + 1
+        if value >> (8 * FINGERPRINT_BYTES):
+            break
+        start = value.to_bytes(FINGERPRINT_BYTES, "big")
+    return n
+
+
 def _release_env(shared: _SharedEnv) -> None:
     with _REGISTRY_LOCK:
         shared.refs -= 1
@@ -490,7 +539,13 @@ class LMDBTier(Tier):
 
     kind = "lmdb"
     capabilities = TierCapabilities(
-        access_stamps=True, local_eviction=True, shared=True, sync_probe=True, writes_in_flight=2, medium="disk"
+        access_stamps=True,
+        local_eviction=True,
+        shared=True,
+        sync_probe=True,
+        writes_in_flight=2,
+        medium="disk",
+        tenants=True,
     )
     config_model = LMDBTierConfig
 
@@ -505,6 +560,8 @@ class LMDBTier(Tier):
         self._helper: ThreadPoolExecutor | None = None
         self._shared: _SharedEnv | None = None
         self._policy: EvictionPolicy = make_policy(cfg.eviction_policy)  # key -> record bytes
+        self._torders = TenantOrders(cfg.eviction_policy)  # the same, per tenant (not the default one)
+        self._ledger: Ledger | None = None  # the tenant counters, within a write transaction
         self._dirty: dict[bytes, float] = {}
         self._on_helper = 0  # batches on the helper thread now (loop thread only)
         self._rescan: list[RecordInfo] | None = None  # shared order read by the last eviction
@@ -620,6 +677,7 @@ class LMDBTier(Tier):
             ) from e
         shared = _acquire_env(self.path, self.config)
         self._shared = shared
+        self._ledger = Ledger(shared.tenants, shared.acc, shared.rec)
         try:
             self._count("stale_readers_cleared", shared.reader_check())
             shared.keep_reserve()
@@ -765,6 +823,20 @@ class LMDBTier(Tier):
             txn.delete(token, db=files)
             self._doomed.append(token)
 
+    def _drop(self, txn: Any, key: bytes, meta: Any) -> None:
+        """The open write transaction deletes (or replaces) ``key``'s record, of access entry
+        ``meta`` (None: not there): its record file keeps count (:meth:`_doom`), and its tenant's
+        counter (:mod:`~tieredkv.backends._lmdb_tenants`) drops it. Called before its ``records``
+        value goes (a record's tenant may be there)."""
+        if meta is None:
+            return
+        self._doom(txn, meta)
+        ledger = self._ledger
+        if ledger is not None and ledger.active:
+            tenant = entry_tenant(meta, lambda: txn.get(key, db=self._sh.rec))
+            if tenant:
+                ledger.add(tenant, -_ACCESS.unpack_from(meta)[1], -1)
+
     def _forget_freed(self) -> None:
         """A write transaction starts (again): nothing is freed yet."""
         self._doomed.clear()
@@ -867,47 +939,102 @@ class LMDBTier(Tier):
         raw = txn.get(_USED_KEY)
         return 0 if raw is None else _USED.unpack(raw)[0]
 
-    def _evict_in(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> None:
+    def _evict_in(
+        self,
+        txn: Any,
+        excess: int,
+        protect: set[bytes],
+        evicted: dict[bytes, int],
+        tenant: int | None = None,
+        must: bool = True,
+    ) -> int:
         """Delete the least-recently-used unpinned records (not in ``protect``) covering ``excess``
         bytes of the environment, adding them to ``evicted`` (keys already gone map to 0). This
         process's LRU goes first; the shared access stamps (every process's records) decide
         instead when it falls short, or when over an eighth of the cap is records this process
         has never seen (rate-limited: a full read of the access DB), and the LRU adopts that order
-        after the commit (:meth:`_after_evictions`). Raises TierFullError (the caller's transaction is then
-        aborted) when everything is pinned."""
+        after the commit (:meth:`_after_evictions`). With quotas, the records of tenants over
+        their quota go first (:meth:`_evict_over_quota`).
+
+        ``tenant``: only that tenant's records (it is over its quota), by this process's order of
+        them, then by the shared stamps the same way (over an eighth of its quota unseen here).
+
+        Returns what is left of ``excess`` (0 or less: covered). Raises TierFullError (the
+        caller's transaction is then aborted) when it is not covered (everything is pinned),
+        unless ``must`` is false."""
         sh = self._shared
         assert sh is not None
 
         def take(k: bytes, size: int, meta: Any = None) -> None:
-            self._doom(txn, txn.get(k, db=sh.acc) if meta is None else meta)
+            self._drop(txn, k, txn.get(k, db=sh.acc) if meta is None else meta)
             txn.delete(k, db=sh.rec)
             txn.delete(k, db=sh.acc)
             evicted[k] = size
 
-        foreign = self._used_in(txn) - self._policy.total_bytes  # bytes this process has never seen
-        if foreign > self._cap // 8 and time.monotonic() >= self._next_scan:
-            self._scan_in(txn, excess, protect, evicted, take)  # their records may be the oldest
-            return
-        for k in self._policy.victims():  # not changed here: _after_evictions forgets them
+        if tenant is None:
+            if self.quotas.enabled:
+                excess = self._evict_over_quota(txn, excess, protect, evicted)
+                if excess <= 0:
+                    return excess
+            foreign = self._used_in(txn) - self._policy.total_bytes  # bytes this process has never seen
+            bound = self._cap
+            order = self._policy.victims()
+        else:
+            assert self._ledger is not None
+            foreign = self._ledger.usage(txn, tenant) - self._torders.known_bytes(tenant)
+            bound = self.quotas.limit(tenant, self._cap) or self._cap
+            order = self._torders.victims(tenant)
+        if foreign > bound // 8 and time.monotonic() >= self._next_scan:
+            # their records may be the oldest
+            return self._scan_in(txn, excess, protect, evicted, take, tenant, must)
+        for k in order:  # not changed here: _after_evictions forgets them
             if excess <= 0:
-                return
+                return excess
             if k in protect or k in evicted or self.is_pinned(k):
                 continue
             meta = txn.get(k, db=sh.acc)  # (read once: its size, and its place in a record file)
             size = 0 if meta is None else _ACCESS.unpack_from(meta)[1]
+            if size and tenant is not None and entry_tenant(meta, lambda k=k: txn.get(k, db=sh.rec)) != tenant:
+                continue  # written again since by another tenant (in another process): not this tenant's
             if size:
                 take(k, size, meta)
                 excess -= size
             else:  # already gone: another process deleted or evicted it
                 evicted[k] = 0
         if excess > 0:
-            self._scan_in(txn, excess, protect, evicted, take)
+            return self._scan_in(txn, excess, protect, evicted, take, tenant, must)
+        return excess
+
+    def _evict_over_quota(self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int]) -> int:
+        """The environment is over its cap by ``excess``: the tenants over their quota lose their
+        own oldest records first (the furthest over first), down to their quota at most. Returns
+        what is left of ``excess``."""
+        assert self._ledger is not None
+        over = []
+        for t, held in self._ledger.all(txn).items():
+            quota = self.quotas.limit(t, self._cap)
+            if quota is not None and held > quota:
+                over.append((held - quota, t))
+        for gap, t in sorted(over, reverse=True):
+            if excess <= 0:
+                break
+            want = min(gap, excess)
+            excess -= want - self._evict_in(txn, want, protect, evicted, tenant=t, must=False)
+        return excess
 
     def _scan_in(
-        self, txn: Any, excess: int, protect: set[bytes], evicted: dict[bytes, int], take: Callable[[bytes, int], None]
-    ) -> None:
-        """Evict by the shared access stamps (every process's records, oldest first). A full read of
-        the access DB: when not forced by a shortfall, run at most every 20x its own duration."""
+        self,
+        txn: Any,
+        excess: int,
+        protect: set[bytes],
+        evicted: dict[bytes, int],
+        take: Callable[[bytes, int], None],
+        tenant: int | None = None,
+        must: bool = True,
+    ) -> int:
+        """Evict by the shared access stamps (every process's records, oldest first; ``tenant``:
+        only that tenant's). A full read of the access DB: when not forced by a shortfall, run at
+        most every 20x its own duration. Returns what is left of ``excess``."""
         started = time.monotonic()
         self._count("shared_lru_scans")
         self._rescan = self._ranked(txn)
@@ -915,6 +1042,8 @@ class LMDBTier(Tier):
             if excess <= 0:
                 break
             k = info.key
+            if tenant is not None and info.tenant != tenant:
+                continue
             if k in protect or evicted.get(k) or self.is_pinned(k):
                 continue
             size = info.size + HEADER_SIZE
@@ -922,11 +1051,13 @@ class LMDBTier(Tier):
             excess -= size
         now = time.monotonic()
         self._next_scan = now + max(1.0, 20 * (now - started))
-        if excess > 0:
+        if excess > 0 and must:
+            whose = "" if tenant is None else f" of tenant {self.quotas.label(tenant)} (over its quota)"
             raise TierFullError(
-                f"tier {self.name!r}: size cap of {self._cap} bytes reached and every record that"
+                f"tier {self.name!r}: size cap of {self._cap} bytes reached and every record{whose} that"
                 " could be evicted is pinned (in use)"
             )
+        return excess
 
     def _after_evictions(self, evicted: dict[bytes, int]) -> None:
         """After the commit: drop what went from the LRU, and adopt a shared LRU order just read."""
@@ -937,30 +1068,42 @@ class LMDBTier(Tier):
         self._count("evictions", sum(1 for size in evicted.values() if size))
 
     def _forget(self, keys: Any) -> None:
+        torders = self._torders if self._torders else None
         for k in keys:
             self._policy.remove(k)
             self._dirty.pop(k, None)
+            if torders is not None:
+                torders.remove(k)
 
     def _ranked(self, txn: Any) -> list[RecordInfo]:
         """Every record of the environment (every process's) by its shared access stamp, in the
-        policy's eviction order (:meth:`~tieredkv.eviction.EvictionPolicy.rank`)."""
+        policy's eviction order (:meth:`~tieredkv.eviction.EvictionPolicy.rank`), with its tenant
+        (looked up only while some tenant other than the default one holds records)."""
         infos = []
-        for k, v in txn.cursor(db=self._sh.acc):
+        sh = self._sh
+        get, rec = txn.get, sh.rec
+        tenanted = txn.stat(sh.tenants)["entries"] > 0
+        for k, v in txn.cursor(db=sh.acc):
             stamp, size = _ACCESS.unpack_from(v)
-            infos.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
+            tenant = entry_tenant(v, lambda k=k: get(k, db=rec)) if tenanted else 0
+            infos.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp, tenant))
         return self._policy.rank(infos)
 
     def _adopt(self, ranked: list[RecordInfo], skip: Container[bytes]) -> None:
-        """Replace the in-memory order by ``ranked`` (first = evict first), less ``skip``."""
+        """Replace the in-memory orders by ``ranked`` (first = evict first), less ``skip``."""
         policy = make_policy(self.config.eviction_policy)
+        orders = TenantOrders(self.config.eviction_policy)
         for info in ranked:
             if info.key not in skip:
                 policy.insert(info.key, info.size + HEADER_SIZE)
+                if info.tenant:
+                    orders.insert(info.key, info.size + HEADER_SIZE, info.tenant)
         self._policy = policy
+        self._torders = orders
 
     # ---- writes ------------------------------------------------------------------------
 
-    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+    async def _put_many(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
         """Compute the batch's record headers on the helper thread, then write the batch on the
         tier's thread. A record is stored apart (see the module docstring): its payload as it is
         in ``records``, its header beside its access stamp, so py-lmdb copies each payload
@@ -977,37 +1120,74 @@ class LMDBTier(Tier):
         The payloads must stay as they are until the call returns (the pipeline holds its
         buffers until then). Cancelled while its batch is with the helper, a call writes
         nothing; once its work has begun on the tier's thread it may still land, and a payload
-        changed under it then fails its checksum when read (a miss, never other bytes)."""
+        changed under it then fails its checksum when read (a miss, never other bytes).
+
+        ``tenants`` (per item; None: all the default tenant): each record's tenant, in its header,
+        counted against its quota (:meth:`_put_records`)."""
+        extra = () if tenants is None else (tenants,)  # (the default tenant's calls are as they were)
         if self._on_helper == 0 and sum(len(p) for _, p in items) < _HEADS_ON_HELPER_FROM:
-            await self._run(self._heads_put, items)
+            await self._run(self._heads_put, items, *extra)
             return
         assert self._helper is not None
         self._on_helper += 1  # loop thread only
         try:
-            heads = await asyncio.get_running_loop().run_in_executor(self._helper, self._heads, items)
+            heads = await asyncio.get_running_loop().run_in_executor(self._helper, self._heads, items, *extra)
         finally:
             self._on_helper -= 1
-        await self._run(self._put_records, items, heads)  # queued before this coroutine yields again
+        await self._run(self._put_records, items, heads, *extra)  # queued before this coroutine yields again
 
-    def _heads_put(self, items: list[tuple[bytes, memoryview]]) -> None:
-        self._put_records(items, self._heads(items))
+    def _heads_put(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
+        if tenants is None:
+            self._put_records(items, self._heads(items))
+        else:
+            self._put_records(items, self._heads(items, tenants), tenants)
 
-    def _heads(self, items: list[tuple[bytes, memoryview]]) -> bytearray:
-        """The 64-byte header of every item, one after another."""
+    def _heads(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> bytearray:
+        """The 64-byte header of every item (with its tenant), one after another."""
         heads = bytearray(HEADER_SIZE * len(items))
-        encode_heads_into(memoryview(heads), items)
+        if tenants is None:
+            encode_heads_into(memoryview(heads), items)
+        else:
+            encode_heads_into(memoryview(heads), [(k, p, t) for (k, p), t in zip(items, tenants, strict=True)])
         return heads
 
-    def _put_records(self, items: list[tuple[bytes, memoryview]], heads: bytearray | None = None) -> None:
+    def _put_records(
+        self, items: list[tuple[bytes, memoryview]], heads: bytearray | None = None, tenants: list[int] | None = None
+    ) -> None:
         """One write transaction: evict to fit under the cap (all or nothing), then write every
         item (keys unique: ``put_checked``). With ``heads`` (the items' headers, in order), each
         item is a payload, stored apart from its header; without, a whole record (header, then
-        payload: ``raw_put_many``, from a migration or a tool), stored as it is."""
+        payload: ``raw_put_many``, from a migration or a tool), stored as it is.
+
+        Tenants (``tenants``, per item; a whole record's own header names its): a tenant whose
+        records would go over its quota loses its own oldest records first, in the same
+        transaction, before anyone's go for the cap; a tenant's batch larger than its quota is
+        refused (TierFullError, nothing stored)."""
         apart = heads is not None
         sizes = {k: (HEADER_SIZE if apart else 0) + len(p) for k, p in items}
         total = sum(sizes.values())
         if total > self._cap:
             raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes exceeds size_cap_bytes ({self._cap})")
+        if tenants is not None:
+            tids = {k: t for (k, _), t in zip(items, tenants, strict=True) if t}
+        elif heads is None:
+            tids = {k: t for k, p in items if (t := header_tenant(p[:HEADER_SIZE]))}
+        else:
+            tids = {}
+        by_tenant: dict[int, int] = {}
+        for k, t in tids.items():
+            by_tenant[t] = by_tenant.get(t, 0) + sizes[k]
+        quotas: dict[int, int] = {}
+        for t, nbytes in by_tenant.items():
+            quota = self.quotas.limit(t, self._cap)
+            if quota is None:
+                continue
+            if nbytes > quota:
+                raise TierFullError(
+                    f"tier {self.name!r}: a batch of {nbytes} bytes of tenant {self.quotas.label(t)} exceeds"
+                    f" its quota ({quota} bytes); nothing of it was stored"
+                )
+            quotas[t] = quota
         now = time.time()
         token: bytes | None = None
         held: int | None = None  # the lock on the batch's record file, until its commit
@@ -1035,25 +1215,39 @@ class LMDBTier(Tier):
                     places.append((k, _PLACE.pack(token, at)))
                     at += sizes[k]
                 stamps = [(k, _ACCESS.pack(now, sizes[k]) + place) for k, place in places]
+                if tids:  # the records value: the place, then the tenant when not the default one
+                    places = [(k, place_value(place, tids.get(k, 0))) for k, place in places]
                 items = places  # type: ignore[assignment]
         evicted: dict[bytes, int] = {}
         sh = self._shared
         assert sh is not None
 
+        ledger = self._ledger
+        assert ledger is not None
+
         def body(txn: Any) -> None:
             evicted.clear()
             used = self._used_in(txn)
             old = txn.cursor(db=sh.acc).getmulti(list(sizes))  # records about to be overwritten
-            for _, v in old:
+            for k, v in old:
                 used -= _ACCESS.unpack_from(v)[1]
-                self._doom(txn, v)
+                self._drop(txn, k, v)
+            protect = set(sizes)
+            for t, quota in quotas.items():  # a tenant over its quota loses its own records first
+                over = ledger.usage(txn, t) + by_tenant[t] - quota
+                if over > 0:
+                    self._evict_in(txn, over, protect, evicted, tenant=t)
+            used -= sum(evicted.values())
             if used + total > self._cap:
-                self._evict_in(txn, used + total - self._cap, set(sizes), evicted)
-                used -= sum(evicted.values())
+                before = sum(evicted.values())
+                self._evict_in(txn, used + total - self._cap, protect, evicted)
+                used -= sum(evicted.values()) - before
             txn.cursor(db=sh.rec).putmulti(items)
             txn.cursor(db=sh.acc).putmulti(stamps)
             if token is not None:
                 txn.put(token, _LIVE.pack(len(items)), db=sh.files)
+            for k, t in tids.items():
+                ledger.add(t, sizes[k], 1)
             txn.put(_USED_KEY, _USED.pack(used + total))
 
         try:
@@ -1069,6 +1263,9 @@ class LMDBTier(Tier):
         for k, size in sizes.items():
             self._policy.insert(k, size)
             self._dirty.pop(k, None)
+        if tids or self._torders:
+            for k, size in sizes.items():
+                self._torders.insert(k, size, tids.get(k, 0))
 
     def _write(
         self, body: Callable[[Any], None], protect: set[bytes] | None = None, need: int = 0, writes: int = 0
@@ -1101,11 +1298,16 @@ class LMDBTier(Tier):
         if sh.reader_check_due():
             self._count("stale_readers_cleared", sh.reader_check())
 
+        ledger = self._ledger
+        assert ledger is not None
+
         def full(txn: Any) -> None:
             self._rescan = None
             self._forget_freed()
+            ledger.begin(txn)
             self._flush_stamps(txn)
             body(txn)
+            ledger.settle(txn)
 
         while True:
             try:
@@ -1130,9 +1332,11 @@ class LMDBTier(Tier):
                     more.clear()
                     self._rescan = None
                     self._forget_freed()
+                    ledger.begin(txn)
                     used = self._used_in(txn)
                     self._evict_in(txn, max(used // 8, need, 1), protect or set(), more)
                     txn.put(_USED_KEY, _USED.pack(used - sum(more.values())))
+                    ledger.settle(txn)
 
                 try:
                     self._txn(evict, write=True)
@@ -1190,6 +1394,7 @@ class LMDBTier(Tier):
         now = time.time()
         gone = []
         policy, dirty = self._policy, self._dirty
+        torders = self._torders if self._torders else None
         for key, size in zip(keys, seen):
             if size is None:
                 if key in policy:
@@ -1199,6 +1404,8 @@ class LMDBTier(Tier):
                 continue
             if key in policy:
                 policy.touch(key)
+                if torders is not None:
+                    torders.touch(key)
             else:  # written by another process
                 policy.insert(key, size)
             dirty[key] = now
@@ -1520,7 +1727,7 @@ class LMDBTier(Tier):
                     continue
                 if meta is not None:
                     used -= _ACCESS.unpack_from(meta)[1]
-                    self._doom(txn, meta)
+                    self._drop(txn, k, meta)
                 if txn.delete(k, db=sh.rec):
                     deleted.append(k)
                 txn.delete(k, db=sh.acc)
@@ -1541,8 +1748,13 @@ class LMDBTier(Tier):
             after = page[-1].key
 
     def _scan_page(self, fingerprint: bytes | None, after: bytes | None) -> list[RecordInfo]:
+        """A page of records in key order, each with its tenant (from the index: the header kept
+        beside its stamp, or its ``records`` value; never a payload or a record file)."""
+        rec = self._sh.rec
+
         def read(txn: Any) -> list[RecordInfo]:
             page: list[RecordInfo] = []
+            get = txn.get
             cur = txn.cursor()
             start = after if after is not None else (fingerprint or b"")
             if not cur.set_range(start):
@@ -1553,12 +1765,33 @@ class LMDBTier(Tier):
                 if fingerprint is not None and not k.startswith(fingerprint):
                     break
                 stamp, size = _ACCESS.unpack_from(v)
-                page.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp))
+                tenant = entry_tenant(v, lambda k=k: get(k, db=rec))
+                page.append(RecordInfo(bytes(k), size - HEADER_SIZE, stamp, tenant))
                 if len(page) >= _SCAN_PAGE:
                     break
             return page
 
         return self._txn(read, db=self._sh.acc)
+
+    async def _tenant_usage(self) -> dict[int, int]:
+        return await self._run(self._tenant_usage_sync)
+
+    def _tenant_usage_sync(self) -> dict[int, int]:
+        """Bytes per tenant: the counters, or (left behind by a writer that does not keep them)
+        a scan of the index; the default tenant (0) holds the rest of the used bytes."""
+        sh = self._sh
+
+        def read(txn: Any) -> dict[int, int]:
+            counts = read_counters(txn, sh.tenants)
+            held = (
+                {t: c[0] for t, c in counts.items()}
+                if counts is not None
+                else {t: c[0] for t, c in count_tenants(txn, sh.acc, sh.rec).items()}
+            )
+            rest = self._used_in(txn) - sum(held.values())
+            return {**({0: rest} if rest > 0 else {}), **{t: n for t, n in held.items() if n > 0}}
+
+        return self._txn(read)
 
     async def _stats(self) -> TierStats:
         return await self._run(self._stats_sync)
@@ -1567,14 +1800,22 @@ class LMDBTier(Tier):
         sh = self._shared
         assert sh is not None
 
-        def read(txn: Any) -> tuple[int, int, int, int]:
+        def read(txn: Any) -> tuple[int, int, int, int, int, int]:
             pages = 0
             for db in (sh.rec, sh.acc):
                 st = txn.stat(db)
                 pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-            return txn.stat(sh.rec)["entries"], self._used_in(txn), pages, txn.stat(sh.files)["entries"]
+            counts = (
+                txn.stat(sh.rec)["entries"],
+                self._used_in(txn),
+                pages,
+                txn.stat(sh.files)["entries"],
+                txn.stat(sh.tenants)["entries"],
+                _catalogued(txn, sh.acc),
+            )
+            return counts
 
-        records, used, pages, files = self._txn(read)
+        records, used, pages, files, tenants, catalogued = self._txn(read)
         info = sh.env.info()
         psize = sh.env.stat()["psize"]
         return TierStats(
@@ -1591,6 +1832,8 @@ class LMDBTier(Tier):
                 "file_high_water_bytes": (info["last_pgno"] + 1) * psize,
                 "readers": info["num_readers"],
                 "record_files": files,  # files under files/ that hold records (large write batches)
+                "tenants": tenants,  # tenants other than the default one that hold records
+                "catalog_records": catalogued,  # namespace catalog records among the records (tieredkv.catalog)
             },
         )
 
@@ -1673,7 +1916,7 @@ class LMDBTier(Tier):
                     continue
                 if meta is not None:
                     used -= _ACCESS.unpack_from(meta)[1]
-                    self._doom(txn, meta)
+                    self._drop(txn, k, meta)
                 txn.delete(k, db=sh.rec)
                 txn.delete(k, db=sh.acc)
                 deleted.append(k)

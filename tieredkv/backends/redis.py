@@ -62,11 +62,23 @@ applications' keys too (it is ``extra["db_keys"]``); ``tieredkv status`` counts 
 Capacity is the server's (``maxmemory``): the tier does not evict (``evicts_locally`` is
 false). A put that Redis refuses (``OOM``) raises :class:`~tieredkv.errors.TierFullError`
 after deleting the records of that call that were already written (best effort).
+
+Tenants: a record's header names its tenant (version 2; the default tenant's records are
+version 1, as before). With tenant quotas configured, each tenant's usage is kept in Redis
+itself, shared by every engine and node, and a tenant over its quota loses its own oldest
+records (:mod:`~tieredkv.backends._redis_tenants`, which says what that costs); a quota given as
+a share is a share of the primaries' summed ``maxmemory`` (unbounded where one has none).
+``scan`` gives each record's tenant: an active scan reads header bytes 48..55 (``GETRANGE``, an
+access like ``STRLEN``); a passive one cannot read a header without touching the key (Redis
+before 7.2 has no ``CLIENT NO-TOUCH``), so it finds tenants in the tenants' books (``ZMSCORE``:
+exact for records stored while quotas were configured; a record in no book is taken for the
+default tenant's; every tenant is unknown, None, where there are no books).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -95,6 +107,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tieredkv.backends._cluster import ClusterBatches
+from tieredkv.backends._redis_tenants import SCAN_TENANTS_MAX, TenantBooks, tenant_of
 from tieredkv.backends._resp import Into, Placed, Record, RespPool, native_target
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats, runs
 from tieredkv.config import RedisTierConfig
@@ -108,6 +121,7 @@ from tieredkv.errors import (
 )
 from tieredkv.format import (
     HEADER_SIZE,
+    TENANT_AT,
     decode_header,
     encode_record,
     make_header,
@@ -211,7 +225,7 @@ class RedisTier(Tier):
     #: earlier one still in flight waits for that call (:meth:`_put_many`): writes to a key land
     #: in call order.
     capabilities = TierCapabilities(
-        access_stamps=False, local_eviction=False, shared=True, writes_in_flight=2, medium="remote"
+        access_stamps=False, local_eviction=False, shared=True, writes_in_flight=2, medium="remote", tenants=True
     )
     config_model = RedisTierConfig
 
@@ -237,6 +251,11 @@ class RedisTier(Tier):
         self._buckets = config.hash_tag_buckets
         self._max_batch = int(config.max_batch_bytes)
         self._record_guess = _DEFAULT_RECORD_GUESS
+        #: Per-tenant usage kept in Redis (:mod:`~tieredkv.backends._redis_tenants`).
+        self._books = TenantBooks(self._prefix, self._per_key, self._count, self.name)
+        #: The servers' maxmemory summed over primaries (None: some primary has none): what a
+        #: quota given as a share of the tier's capacity is a share of.
+        self._capacity: int | None = None
         parts = urlsplit(config.url)
         self._where = f"{parts.scheme}://{parts.hostname or parts.path}{f':{parts.port}' if parts.port else ''}"
 
@@ -414,6 +433,28 @@ class RedisTier(Tier):
                 connect_timeout=self.config.connect_timeout_s,
             )
 
+        try:
+            await self._books.tenants(client)  # (books exist: deletions take records out of them)
+        except ResponseError as e:  # an ACL without +smembers, a foreign key of that name: no books here
+            log.warning("tier %s: tenant books not read: %s", self.name, e)
+        if self.quotas.enabled:
+            self._capacity = (await self._memory())[0]
+
+    async def _memory(self) -> tuple[int | None, list[dict[str, Any]], list[int]]:
+        """maxmemory summed over the primaries (None when one has none), each one's INFO memory
+        and DBSIZE."""
+        infos: list[dict[str, Any]] = []
+        sizes: list[int] = []
+        if self.config.cluster:
+            for node in self._client.get_primaries():
+                infos.append(await self._client.info("memory", target_nodes=node))
+                sizes.append(int(await self._client.dbsize(target_nodes=node)))
+        else:
+            infos.append(await self._client.info("memory"))
+            sizes.append(int(await self._client.dbsize()))
+        maxmem = [int(i.get("maxmemory", 0)) for i in infos]
+        return (sum(maxmem) if maxmem and all(maxmem) else None), infos, sizes
+
     async def _close(self) -> None:
         native, self._native = self._native, None
         if native is not None:
@@ -425,12 +466,16 @@ class RedisTier(Tier):
 
     # ---- data path --------------------------------------------------------------------
 
-    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+    async def _put_many(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
         """SET every record (header and payload). Calls may overlap (``writes_in_flight``), and
         their batches go out on different connections, which the server serves in no set order:
         so a call that shares a key with an earlier call still in flight waits for that call
         first, and writes to one key land in call order (a rollback of the earlier call's keys,
-        too, happens before the later call writes them)."""
+        too, happens before the later call writes them).
+
+        ``tenants`` (per item): each record's tenant, in its header; with quotas configured,
+        counted in its tenant's books, and a tenant over its quota loses its own oldest records
+        (:meth:`_set_records`)."""
         earlier = {f for f in (self._writing.get(k) for k, _ in items) if f is not None}
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for k, _ in items:
@@ -438,16 +483,41 @@ class RedisTier(Tier):
         try:
             for f in earlier:
                 await asyncio.shield(f)  # a later call's cancel must not cancel the earlier call's future
-            await self._set_records(items)
+            if tenants is None:
+                await self._set_records(items)
+            else:
+                await self._set_records(items, tenants)
         finally:
             mine.set_result(None)
             for k, _ in items:
                 if self._writing.get(k) is mine:
                     del self._writing[k]
 
-    async def _set_records(self, items: list[tuple[bytes, memoryview]]) -> None:
+    async def _set_records(self, items: list[tuple[bytes, memoryview]], tenants: list[int] | None = None) -> None:
+        """SET the records, all or nothing (a refusal undoes this call's writes). With
+        ``tenants`` and quotas configured: a tenant's batch larger than its quota is refused
+        first, and once written the records are counted in their tenants' books, whose
+        victims (each over-quota tenant's oldest records) are then deleted
+        (:mod:`~tieredkv.backends._redis_tenants`)."""
         ttl = self.config.ttl_s
         written: list[bytes] = []
+        books = tenants is not None and self.quotas.enabled and not self._books.refused
+        quotas: dict[int, int | None] = {}
+        if books:
+            assert tenants is not None
+            by_tenant: dict[int, int] = {}
+            for (_, p), t in zip(items, tenants, strict=True):
+                if t:
+                    by_tenant[t] = by_tenant.get(t, 0) + HEADER_SIZE + len(p)
+            for t, nbytes in by_tenant.items():
+                quota = quotas[t] = self.quotas.limit(t, self._capacity)
+                if quota is not None and nbytes > quota:
+                    raise TierFullError(
+                        f"tier {self.name!r}: a batch of {nbytes} bytes of tenant {self.quotas.label(t)} exceeds"
+                        f" its quota ({quota} bytes); nothing of it was stored"
+                    )
+        tenant_of_key = dict(zip((k for k, _ in items), tenants, strict=True)) if tenants is not None else {}
+        booked: dict[int, list[tuple[bytes, int]]] = {}  # per tenant: (Redis key, record bytes) written
         try:
             for run in runs(items, lambda it: HEADER_SIZE + len(it[1]), self._run_bytes()):
                 rkeys = [self.redis_key(k) for k, _ in run]
@@ -459,9 +529,21 @@ class RedisTier(Tier):
                     else:
                         pipe.set(rkeys[i], encode_record(key, payload), ex=ttl)
 
-                results = await self._per_key(rkeys, add, data=True)
+                def add_tenant(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
+                    key, payload = run[i]
+                    tenant = tenant_of_key[key]
+                    if isinstance(pipe, _NativePipe):  # header and payload sent as they are
+                        pipe.set(rkeys[i], Record(make_header(key, payload, tenant=tenant), payload), ex=ttl)
+                    else:
+                        pipe.set(rkeys[i], encode_record(key, payload, tenant=tenant), ex=ttl)
+
+                results = await self._per_key(rkeys, add if tenants is None else add_tenant, data=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 written.extend(rk for rk, r in zip(rkeys, results, strict=True) if not isinstance(r, BaseException))
+                if books:
+                    for (k, p), rk in zip(run, rkeys, strict=True):
+                        if tenant := tenant_of_key[k]:
+                            booked.setdefault(tenant, []).append((rk, HEADER_SIZE + len(p)))
                 if failed:
                     raise failed[0]
         except ResponseError:
@@ -470,6 +552,30 @@ class RedisTier(Tier):
             raise
         if items:
             self._note_size(HEADER_SIZE + len(items[-1][1]))
+        if booked:
+            await self._keep_books(booked, quotas, len(items))
+
+    async def _keep_books(
+        self, written: dict[int, list[tuple[bytes, int]]], quotas: dict[int, int | None], n: int
+    ) -> None:
+        """Count written records (per tenant: Redis key, bytes) in their tenants' books and
+        delete the victims over quota (keys this process has pinned are put back instead).
+        Failures of the books are logged and counted, never the put's: its records are stored."""
+        ttl = self.config.ttl_s
+        try:
+            victims = await self._books.account(written, quotas, None if ttl is None else ttl * 1000)
+            pinned: dict[int, list[tuple[bytes, int]]] = {}
+            for t, gone in victims.items() if self._pins else ():
+                keep = [v for v in gone if self.is_pinned(parse_redis_key(self._prefix, v[0]) or b"")]
+                if keep:
+                    victims[t] = [v for v in gone if v not in keep]
+                    pinned[t] = keep
+            if pinned:  # in use here (being loaded): back in the books, as the newest
+                await self._books.account(pinned, {}, None)
+            self._count("tenant_evictions", await self._books.delete_victims(victims))
+        except RedisError as e:
+            self._count("tenant_books_errors")
+            log.warning("tier %s: tenant books not kept for a batch of %d records: %s", self.name, n, e)
 
     async def _rollback(self, rkeys: list[bytes]) -> None:
         if not rkeys:
@@ -709,10 +815,18 @@ class RedisTier(Tier):
         return out
 
     async def _delete_many(self, keys: list[bytes]) -> int:
+        """``DEL`` the keys; while tenant books exist, by a script that takes each record out of
+        its tenant's books too (plain ``DEL`` where scripts are refused)."""
         removed = 0
         for run in runs(keys, lambda _: 1, _SMALL_BATCH):
             rkeys = [self.redis_key(k) for k in run]
-            replies = await self._per_key(rkeys, _each("delete", rkeys))
+            replies = None
+            if self._books.active and not self._books.refused:
+                replies = await self._books.delete(rkeys)
+                if replies and replies[0] is None:
+                    replies = None
+            if replies is None:
+                replies = await self._per_key(rkeys, _each("delete", rkeys))
             failed = [r for r in replies if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
@@ -728,6 +842,8 @@ class RedisTier(Tier):
     async def _scan(self, fingerprint: bytes | None) -> AsyncIterator[RecordInfo]:
         match = self._match(fingerprint)
         seen: set[bytes] = set()  # SCAN may return a key twice
+        # A passive scan finds tenants in the tenants' books (reading a header would touch it)
+        books = await self._books.tenants(self._client) if self.passive_scans else []
         async for batch in self._scan_batches(match):
             fresh = [rk for rk in batch if rk not in seen]
             seen.update(fresh)
@@ -737,15 +853,19 @@ class RedisTier(Tier):
             if not keyed:
                 continue
             rks = [rk for rk, _ in keyed]
-            for info in await self._describe(rks, [sk for _, sk in keyed]):
+            for info in await self._describe(rks, [sk for _, sk in keyed], books):
                 if info is not None:
                     yield info
 
-    async def _describe(self, rks: list[bytes], keys: list[bytes]) -> list[RecordInfo | None]:
-        """Each key's size (``stamp`` is left to :meth:`fill_stamps`); ``None`` for a key gone since
-        SCAN saw it or a foreign value. A passive scan sizes values with ``MEMORY USAGE``, which
-        does not touch the key (an upper bound: it counts the allocation); an active one with
-        ``STRLEN``: exact, but it counts as an access and resets the key's idle time."""
+    async def _describe(self, rks: list[bytes], keys: list[bytes], books: list[int]) -> list[RecordInfo | None]:
+        """Each key's size and tenant (``stamp`` is left to :meth:`fill_stamps`); ``None`` for a key
+        gone since SCAN saw it or a foreign value. A passive scan sizes values with ``MEMORY
+        USAGE``, which does not touch the key (an upper bound: it counts the allocation), and
+        finds tenants in the tenants' books (``books``: the tenants that have some; at most
+        :data:`~tieredkv.backends._redis_tenants.SCAN_TENANTS_MAX` of them, else the tenant is
+        unknown, as it is with no books: a header read would touch the key on Redis before 7.2);
+        an active one with ``STRLEN`` and ``GETRANGE`` of the header's tenant: exact, but both
+        count as accesses and reset the key's idle time."""
         passive = self.passive_scans
 
         def add(pipe: Any, i: int) -> None:
@@ -753,14 +873,24 @@ class RedisTier(Tier):
                 pipe.memory_usage(rks[i], samples=0)
             else:
                 pipe.strlen(rks[i])
+                pipe.getrange(rks[i], TENANT_AT, TENANT_AT + 7)
 
+        replies = await self._per_key(rks, add, ncmd=1 if passive else 2)
+        if not passive:
+            tenants: list[int | None] = [tenant_of(r[1]) for r in replies]
+            replies = [r[0] for r in replies]
+        elif books and len(books) <= SCAN_TENANTS_MAX:
+            tenants = list(await self._books.tenants_of(rks, books))
+        else:
+            tenants = [None] * len(rks)
         out: list[RecordInfo | None] = []
-        for n, rk, key in zip(await self._per_key(rks, add), rks, keys, strict=True):
+        for n, rk, key, tenant in zip(replies, rks, keys, tenants, strict=True):
             # n: 0 / None when deleted since SCAN saw it; an error for a foreign non-string value
             if not isinstance(n, int) or n < HEADER_SIZE:
                 out.append(None)
                 continue
-            out.append(RecordInfo(key=key, size=_payload_upper_bound(n, len(rk)) if passive else n - HEADER_SIZE))
+            size = _payload_upper_bound(n, len(rk)) if passive else n - HEADER_SIZE
+            out.append(RecordInfo(key=key, size=size, tenant=tenant))
         return out
 
     async def fill_stamps(self, infos: list[RecordInfo]) -> list[RecordInfo]:
@@ -779,7 +909,7 @@ class RedisTier(Tier):
             rks = [self.redis_key(infos[i].key) for i in run]
             idles = await self._per_key(rks, _each("object", rks, "idletime"))
             for i, idle in zip(run, idles, strict=True):
-                out[i] = RecordInfo(infos[i].key, infos[i].size, _stamp(idle, now))
+                out[i] = dataclasses.replace(infos[i], stamp=_stamp(idle, now))
         return out
 
     async def _scan_batches(self, match: bytes) -> AsyncIterator[list[bytes]]:
@@ -812,21 +942,13 @@ class RedisTier(Tier):
     async def _stats(self) -> TierStats:
         """Server memory and key counts. ``records`` is ``None``: ``DBSIZE`` counts every
         application's keys, and counting only ours takes a scan (``tieredkv status`` does one)."""
-        infos: list[dict[str, Any]] = []
-        sizes: list[int] = []
-        if self.config.cluster:
-            for node in self._client.get_primaries():
-                infos.append(await self._client.info("memory", target_nodes=node))
-                sizes.append(int(await self._client.dbsize(target_nodes=node)))
-        else:
-            infos.append(await self._client.info("memory"))
-            sizes.append(int(await self._client.dbsize()))
-        maxmem = [int(i.get("maxmemory", 0)) for i in infos]
+        capacity, infos, sizes = await self._memory()
+        self._capacity = capacity
         policies = sorted({str(i.get("maxmemory_policy", "")) for i in infos})
         return TierStats(
             name=self.name,
             kind=self.kind,
-            capacity_bytes=sum(maxmem) if maxmem and all(maxmem) else None,
+            capacity_bytes=capacity,
             used_bytes=sum(int(i.get("used_memory", 0)) for i in infos),
             records=None,
             extra={
@@ -836,8 +958,17 @@ class RedisTier(Tier):
                 "db_keys_scope": "DBSIZE: every key in the database(s), other applications' too",
                 "key_prefix": self.config.key_prefix,
                 "url": self._where,
+                "tenants_note": (
+                    "per-tenant usage is kept in Redis while tenant quotas are configured, for tenants'"
+                    " records only (the default tenant's are part of the server's own usage)"
+                ),
             },
         )
+
+    async def _tenant_usage(self) -> dict[int, int]:
+        """Bytes per tenant from the tenants' books (kept while quotas are configured; records of
+        the default tenant are not counted: Redis's own figures cover the server)."""
+        return await self._books.usage(self._client)
 
     # ---- errors -----------------------------------------------------------------------
 

@@ -20,7 +20,14 @@ import typer
 from tieredkv import __version__
 from tieredkv.cli import ops, render
 from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, EXIT_UNAVAILABLE, CLIError, exit_code, message_for
-from tieredkv.cli.parse import parse_duration, parse_key, parse_metrics_url, parse_namespace, parse_size
+from tieredkv.cli.parse import (
+    parse_duration,
+    parse_key,
+    parse_metrics_url,
+    parse_namespace,
+    parse_size,
+    parse_tenant,
+)
 from tieredkv.cli.results import ClusterDownResult, Result
 from tieredkv.cli.tiers import BATCH_BYTES
 from tieredkv.errors import TieredKVError
@@ -149,7 +156,8 @@ def status_cmd(
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Tiers, capacity, usage, our record counts, breaker state. Exit 3 if a tier is unreachable."""
+    """Tiers, capacity, usage, our record counts, breaker state, per-tenant usage and quotas. Exit 3 if a tier
+    is unreachable."""
 
     async def body() -> Any:
         url = parse_metrics_url(metrics_url)
@@ -178,7 +186,7 @@ def ls_cmd(
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Records (in scan order) with size and age, or a summary per namespace / group."""
+    """Records (in scan order) with tenant, size and age, or a summary per namespace / group."""
     if by not in (None, "namespace", "group"):
         fail(EXIT_BAD_INPUT, f"--by: got {by!r} — use 'namespace' or 'group'")
 
@@ -200,7 +208,8 @@ def inspect_cmd(
     tier: list[str] | None = TierOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Header fields of KEY in each tier and whether its checksum verifies. Exit 1: absent or corrupt."""
+    """Header fields of KEY in each tier (its tenant among them), whether its checksum verifies, and what its
+    namespace is (model, revision, weights fingerprint). Exit 1: absent or corrupt."""
     s = run(lambda: ops.inspect_key(ops.load(config), tier, parse_key(key)))
     emit(s, as_json, render.print_inspect)
     if not s.ok:
@@ -242,18 +251,27 @@ def evict_cmd(
     to_size: str | None = typer.Option(
         None, "--to-size", help="Evict least recently used records until the selection holds at most this (512MiB)."
     ),
+    tenant: str | None = typer.Option(
+        None,
+        "--tenant",
+        help="Records of this tenant (vLLM's cache_salt / the library's tenant=; as `status` names it).",
+    ),
+    tenant_id: str | None = typer.Option(
+        None, "--tenant-id", help="Records of the tenant of this id (16 hex digits, as `status` and `inspect` show it)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be evicted."),
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Delete records by namespace, group, age or down to a size target."""
+    """Delete records by namespace, group, tenant, age or down to a size target."""
 
     async def body() -> Any:
         cfg, ns = ops.load(config), parse_namespace(namespace)
         age, size = parse_duration(older_than), parse_size(to_size, "--to-size")
+        who = parse_tenant(tenant, tenant_id)
         with _progress(as_json, quiet) as progress:
             return await ops.evict(
-                cfg, tier, ns, group, older_than=age, to_size=size, dry_run=dry_run, progress=progress
+                cfg, tier, ns, group, older_than=age, to_size=size, tenant=who, dry_run=dry_run, progress=progress
             )
 
     emit(run(body), as_json, render.print_evict)

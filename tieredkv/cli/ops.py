@@ -6,13 +6,20 @@ about typer (wiring is :mod:`tieredkv.cli.app`). Progress goes through a ``Progr
 caller passes (a disabled one prints nothing). Tiers are reached through :mod:`tieredkv.cli.tiers`.
 
 * :func:`status` — per tier: reachable, capacity, usage, our records (per namespace where the
-  count takes a scan), breaker state (from a running engine's metrics endpoint).
-* :func:`list_records` — one page of records in scan order; work in proportion to the page.
+  count takes a scan), breaker state (from a running engine's metrics endpoint), and per-tenant
+  usage against the quotas (the tenants the config names and the largest others).
+* :func:`list_records` — one page of records in scan order, each with its tenant; work in
+  proportion to the page.
 * :func:`summarize` — records, bytes and oldest age per namespace or group (a full scan).
-* :func:`inspect_key` — header fields of one stored key and whether it verifies, in each tier.
+* :func:`inspect_key` — header fields of one stored key (its tenant among them) and whether it
+  verifies, in each tier; what its namespace is (model, revision, weights fingerprint) from the
+  namespace's catalog record (:mod:`tieredkv.catalog`).
 * :func:`verify` — scrub every selected record; ``repair`` deletes the corrupt ones.
-* :func:`evict` — delete by namespace, group, age or down to a size target
+* :func:`evict` — delete by namespace, group, tenant, age or down to a size target
   (:func:`tieredkv.eviction.plan_eviction` picks the victims).
+
+Namespace catalog records are hidden from ``status``, ``ls`` and ``evict`` (they describe the
+records, they are not the engine's); ``verify``, ``flush`` and ``migrate`` treat them as records.
 * :func:`flush` — delete a namespace, or every record of the tier.
 * :func:`migrate` — copy records between tiers in verified batches; resumable.
 * :func:`show_config` / :func:`init_config` — the effective config with provenance; the sample.
@@ -30,6 +37,7 @@ from typing import Any
 from rich.progress import Progress
 
 from tieredkv.backends.base import RecordInfo, Tier
+from tieredkv.catalog import catalog_key, is_catalog_key, parse_catalog
 from tieredkv.cli.enginemetrics import NotMetrics, read_engine_metrics
 from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, CLIError
 from tieredkv.cli.results import (
@@ -49,6 +57,7 @@ from tieredkv.cli.results import (
     StatusRow,
     SummaryResult,
     SummaryRow,
+    TenantUsage,
     VerifyResult,
     VerifyRow,
 )
@@ -69,6 +78,7 @@ from tieredkv.errors import ConfigError, CorruptRecordError, TierUnavailableErro
 from tieredkv.eviction import plan_eviction
 from tieredkv.format import MAGIC, decode_header, verify_record
 from tieredkv.keys import split_stored_key
+from tieredkv.tenants import DEFAULT_TENANT, TenantQuotas
 
 __all__ = [
     "evict",
@@ -100,19 +110,27 @@ def load(path: Path | None) -> TieredKVConfig:
         raise CLIError(EXIT_BAD_INPUT, str(e)) from None
 
 
-def _row(tier: str, info: RecordInfo, now: float) -> RecordRow:
+def _quotas(cfg: TieredKVConfig) -> TenantQuotas:
+    return TenantQuotas.from_config(cfg.tenants)
+
+
+def _row(tier: str, info: RecordInfo, now: float, quotas: TenantQuotas) -> RecordRow:
     fp, _block_hash, group = split_stored_key(info.key)
     age = None if info.stamp is None else round(max(now - info.stamp, 0.0), 3)
-    return RecordRow(tier=tier, key=info.key.hex(), namespace=fp.hex(), group=group, size=info.size, age_s=age)
+    tenant = None if info.tenant is None else quotas.label(info.tenant)
+    return RecordRow(
+        tier=tier, key=info.key.hex(), namespace=fp.hex(), group=group, size=info.size, age_s=age, tenant=tenant
+    )
 
 
 async def _all_records(
-    tier: Tier, namespace: bytes | None, group: int | None, progress: Progress, label: str
+    tier: Tier, namespace: bytes | None, group: int | None, progress: Progress, label: str, *, catalog: bool = False
 ) -> list[RecordInfo]:
-    """Every selected record of ``tier`` with its age, sorted by key (a full scan, shown as it runs)."""
+    """Every selected record of ``tier`` with its age, sorted by key (a full scan, shown as it
+    runs); namespace catalog records only with ``catalog``."""
     task = progress.add_task(f"scan {label}", total=None)
     infos: list[RecordInfo] = []
-    async for info in scan_records(tier, namespace, group):
+    async for info in scan_records(tier, namespace, group, catalog=catalog):
         infos.append(info)
         if len(infos) % 1024 == 0:
             progress.update(task, completed=len(infos))
@@ -136,7 +154,8 @@ async def status(
     not serve Prometheus text is bad input, exit 2) or ``"metrics.port"`` (a warning, like an
     unreachable engine)."""
     progress = progress or _quiet()
-    rows = [await _status_row(tcfg, progress) for tcfg in select_tiers(cfg, names, allow_in_process=True)]
+    quotas = _quotas(cfg)
+    rows = [await _status_row(tcfg, progress, quotas) for tcfg in select_tiers(cfg, names, allow_in_process=True)]
     breakers: dict[str, str] = {}
     engine: dict[str, dict[str, float]] = {}
     source_error: str | None = None
@@ -172,7 +191,7 @@ async def status(
     )
 
 
-async def _status_row(tcfg: Any, progress: Progress) -> StatusRow:
+async def _status_row(tcfg: Any, progress: Progress, quotas: TenantQuotas) -> StatusRow:
     caps = capabilities(tcfg)
     if caps is None or caps.in_process:
         where = "in-process (inside the engine)" if caps else "cannot load this tier kind here"
@@ -187,8 +206,12 @@ async def _status_row(tcfg: Any, progress: Progress) -> StatusRow:
                 by_ns = await _count_by_namespace(tier, progress, tcfg.label)
                 records = sum(by_ns.values())
                 scope = f"keys of this tier's key space ({st.extra.get('key_prefix', tcfg.label)}:...), by scan"
+            else:  # (namespace catalog records are not the engine's)
+                records -= int(st.extra.get("catalog_records", 0))
+            usage = await tier.tenant_usage()
     except TierUnavailableError as e:
         return StatusRow(tcfg.label, tcfg.kind, False, error=str(e))
+    tenants, note = _tenant_rows(usage, quotas, st.capacity_bytes, st.extra.get("tenants_note"))
     where = str(st.extra.get("path") or st.extra.get("url") or "")
     if st.extra.get("nodes"):
         where = f"{where} ({st.extra['nodes']} primaries)"
@@ -203,14 +226,56 @@ async def _status_row(tcfg: Any, progress: Progress) -> StatusRow:
         records_by_namespace=by_ns,
         where=where,
         extra=_jsonable(st.extra),
+        tenants=tenants,
+        tenants_note=note,
     )
+
+
+def _tenant_rows(
+    usage: dict[int, int] | None, quotas: TenantQuotas, capacity: int | None, said: str | None
+) -> tuple[list[TenantUsage] | None, str | None]:
+    """The per-tenant usage ``status`` shows for one tier: the default tenant, the tenants the
+    config names and the ``report_top`` largest others, the largest first; and a note (with
+    ``said``: what the tier says of its figures, ``extra["tenants_note"]``)."""
+    if usage is None:
+        return None, None
+    if not quotas.enabled and not [t for t in usage if t != DEFAULT_TENANT]:
+        return [], None  # no tenants here, none configured: nothing to show
+    shown = {t for t in quotas.reported(usage) if t in usage or t in quotas.names}
+    if DEFAULT_TENANT in usage:
+        shown.add(DEFAULT_TENANT)
+    rows = []
+    for t in sorted(shown, key=lambda t: (-usage.get(t, 0), t)):
+        configured = None if t == DEFAULT_TENANT else quotas.by_id.get(t, quotas.default)
+        rows.append(
+            TenantUsage(
+                tenant=quotas.label(t),
+                id=f"{t:016x}",
+                used_bytes=usage.get(t, 0),
+                quota_bytes=quotas.limit(t, capacity),
+                quota=None if configured is None else str(configured),
+            )
+        )
+    notes = []
+    hidden = len([t for t in usage if t not in shown])
+    if hidden:
+        notes.append(f"{hidden} more tenant(s) not shown (tenants.report_top)")
+    shares = [q for q in [quotas.default, *quotas.by_id.values()] if isinstance(q, str) and q.endswith("%")]
+    if shares and capacity is None:
+        notes.append(
+            "quotas given as a share ('25%') are unbounded here: the tier's capacity is unknown"
+            " (Redis: a primary without maxmemory)"
+        )
+    if said:
+        notes.append(said)
+    return rows, "; ".join(notes) or None
 
 
 async def _count_by_namespace(tier: Tier, progress: Progress, label: str) -> dict[str, int]:
     task = progress.add_task(f"count {label}", total=None)
     counts: Counter[str] = Counter()
     n = 0
-    async for info in tier.scan():
+    async for info in scan_records(tier, None, None):
         counts[info.fingerprint.hex()] += 1
         n += 1
         if n % 1024 == 0:
@@ -244,6 +309,7 @@ async def list_records(
     rows: list[RecordRow] = []
     skipped = 0
     more = False
+    quotas = _quotas(cfg)
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
             page: list[RecordInfo] = []
@@ -258,7 +324,7 @@ async def list_records(
                         break
             filled = await tier.fill_stamps(page)
             now = time.time()
-            rows.extend(_row(tcfg.label, i, now) for i in filled)
+            rows.extend(_row(tcfg.label, i, now, quotas) for i in filled)
         if more:
             break
     end = offset + len(rows)
@@ -316,17 +382,39 @@ def _add_summary(
 
 
 async def inspect_key(cfg: TieredKVConfig, names: Sequence[str] | None, key: bytes) -> InspectResult:
+    """The record of ``key`` in each tier (header, tenant, whether it verifies), and what its
+    namespace is: the first catalog record of it that verifies and parses, in tier order."""
     fp, block_hash, group = split_stored_key(key)
+    quotas = _quotas(cfg)
     found: list[InspectEntry] = []
+    info: dict[str, Any] | None = None
+    problem: str | None = None
+    ckey = catalog_key(fp)
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
             (raw,) = await tier.raw_get_many([key])
             why = None if raw is None else tier.check_record(raw, key)  # sealed records: opened with the keys
-        found.append(InspectEntry(tcfg.label, False) if raw is None else _describe_record(tcfg.label, raw, key, why))
-    return InspectResult(key.hex(), fp.hex(), block_hash.hex(), group, found)
+            # the catalog through a verified read (a sealed tier opens it; a damaged one is a miss)
+            cat = None if info is not None else (await tier.get_many([ckey]))[0]
+        found.append(
+            InspectEntry(tcfg.label, False) if raw is None else _describe_record(tcfg.label, raw, key, why, quotas)
+        )
+        if info is None and cat is not None:
+            try:
+                info = {**parse_catalog(cat, fp), "tier": tcfg.label}
+                problem = None
+            except ValueError as e:
+                problem = problem or f"{tcfg.label}: {e}"
+    if info is None and problem is None and not is_catalog_key(key):
+        problem = "no catalog record of this namespace (written by an engine the first time it stores under it)"
+    return InspectResult(
+        key.hex(), fp.hex(), block_hash.hex(), group, found, namespace_info=info, namespace_error=problem
+    )
 
 
-def _describe_record(tier: str, raw: bytes, key: bytes, why: str | None) -> InspectEntry:
+def _describe_record(
+    tier: str, raw: bytes, key: bytes, why: str | None, quotas: TenantQuotas | None = None
+) -> InspectEntry:
     entry = InspectEntry(tier, True, record_bytes=len(raw))
     try:
         h = decode_header(raw)
@@ -341,6 +429,8 @@ def _describe_record(tier: str, raw: bytes, key: bytes, why: str | None) -> Insp
             "flags": h.flags,
             "payload_bytes": h.payload_len,
             "checksum": f"{h.checksum:016x}",
+            "tenant": (quotas or TenantQuotas()).label(h.tenant),  # ("-": the default tenant)
+            **({"tenant_id": f"{h.tenant:016x}"} if h.tenant else {}),
         }
     entry.verified, entry.error = why is None, why
     return entry
@@ -368,7 +458,7 @@ async def verify(
     corrupt: list[CorruptRecord] = []
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
-            infos = await _all_records(tier, namespace, group, progress, tcfg.label)
+            infos = await _all_records(tier, namespace, group, progress, tcfg.label, catalog=True)
             task = progress.add_task(f"verify {tcfg.label}", total=len(infos))
             ok = vanished = 0
             bad: list[tuple[bytes, bytes]] = []
@@ -425,20 +515,29 @@ async def evict(
     *,
     older_than: float | None = None,
     to_size: int | None = None,
+    tenant: int | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
 ) -> EvictResult:
-    if namespace is None and group is None and older_than is None and to_size is None:
+    """Delete the selected records (namespace, group, ``tenant``), or of those the ones older
+    than ``older_than`` and then the least recently used down to ``to_size`` bytes. With
+    ``tenant``, records whose tenant the tier cannot tell are kept (counted ``no_tenant``)."""
+    if namespace is None and group is None and older_than is None and to_size is None and tenant is None:
         raise CLIError(
             EXIT_BAD_INPUT,
-            "evict needs at least one of --namespace, --group, --older-than, --to-size"
+            "evict needs at least one of --namespace, --group, --tenant, --older-than, --to-size"
             " (use `flush --all` to empty a tier)",
         )
     progress = progress or _quiet()
+    quotas = _quotas(cfg)
     rows: list[EvictRow] = []
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
             infos = await _all_records(tier, namespace, group, progress, tcfg.label)
+            no_tenant = 0
+            if tenant is not None:
+                no_tenant = sum(1 for i in infos if i.tenant is None)
+                infos = [i for i in infos if i.tenant == tenant]
             if older_than is not None or to_size is not None:
                 infos = await tier.fill_stamps(infos)
             victims = plan_eviction(
@@ -448,8 +547,8 @@ async def evict(
             freed = sum(record_bytes(i) for i in victims)
             evicted = 0 if dry_run else await delete_keys(tier, [i.key for i in victims])
         no_age = sum(1 for i in infos if i.stamp is None) if older_than is not None else 0
-        rows.append(EvictRow(tcfg.label, len(infos), len(victims), evicted, freed, total - freed, no_age))
-    return EvictResult(rows, dry_run)
+        rows.append(EvictRow(tcfg.label, len(infos), len(victims), evicted, freed, total - freed, no_age, no_tenant))
+    return EvictResult(rows, dry_run, None if tenant is None else quotas.label(tenant))
 
 
 async def flush(
@@ -473,7 +572,7 @@ async def flush(
     plan: list[tuple[Any, list[bytes], int]] = []
     for tcfg in select_tiers(cfg, names):
         async with open_tier(tcfg) as tier:
-            infos = await _all_records(tier, namespace, None, progress, tcfg.label)
+            infos = await _all_records(tier, namespace, None, progress, tcfg.label, catalog=True)
         plan.append((tcfg, [i.key for i in infos], sum(record_bytes(i) for i in infos)))
     what = f"namespace {namespace.hex()}" if namespace is not None else "EVERY record"
     summary = ", ".join(f"{len(keys)} in {t.label}" for t, keys, _ in plan)
@@ -515,7 +614,7 @@ async def migrate(
     stopped = False
     t0 = time.perf_counter()
     async with open_tier(src_cfg) as src, open_tier(dst_cfg, create=True) as dst:
-        infos = await _all_records(src, namespace, group, progress, src_cfg.label)
+        infos = await _all_records(src, namespace, group, progress, src_cfg.label, catalog=True)
         task = progress.add_task(f"migrate {src_cfg.label} → {dst_cfg.label}", total=len(infos))
         for run in batches(infos, batch_bytes, batch_records):
             keys = [i.key for i in run]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 from tieredkv.cli.exits import EXIT_BAD_INPUT, CLIError
-from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES
+from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES, tenant_id
 
-__all__ = ["parse_duration", "parse_key", "parse_metrics_url", "parse_namespace", "parse_size"]
+__all__ = ["parse_duration", "parse_key", "parse_metrics_url", "parse_namespace", "parse_size", "parse_tenant"]
 
 
 def parse_namespace(text: str | None) -> bytes | None:
@@ -22,6 +22,29 @@ def parse_namespace(text: str | None) -> bytes | None:
     if len(fp) != FINGERPRINT_BYTES:
         raise CLIError(EXIT_BAD_INPUT, f"--namespace: got {text!r} — expected {2 * FINGERPRINT_BYTES} hex digits")
     return fp
+
+
+def parse_tenant(name: str | None, hex_id: str | None) -> int | None:
+    """The tenant id of ``--tenant NAME`` (:func:`tieredkv.keys.tenant_id` of the name) or
+    ``--tenant-id HEX`` (16 hex digits); None when neither is given."""
+    if name is not None and hex_id is not None:
+        raise CLIError(EXIT_BAD_INPUT, "give --tenant NAME or --tenant-id HEX, not both")
+    if name is not None:
+        if not name:
+            raise CLIError(
+                EXIT_BAD_INPUT,
+                "--tenant: got '' — records without a tenant are the default tenant;"
+                " select them another way (e.g. --namespace)",
+            )
+        return tenant_id(name)
+    if hex_id is None:
+        return None
+    text = hex_id.strip().lower().removeprefix("0x")
+    if not re.fullmatch(r"[0-9a-f]{16}", text) or int(text, 16) == 0:
+        raise CLIError(
+            EXIT_BAD_INPUT, f"--tenant-id: got {hex_id!r} — expected 16 hex digits (not all zero), as `status` shows it"
+        )
+    return int(text, 16)
 
 
 def parse_key(text: str) -> bytes:

@@ -167,6 +167,25 @@ def print_status(s: StatusResult) -> None:
             say(f"{r.tier}: records = {r.records_scope}", console=err)
             for ns, n in r.records_by_namespace.items():
                 say(f"  {ns}  {n}")
+    for r in s.tiers:
+        if r.tenants:
+            table(
+                f"{r.tier}: tenants",
+                ("tenant", "id", "used", "quota", "of quota"),
+                [
+                    (
+                        t.tenant,
+                        t.id,
+                        human_bytes(t.used_bytes),
+                        "-" if t.quota_bytes is None else human_bytes(t.quota_bytes),
+                        _of_quota(t.used_bytes, t.quota_bytes),
+                    )
+                    for t in r.tenants
+                ],
+                right=("used", "quota", "of quota"),
+            )
+        if r.tenants_note:
+            warn(f"{r.tier}: tenants", r.tenants_note)
         if r.reachable is False:
             say(("unreachable: ", "red"), r.error or "", console=err)
     if s.metrics_error:
@@ -180,11 +199,28 @@ def print_status(s: StatusResult) -> None:
         )
 
 
+def _of_quota(used: int, quota: int | None) -> Cell:
+    if quota is None:
+        return "-"
+    pct = 100.0 * used / quota if quota else float("inf")
+    return (f"{pct:.0f}%", "red") if used > quota else f"{pct:.0f}%"
+
+
 def print_ls(s: ListResult) -> None:
     table(
         None,
-        ("tier", "key", "group", "size", "age"),
-        [(r.tier, r.key, str(r.group), human_bytes(r.size), human_age(r.age_s)) for r in s.records],
+        ("tier", "key", "group", "size", "age", "tenant"),
+        [
+            (
+                r.tier,
+                r.key,
+                str(r.group),
+                human_bytes(r.size),
+                human_age(r.age_s),
+                "?" if r.tenant is None else r.tenant,
+            )
+            for r in s.records
+        ],
         right=("group", "size", "age"),
     )
     first = s.offset + 1 if s.records else 0
@@ -219,6 +255,12 @@ def print_summary(s: SummaryResult) -> None:
 def print_inspect(s: InspectResult) -> None:
     for label, value in (("key", s.key), ("namespace", s.namespace), ("block hash", s.block_hash), ("group", s.group)):
         say(f"{label:<11}{value}")
+    if s.namespace_info is not None:
+        ns = s.namespace_info
+        say(f"{'model':<11}{ns['model']}" + (f" @ {ns['revision']}" if ns.get("revision") else ""))
+        say(f"{'weights':<11}{ns['weights'] or '- (no weights fingerprint: bound to the model name and revision)'}")
+    elif s.namespace_error:
+        say(f"{'model':<11}? ({s.namespace_error})")
     for e in s.tiers:
         if not e.present:
             say((e.tier, "bold"), ": not present")
@@ -255,8 +297,11 @@ def print_verify(s: VerifyResult) -> None:
 
 def print_evict(s: EvictResult) -> None:
     cols = ("tier", "selected", "evicted", "freed", "remaining")
+    title = "dry run: nothing deleted" if s.dry_run else None
+    if s.tenant is not None:
+        title = f"tenant {s.tenant}" + (f"; {title}" if title else "")
     table(
-        "dry run: nothing deleted" if s.dry_run else None,
+        title,
         cols,
         [
             (
@@ -273,6 +318,12 @@ def print_evict(s: EvictResult) -> None:
     for r in s.tiers:
         if r.no_age:
             warn("note", f"{r.tier}: {r.no_age} record(s) have no age (the tier cannot tell); --older-than kept them")
+        if r.no_tenant:
+            warn(
+                "note",
+                f"{r.tier}: {r.no_tenant} record(s) have no known tenant (on Redis, tenants are known from the"
+                " quota books, kept while quotas are configured); --tenant kept them",
+            )
 
 
 def print_flush(s: FlushResult) -> None:

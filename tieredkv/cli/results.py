@@ -28,6 +28,7 @@ __all__ = [
     "StatusRow",
     "SummaryResult",
     "SummaryRow",
+    "TenantUsage",
     "VerifyResult",
     "VerifyRow",
 ]
@@ -38,6 +39,21 @@ class Result:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
+
+
+@dataclass
+class TenantUsage(Result):
+    """One tenant's bytes in one tier and its quota there."""
+
+    #: Its name where the config's ``tenants.quotas`` names it, else its id; ``-``: the default tenant.
+    tenant: str
+    #: Its id (:func:`tieredkv.keys.tenant_id`), 16 hex digits.
+    id: str
+    used_bytes: int
+    #: Its quota in this tier, in bytes (None: unbounded).
+    quota_bytes: int | None = None
+    #: The quota as configured (bytes, or a share of the tier's capacity such as ``25%``).
+    quota: str | None = None
 
 
 @dataclass
@@ -56,6 +72,11 @@ class StatusRow(Result):
     error: str | None = None
     breaker: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Per-tenant usage, the largest first (the tenants the config names and the largest others;
+    #: None: the tier does not keep tenants).
+    tenants: list[TenantUsage] | None = None
+    #: What to know about those figures (e.g. a share quota that is unbounded here).
+    tenants_note: str | None = None
 
 
 @dataclass
@@ -80,6 +101,9 @@ class RecordRow(Result):
     group: int
     size: int
     age_s: float | None
+    #: The record's tenant: its name where the config names it, else its id in hex; ``-``: the
+    #: default tenant; None: the tier cannot tell without touching the record.
+    tenant: str | None = None
 
 
 @dataclass
@@ -128,6 +152,12 @@ class InspectResult(Result):
     block_hash: str
     group: int
     tiers: list[InspectEntry]
+    #: What the namespace is, from its catalog record (:mod:`tieredkv.catalog`): ``model``,
+    #: ``revision``, ``weights`` (the weights fingerprint; ``""``: none), ``written_at``,
+    #: ``namespace`` (every field) and ``tier`` (where it was read); None: no catalog record.
+    namespace_info: dict[str, Any] | None = None
+    #: Why the catalog record could not be used (None: it was, or there is none).
+    namespace_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -169,12 +199,16 @@ class EvictRow(Result):
     remaining_bytes: int
     #: Records with no age (the tier cannot tell) that ``--older-than`` therefore kept.
     no_age: int
+    #: Records whose tenant the tier cannot tell that ``--tenant`` therefore kept.
+    no_tenant: int = 0
 
 
 @dataclass
 class EvictResult(Result):
     tiers: list[EvictRow]
     dry_run: bool
+    #: The tenant selected (``--tenant`` / ``--tenant-id``), as shown in ``status``; None: any.
+    tenant: str | None = None
 
 
 @dataclass

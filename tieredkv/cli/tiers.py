@@ -15,6 +15,7 @@ from typing import Any
 
 from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, runs
 from tieredkv.backends.registry import build_tier, get_tier_class
+from tieredkv.catalog import is_catalog_key
 from tieredkv.cli.exits import EXIT_BAD_INPUT, CLIError
 from tieredkv.config import TieredKVConfig
 from tieredkv.errors import BackendNotFoundError, ConfigError, TierUnavailableError
@@ -108,7 +109,8 @@ def with_data_dir(cfg: TieredKVConfig, data_dir: Path) -> TieredKVConfig:
 async def open_tier(tcfg: Any, *, create: bool = False) -> AsyncIterator[Tier]:
     """Open one tier for admin work. A local directory that holds nothing yet is "unreachable"
     (a typo in a path must not create an empty store) unless ``create``. Scans are passive:
-    listing records must not count as reading them (a tier that can tell sets ``passive_scans``)."""
+    listing records must not count as reading them (a tier that can tell sets ``passive_scans``).
+    No tenant quotas are set: an admin write (``migrate``) copies records as they are."""
     path = local_path(tcfg)
     if path is not None and not create and not (os.path.isdir(path) and os.listdir(path)):
         raise TierUnavailableError(f"tier {tcfg.label!r} ({tcfg.kind}): no data at {path}; check the path")
@@ -121,10 +123,13 @@ async def open_tier(tcfg: Any, *, create: bool = False) -> AsyncIterator[Tier]:
         await tier.close()
 
 
-async def scan_records(tier: Tier, namespace: bytes | None, group: int | None) -> AsyncGenerator[RecordInfo, None]:
-    """The records of ``tier`` in ``namespace`` / ``group``, lazily (stop early for a bounded job)."""
+async def scan_records(
+    tier: Tier, namespace: bytes | None, group: int | None, *, catalog: bool = False
+) -> AsyncGenerator[RecordInfo, None]:
+    """The records of ``tier`` in ``namespace`` / ``group``, lazily (stop early for a bounded job);
+    namespace catalog records (:mod:`tieredkv.catalog`) only with ``catalog``."""
     async for info in tier.scan(namespace):
-        if group is None or info.group == group:
+        if (group is None or info.group == group) and (catalog or not is_catalog_key(info.key)):
             yield info
 
 

@@ -14,6 +14,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from redis.cluster import RedisCluster as SyncRedisCluster
 import tieredkv
 from tieredkv.backends._sealed import SealedTier
 from tieredkv.backends.registry import build_tier
+from tieredkv.catalog import catalog_key
 from tieredkv.config import LMDBTierConfig, RedisTierConfig
 from tieredkv.format import FLAG_SEALED, HEADER_SIZE, SEAL_KEY_ID_AT, TENANT_AT, encode_record
 from tieredkv.keys import Namespace, tenant_id
@@ -170,18 +172,25 @@ def test_values_hold_no_plaintext_and_round_trip_byte_exact(medium: Medium, tmp_
         store_chunks(store, data, keys, blocks)
         found, got = load_chunks(store, keys, blocks)
         assert found == keys and torch.equal(got, data)
-        raws = store.run(sealed_tier(store).raw_get_many(keys))
+        # the store writes its namespace's catalog record in the background: sealed like the rest
+        ckey = catalog_key(ns.fingerprint)
+        deadline = time.monotonic() + 60
+        while store.run(sealed_tier(store).contains_many([ckey])) != [True]:
+            assert time.monotonic() < deadline, "the namespace catalog record was never written"
+            time.sleep(0.01)
+        raws = store.run(sealed_tier(store).raw_get_many([*keys, ckey]))
     values = medium.values()
     assert values, "the medium holds the records"
     for v in values:
         assert MARK not in v
+        assert b"tieredkv_catalog" not in v  # the catalog's JSON is sealed too
         for w in windows(data):
             assert w not in v
     for raw in raws:  # each record stored sealed, under K1
         assert raw is not None and raw[28] & FLAG_SEALED
         assert struct.unpack_from("<I", raw, SEAL_KEY_ID_AT)[0] == key_id(K1)
     if medium.kind == "redis":
-        assert len(values) == N and sorted(map(len, values)) == sorted(map(len, raws))
+        assert len(values) == N + 1 and sorted(map(len, values)) == sorted(map(len, raws))
 
 
 def forge(case: str, ring: Keyring, key: bytes, good: bytes, other_key: bytes, chunk: bytes) -> bytes:

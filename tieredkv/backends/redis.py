@@ -505,17 +505,7 @@ class RedisTier(Tier):
         quotas: dict[int, int | None] = {}
         if books:
             assert tenants is not None
-            by_tenant: dict[int, int] = {}
-            for (_, p), t in zip(items, tenants, strict=True):
-                if t:
-                    by_tenant[t] = by_tenant.get(t, 0) + HEADER_SIZE + len(p)
-            for t, nbytes in by_tenant.items():
-                quota = quotas[t] = self.quotas.limit(t, self._capacity)
-                if quota is not None and nbytes > quota:
-                    raise TierFullError(
-                        f"tier {self.name!r}: a batch of {nbytes} bytes of tenant {self.quotas.label(t)} exceeds"
-                        f" its quota ({quota} bytes); nothing of it was stored"
-                    )
+            quotas = self._batch_quotas([HEADER_SIZE + len(p) for _, p in items], tenants)
         tenant_of_key = dict(zip((k for k, _ in items), tenants, strict=True)) if tenants is not None else {}
         booked: dict[int, list[tuple[bytes, int]]] = {}  # per tenant: (Redis key, record bytes) written
         try:
@@ -554,6 +544,23 @@ class RedisTier(Tier):
             self._note_size(HEADER_SIZE + len(items[-1][1]))
         if booked:
             await self._keep_books(booked, quotas, len(items))
+
+    def _batch_quotas(self, sizes: list[int], tenants: list[int]) -> dict[int, int | None]:
+        """The quota of each tenant of a batch (records of ``sizes`` bytes); raises TierFullError,
+        before anything is written, when one tenant's records alone exceed its quota."""
+        by_tenant: dict[int, int] = {}
+        for n, t in zip(sizes, tenants, strict=True):
+            if t:
+                by_tenant[t] = by_tenant.get(t, 0) + n
+        quotas: dict[int, int | None] = {}
+        for t, nbytes in by_tenant.items():
+            quota = quotas[t] = self.quotas.limit(t, self._capacity)
+            if quota is not None and nbytes > quota:
+                raise TierFullError(
+                    f"tier {self.name!r}: a batch of {nbytes} bytes of tenant {self.quotas.label(t)} exceeds"
+                    f" its quota ({quota} bytes); nothing of it was stored"
+                )
+        return quotas
 
     async def _keep_books(
         self, written: dict[int, list[tuple[bytes, int]]], quotas: dict[int, int | None], n: int
@@ -797,14 +804,27 @@ class RedisTier(Tier):
         return out
 
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        """SET whole records as given. With quotas configured (a store's tier: the records of a
+        sealed tier come this way), each record counts in the books of the tenant its header
+        names, as :meth:`_set_records` counts them; an admin tool's tier has no quotas."""
         ttl = self.config.ttl_s
-        for run in runs(items, lambda it: len(it[1]), self._max_batch):
-            rkeys = [self.redis_key(k) for k, _ in run]
+        tenants = [_header_tenant(rec) for _, rec in items] if self.quotas.enabled and not self._books.refused else []
+        quotas = self._batch_quotas([len(rec) for _, rec in items], tenants) if any(tenants) else None
+        booked: dict[int, list[tuple[bytes, int]]] = {}
+        for run in runs(list(range(len(items))), lambda i: len(items[i][1]), self._max_batch):
+            rkeys = [self.redis_key(items[i][0]) for i in run]
 
-            def add(pipe: Any, i: int, rkeys: list[bytes] = rkeys, run: list[Any] = run) -> None:
-                pipe.set(rkeys[i], run[i][1], ex=ttl)
+            def add(pipe: Any, j: int, rkeys: list[bytes] = rkeys, run: list[int] = run) -> None:
+                pipe.set(rkeys[j], items[run[j]][1], ex=ttl)
 
             _raise_first(await self._per_key(rkeys, add))
+            if quotas is not None:
+                for i, rk in zip(run, rkeys, strict=True):
+                    if tenants[i]:
+                        booked.setdefault(tenants[i], []).append((rk, len(items[i][1])))
+        if booked:
+            assert quotas is not None
+            await self._keep_books(booked, quotas, len(items))
 
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
@@ -1051,6 +1071,13 @@ def _claimed_record_size(head: bytes, key: bytes) -> int | None:
     if hdr.fingerprint != key_fingerprint(key) or hdr.group != key_group(key):
         return None
     return HEADER_SIZE + n
+
+
+def _header_tenant(record: memoryview | bytes) -> int:
+    """The tenant a whole record's header names (0: version 1, the default tenant, or no header)."""
+    if len(record) < HEADER_SIZE or bytes(record[4:6]) != b"\x02\x00":
+        return 0
+    return int.from_bytes(record[TENANT_AT : TENANT_AT + 8], "little")
 
 
 def _stamp(idle: Any, now: float) -> float | None:

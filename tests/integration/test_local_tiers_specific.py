@@ -511,13 +511,23 @@ def test_lmdb_large_reads_under_threads_tasks_and_another_process(tmp_path: Path
             await asyncio.gather(writer(0), writer(1), reader(), reader())
             assert tier.counters["corrupt"] == 0
 
-    threads = [threading.Thread(target=asyncio.run, args=(engine(off),)) for off in (0, 500)]
+    failed: list[BaseException] = []
+
+    def run_engine(offset: int) -> None:
+        try:
+            asyncio.run(engine(offset))
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below, not lost in this one
+            failed.append(e)
+
+    threads = [threading.Thread(target=run_engine, args=(off,)) for off in (0, 500)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     _, err = child.communicate()
     assert child.returncode == 0, err.decode()[-2000:]
+    if failed:
+        raise failed[0]
     assert not bad, bad[:3]
     assert seen["hit"] > 0
 

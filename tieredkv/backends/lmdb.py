@@ -134,6 +134,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -487,7 +488,14 @@ def _merged(holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _punch(path: str, holes: list[tuple[int, int]]) -> None:
     """Give back the disk blocks of the (offset, length) ranges of a record file (their bytes
-    read as zeros afterwards); where the file system cannot, they stay until the file goes."""
+    read as zeros afterwards); where the file system cannot, they stay until the file goes.
+
+    Only while the file is still the one at ``path``, and holding a shared ``flock`` on it: the
+    commit that freed these ranges is over, so another writer may meanwhile have taken the
+    file's last record, retired it as a spare and taken it again for a batch of its own, which
+    it writes holding the exclusive lock. A punch by path without those checks gave back blocks
+    of that new batch's live records (read afterwards as corrupt, and deleted: about one run in
+    twelve of two threads and a process overwriting each other's records)."""
     fallocate = libc_fallocate()
     if fallocate is None:
         return
@@ -496,11 +504,19 @@ def _punch(path: str, holes: list[tuple[int, int]]) -> None:
     except OSError:
         return
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a writer holds it: retired and taken since
+            here = os.stat(path)
+        except OSError:
+            return
+        mine = os.fstat(fd)
+        if (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+            return  # renamed away since it was opened (a spare now, or taken again): written over whole
         for at, n in holes:
             if fallocate(fd, 3, at, n) != 0:  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
                 return
     finally:
-        os.close(fd)
+        os.close(fd)  # (lets go of the lock)
 
 
 def _catalogued(txn: Any, acc: Any) -> int:

@@ -11,7 +11,7 @@ from tieredkv.backends.base import Tier
 from tieredkv.backends.registry import build_tier
 from tieredkv.config import RedisTierConfig
 from tieredkv.format import SEAL_TAG
-from tieredkv.testing.contract import TierContract
+from tieredkv.testing.contract import TierContract, made_tiers
 from tieredkv.testing.servers import RedisCluster, RedisServer
 
 
@@ -33,6 +33,7 @@ def _reset(clients: list[redis.Redis]) -> None:
 class _RedisContract(TierContract):
     cluster = False
     sealed = False  # with encryption (the registry wraps the tier: SealedTier)
+    native_io = True
 
     def nodes(self, request: Any) -> tuple[str, list[redis.Redis]]:
         raise NotImplementedError
@@ -40,23 +41,18 @@ class _RedisContract(TierContract):
     @pytest.fixture
     async def make_tier(self, request: Any) -> Any:
         url, clients = self.nodes(request)
-        tiers: list[Tier] = []
 
-        async def make(capacity_bytes: int | None) -> Tier:
-            extra: dict[str, Any] = {}
+        def build(capacity_bytes: int | None, _: int) -> Tier:
+            extra: dict[str, Any] = {"native_io": self.native_io}
             if capacity_bytes is not None:
                 _limit_memory(clients, capacity_bytes)
                 extra["hash_tag_buckets"] = 1  # one node holds the namespace: its maxmemory applies
             if self.sealed:
                 extra["encryption"] = {"keys_file": request.getfixturevalue("sealed_keys_file")}
-            tier = build_tier(RedisTierConfig(url=url, cluster=self.cluster, **extra))
-            await tier.open()
-            tiers.append(tier)
-            return tier
+            return build_tier(RedisTierConfig(url=url, cluster=self.cluster, **extra))
 
-        yield make
-        for t in tiers:
-            await t.close()
+        async with made_tiers(build) as make:
+            yield make
         _reset(clients)
 
 
@@ -83,28 +79,8 @@ class TestSealedRedisSingleNodeRedisPy(TestRedisSingleNode):
     """Sealed, over redis-py (``native_io: false``): the reads' other path."""
 
     sealed = True
+    native_io = False
     record_tail = SEAL_TAG
-
-    @pytest.fixture
-    async def make_tier(self, request: Any) -> Any:
-        srv: RedisServer = request.getfixturevalue("redis_server")
-        clients = [redis.Redis(host="127.0.0.1", port=srv.port)]
-        tiers: list[Tier] = []
-
-        async def make(capacity_bytes: int | None) -> Tier:
-            extra: dict[str, Any] = {"native_io": False}
-            if capacity_bytes is not None:
-                _limit_memory(clients, capacity_bytes)
-            extra["encryption"] = {"keys_file": request.getfixturevalue("sealed_keys_file")}
-            tier = build_tier(RedisTierConfig(url=srv.url, **extra))
-            await tier.open()
-            tiers.append(tier)
-            return tier
-
-        yield make
-        for t in tiers:
-            await t.close()
-        _reset(clients)
 
 
 class TestSealedRedisCluster(TestRedisCluster):

@@ -20,7 +20,13 @@ Usage — subclass :class:`TierContract` in a test module and provide one fixtur
                 await t.close()
 
 ``make(capacity_bytes)`` returns an opened tier holding at most about ``capacity_bytes`` of
-payload (``None``: plenty). What the suite demands follows the tier's
+payload (``None``: plenty). :func:`made_tiers` writes that fixture's body for you::
+
+    @pytest.fixture
+    async def make_tier(self, tmp_path):
+        async with made_tiers(lambda cap, n: MyTier(MyTierConfig(..., capacity=cap or DEFAULT))) as make:
+            yield make
+ What the suite demands follows the tier's
 :attr:`~tieredkv.backends.base.Tier.capabilities`, never its kind: a tier whose capacity a
 server enforces (``local_eviction=False``) only needs to show that old records go and new
 ones stay; one with ``sync_probe=True`` must answer :meth:`~tieredkv.backends.base.Tier.probe`.
@@ -33,9 +39,11 @@ such class: ``pip install 'tieredkv[contract]'`` brings pytest and pytest-asynci
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -46,7 +54,7 @@ from tieredkv.errors import TierClosedError, TierFullError
 from tieredkv.format import HEADER_SIZE
 from tieredkv.keys import Namespace
 
-__all__ = ["TierContract", "payload", "uniform"]
+__all__ = ["TierContract", "made_tiers", "payload", "uniform"]
 
 SIZES = [1, 63, 64, 4095, 4096, 65536, 1 << 20, 4 << 20]
 
@@ -64,6 +72,27 @@ def uniform(n: int, value: int) -> torch.Tensor:
 
 def _h(i: int) -> bytes:
     return i.to_bytes(32, "big")
+
+
+@contextlib.asynccontextmanager
+async def made_tiers(
+    build: Callable[[int | None, int], Tier],
+) -> AsyncIterator[Callable[[int | None], Awaitable[Tier]]]:
+    """The ``make_tier`` fixture's ``make``: ``build(capacity_bytes, n)`` makes the n-th tier
+    (not opened); ``make`` opens it, and every tier made is closed on the way out."""
+    tiers: list[Tier] = []
+
+    async def make(capacity_bytes: int | None = None) -> Tier:
+        tier = build(capacity_bytes, len(tiers))
+        await tier.open()
+        tiers.append(tier)
+        return tier
+
+    try:
+        yield make
+    finally:
+        for t in tiers:
+            await t.close()
 
 
 @pytest.mark.asyncio

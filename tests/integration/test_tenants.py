@@ -294,9 +294,9 @@ async def test_cpu_tier_at_quota_an_overwrite_fits_and_pinned_records_refuse_the
         assert await tier.contains_many(keys) == [False] + [True] * 4  # its least recently used went
 
 
-def test_the_readme_tenants_example_is_a_valid_config() -> None:
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("### Tenants") :]
+def test_the_documented_tenants_example_is_a_valid_config() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sharing.md").read_text(encoding="utf-8")
+    section = text[text.index("## Tenants") :]
     block = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml"))]
     quotas = TenantQuotas.from_config(load_config(yaml.safe_load(block), env={}).tenants)
     assert quotas.limit(tenant_id("acme"), None) == 8 << 30

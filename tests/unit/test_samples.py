@@ -1,8 +1,8 @@
-"""The sample config shipped in the wheel, the repository's copy of it and the README agree.
+"""The sample config shipped in the wheel, the repository's copy of it and the docs agree.
 
-``tieredkv config init`` writes ``tieredkv/samples/tieredkv.yaml``; the README and the tests point
-people at ``config/tieredkv.yaml``. Both must be the same file, valid, and the README's override
-examples must name tiers that exist where the README says they do.
+``tieredkv config init`` writes ``tieredkv/samples/tieredkv.yaml``; the docs and the tests point
+people at ``config/tieredkv.yaml``. Both must be the same file, valid, and the override examples
+of README.md and docs/*.md must name tiers that exist where the docs say they do.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "tieredkv" / "samples" / "tieredkv.yaml"
 REPO_COPY = ROOT / "config" / "tieredkv.yaml"
 README = ROOT / "README.md"
-# `TIEREDKV_TIERS__<tier>__<FIELD>=<value>` as the README writes override examples.
+OPERATING = ROOT / "docs" / "operating.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# `TIEREDKV_TIERS__<tier>__<FIELD>=<value>` as the docs write override examples.
 _TIER_OVERRIDE = re.compile(r"\b(TIEREDKV_TIERS__(\w+?)__(\w+))=([^\s`]+)")
 
 
 def _section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
+    text = OPERATING.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else None]
@@ -47,19 +49,21 @@ def test_sample_validates(path: Path) -> None:
 
 def test_configuration_section_override_names_a_tier_of_the_sample() -> None:
     examples = _TIER_OVERRIDE.findall(_section("Configuration"))
-    assert examples, "the README's Configuration section has no TIEREDKV_TIERS__<tier>__<FIELD> example"
+    assert examples, "docs/operating.md's Configuration section has no TIEREDKV_TIERS__<tier>__<FIELD> example"
     var, tier, field, value = examples[0]
     cfg = load_config(SAMPLE, env={var: value})
-    assert tier in {t.label for t in cfg.tiers}, f"README example {var} names tier {tier!r}, not in the sample"
+    assert tier in {t.label for t in cfg.tiers}, (
+        f"docs/operating.md example {var} names tier {tier!r}, not in the sample"
+    )
     assert str(getattr(cfg.tier(tier), field.lower())) == value
 
 
 def test_every_readme_tier_override_applies_to_a_shipped_config() -> None:
-    """Each ``TIEREDKV_TIERS__<tier>__...`` in the README works against the sample, the Redis Cluster
+    """Each ``TIEREDKV_TIERS__<tier>__...`` in the README and docs/ works against the sample, the Redis Cluster
     sample, or the built-in defaults (tiers named ``cpu`` and ``lmdb``)."""
     sources = {"sample": SAMPLE, "cluster sample": ROOT / "config" / "tieredkv-redis-cluster.yaml", "defaults": None}
-    found = _TIER_OVERRIDE.findall(README.read_text(encoding="utf-8"))
-    assert len(found) >= 2
+    found = [hit for page in DOCS for hit in _TIER_OVERRIDE.findall(page.read_text(encoding="utf-8"))]
+    assert len(found) >= 3
     for var, tier, _field, value in found:
         fits = []
         for label, src in sources.items():
@@ -69,7 +73,7 @@ def test_every_readme_tier_override_applies_to_a_shipped_config() -> None:
                 continue
             fits.append(label)
             assert tier in {t.label for t in cfg.tiers}
-        assert fits, f"README override {var}={value} names tier {tier!r}, which no shipped config has"
+        assert fits, f"documented override {var}={value} names tier {tier!r}, which no shipped config has"
 
 
 def test_defaults_need_no_file_and_name_tiers_after_their_kind() -> None:

@@ -186,10 +186,10 @@ def test_any_spec_behind_the_connector(tmp_path: Path) -> None:
 
 
 def test_readme_configuration_runs(tmp_path: Path) -> None:
-    """README's third ``--kv-transfer-config`` (only the YAML path swapped) on the hybrid schedule."""
-    from tests.vllm.test_vllm_roundtrip import extra_config, readme_kv_transfer_configs
+    """The README's ``--kv-transfer-config`` (docs/vllm.md's third; only the YAML path swapped) on the hybrid schedule."""
+    from tests.vllm.test_vllm_roundtrip import documented_kv_transfer_configs, extra_config
 
-    cfg = readme_kv_transfer_configs()["TieredKVConnector"]
+    cfg = documented_kv_transfer_configs()["TieredKVConnector"]
     extra = extra_config("TieredKVConnector", _tiers_file(tmp_path, "lmdb"))
     bpc = extra["blocks_per_chunk"]
     r = run_engine(

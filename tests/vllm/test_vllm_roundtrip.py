@@ -5,7 +5,7 @@ For both modes (the whole ``TieredKVOffloadingSpec`` and ``TieredKVSecondaryTier
 sliding-window group → Redis): request A stores its prompt; the engine's prefix cache, vLLM's
 primary tier (tiering mode) and the "GPU" KV tensors are wiped; request B shares A's prefix, hits
 in tieredkv, loads, and every loaded token slot of both groups must hold exactly A's KV bytes.
-The ``--kv-transfer-config`` JSON comes from README.md ("Use with vLLM").
+The ``--kv-transfer-config`` JSON comes from docs/vllm.md (the README shows the third of them).
 """
 
 from __future__ import annotations
@@ -25,18 +25,17 @@ from tieredkv.keys import key_group
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
-README_CONFIG_PATH = "/etc/tieredkv/tiers.yaml"
+DOCS_CONFIG_PATH = "/etc/tieredkv/tiers.yaml"
 BLOCK = 16
 WINDOW = 32
 
 
-def readme_kv_transfer_configs() -> dict[str, dict[str, Any]]:
-    """The three ``--kv-transfer-config`` JSONs of README.md's "Use with vLLM": vLLM's connector's
+def documented_kv_transfer_configs() -> dict[str, dict[str, Any]]:
+    """The three ``--kv-transfer-config`` JSONs of docs/vllm.md: vLLM's connector's
     by spec_name, tieredkv's connector's as ``TieredKVConnector``."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "vllm.md").read_text()
     out = {}
-    for raw in re.findall(r"--kv-transfer-config '([^']+)'", section):
+    for raw in re.findall(r"--kv-transfer-config '([^']+)'", page):
         cfg = json.loads(raw)
         name = cfg["kv_connector"] if cfg["kv_connector"] != "OffloadingConnector" else None
         out[name or cfg["kv_connector_extra_config"]["spec_name"]] = cfg
@@ -45,14 +44,14 @@ def readme_kv_transfer_configs() -> dict[str, dict[str, Any]]:
 
 
 def extra_config(mode: str, tiers_yaml: Path) -> dict[str, Any]:
-    """README's extra config for ``mode`` with only the YAML path (and a test-sized primary) swapped."""
-    cfg = readme_kv_transfer_configs()[mode]
+    """The documented extra config for ``mode`` with only the YAML path (and a test-sized primary) swapped."""
+    cfg = documented_kv_transfer_configs()[mode]
     assert cfg["kv_connector"] in ("OffloadingConnector", mode) and cfg["kv_role"] == "kv_both"
     raw = json.dumps(cfg["kv_connector_extra_config"])
-    assert README_CONFIG_PATH in raw
-    extra = json.loads(raw.replace(README_CONFIG_PATH, str(tiers_yaml)))
+    assert DOCS_CONFIG_PATH in raw
+    extra = json.loads(raw.replace(DOCS_CONFIG_PATH, str(tiers_yaml)))
     if "cpu_bytes_to_use" in extra:
-        extra["cpu_bytes_to_use"] = 4 << 20  # README: 8 GiB; the test's primary tier is 4 MiB
+        extra["cpu_bytes_to_use"] = 4 << 20  # the docs: 8 GiB; the test's primary tier is 4 MiB
     return extra
 
 
@@ -217,15 +216,15 @@ def _assert_routes(store: Any, backend: str) -> None:
     assert routes == want
 
 
-def test_readme_json_is_valid_for_vllm() -> None:
-    """The README JSONs parse into vLLM's KVTransferConfig and name loadable classes."""
+def test_documented_json_is_valid_for_vllm() -> None:
+    """The documented JSONs parse into vLLM's KVTransferConfig and name loadable classes."""
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     from tieredkv.integrations.vllm import TieredKVOffloadingSpec, TieredKVSecondaryTier
 
-    cfgs = readme_kv_transfer_configs()
+    cfgs = documented_kv_transfer_configs()
     for cfg in cfgs.values():
         KVTransferConfig(**cfg)
     spec_cls = OffloadingSpecFactory.get_spec_cls(cfgs["TieredKVOffloadingSpec"]["kv_connector_extra_config"])

@@ -1,6 +1,6 @@
 """tieredkv as vLLM 0.33's KV offload backend.
 
-Three ways in, all configured through ``--kv-transfer-config`` (see the README, "Use with vLLM"):
+Three ways in, all configured through ``--kv-transfer-config`` (see docs/vllm.md):
 
 * :class:`TieredKVSecondaryTier` — a ``SecondaryTierManager`` under vLLM's own
   ``TieringOffloadingSpec``: vLLM keeps its GPU↔CPU worker and shared primary region; tieredkv

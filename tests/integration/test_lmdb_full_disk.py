@@ -13,9 +13,9 @@ from typing import Any
 import lmdb
 import pytest
 
-from tieredkv.backends import _lmdb_space
-from tieredkv.backends import lmdb as lmdb_tier
 from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.lmdb import space as _lmdb_space
+from tieredkv.backends.lmdb import tier as lmdb_tier
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import TierFullError, TierUnavailableError
 from tieredkv.format import encode_record

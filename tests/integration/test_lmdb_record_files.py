@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tieredkv import format as fmt
-from tieredkv.backends import lmdb as lmdb_tier
 from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.lmdb import tier as lmdb_tier
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import TierFullError
 from tieredkv.format import HEADER_SIZE, verify_record
@@ -402,7 +402,7 @@ async def test_delete_if_same_on_every_layout_keeps_the_accounts(tmp_path: Path)
 #: its lock held) and writes it only when told ``go`` on stdin, then commits.
 _STALLED_WRITER = """
 import asyncio, os, sys
-from tieredkv.backends import lmdb as lmdb_tier
+from tieredkv.backends.lmdb import tier as lmdb_tier
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import LMDBTierConfig
 from tieredkv.keys import Namespace

@@ -4,7 +4,7 @@ Layout: named DB ``records`` (stored key → payload, a whole record, or a recor
 record file), named DB ``access`` (stored key → ``<d Q`` last-access Unix time, record bytes,
 then the record's 64-byte header when the record is stored apart, or its place when it is in a
 record file), named DB ``files`` (record file token → ``<Q`` records it still holds), named DB
-``tenants`` (per-tenant bytes and records: :mod:`~tieredkv.backends._lmdb_tenants`) and, in the
+``tenants`` (per-tenant bytes and records: :mod:`~tieredkv.backends.lmdb.tenants`) and, in the
 main DB, ``tieredkv:used-bytes`` (``<Q``: the sum of every record's bytes, kept in the same
 write transaction as the records it counts) and ``tieredkv:tenants-at`` (the transaction that
 last left the tenant counters exact).
@@ -40,7 +40,7 @@ last left the tenant counters exact).
   record that keeps moving, or went, is None): never the bytes its old place holds now. A repair
   deletes by ``delete_if_same``: the whole record compared, then deleted, in one write
   transaction.
-* **Who owns a record file** (:mod:`~tieredkv.backends._lmdb_files`): its writer, by an
+* **Who owns a record file** (:mod:`~tieredkv.backends.lmdb.files`): its writer, by an
   exclusive ``flock`` held from before the file has its name under ``files/`` (it comes in by
   a rename from ``files/spare/``, a spare or a new empty file made there) until the transaction
   that names it has committed, or the file is removed. Files no record names and no one holds
@@ -53,7 +53,7 @@ last left the tenant counters exact).
 * **A record stored whole** (``raw_put_many``: migrations and tools write records as they are
   given, damaged ones included): the whole record in ``records``, the access entry its stamp
   alone. A read of any kind delivers only a payload that its header vouches for.
-* **Tenants** (:mod:`~tieredkv.backends._lmdb_tenants`): a record's tenant is in its header (a
+* **Tenants** (:mod:`~tieredkv.backends.lmdb.tenants`): a record's tenant is in its header (a
   record of the default tenant is version 1, as before) and, for a record in a record file,
   after its place in its ``records`` value, so evictions, scans and the counters find it in the
   index. Each tenant's bytes are counted in the ``tenants`` DB inside the same write transaction
@@ -94,7 +94,7 @@ environment that holds one: they read every access entry as 16 bytes.)
   on close: a process crash loses nothing committed; a power loss may lose recent puts (never
   corrupts older ones). ``writemap`` is never used: with it, a full disk kills the process with
   SIGBUS while writing through the map; without it the commit fails.
-* **A full disk is a full tier, never an outage** (:mod:`~tieredkv.backends._lmdb_space`):
+* **A full disk is a full tier, never an outage** (:mod:`~tieredkv.backends.lmdb.space`):
   ENOSPC or EDQUOT from a record file's write or sync, LMDB's commit (the eviction's own
   included) or the map's growth, and EIO while the filesystem has less free space than the
   write needed (LMDB reports a short write at commit as EIO), raise
@@ -149,8 +149,10 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from tieredkv.backends import _lmdb_files as record_files
-from tieredkv.backends._lmdb_space import (
+from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.backends.lmdb import files as record_files
+from tieredkv.backends.lmdb.config import LMDBTierConfig
+from tieredkv.backends.lmdb.space import (
     disk_full,
     free_bytes,
     index_reserve,
@@ -158,7 +160,7 @@ from tieredkv.backends._lmdb_space import (
     preallocate,
     spares_fit,
 )
-from tieredkv.backends._lmdb_tenants import (
+from tieredkv.backends.lmdb.tenants import (
     TENANTS_DB,
     Ledger,
     TenantOrders,
@@ -169,9 +171,7 @@ from tieredkv.backends._lmdb_tenants import (
     place_value,
     read_counters,
 )
-from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
 from tieredkv.catalog import catalog_key
-from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TieredKVError, TierFullError, TierUnavailableError
 from tieredkv.eviction import EvictionPolicy, make_policy
 from tieredkv.format import (
@@ -339,7 +339,7 @@ class _SharedEnv:
 
     def keep_reserve(self) -> None:
         """Keep disk blocks allocated past the pages LMDB has committed
-        (:func:`~tieredkv.backends._lmdb_space.index_reserve`), topped up when half of them went:
+        (:func:`~tieredkv.backends.lmdb.space.index_reserve`), topped up when half of them went:
         on a full disk a deletion or an eviction still commits. (A failed commit of a full disk
         does not use them up: an aborted commit's pages are where the next one writes.)"""
         if not self.can_reserve:
@@ -842,7 +842,7 @@ class LMDBTier(Tier):
     def _drop(self, txn: Any, key: bytes, meta: Any) -> None:
         """The open write transaction deletes (or replaces) ``key``'s record, of access entry
         ``meta`` (None: not there): its record file keeps count (:meth:`_doom`), and its tenant's
-        counter (:mod:`~tieredkv.backends._lmdb_tenants`) drops it. Called before its ``records``
+        counter (:mod:`~tieredkv.backends.lmdb.tenants`) drops it. Called before its ``records``
         value goes (a record's tenant may be there)."""
         if meta is None:
             return
@@ -873,7 +873,7 @@ class LMDBTier(Tier):
         """A file that lost its last record: kept as a spare (renamed into ``files/spare/``: its
         name is gone, so no reader finds it by its token again) while fewer than
         :data:`_SPARES_KEPT` are there and the disk has room to spare
-        (:func:`~tieredkv.backends._lmdb_space.spares_fit`), else removed. The next batch's file
+        (:func:`~tieredkv.backends.lmdb.space.spares_fit`), else removed. The next batch's file
         is a spare written over when there is one: creating a file costs 0.5-0.9 ms of kernel
         CPU on ext4 while files are being deleted (it skips inodes freed in the last seconds), a
         rename 15 µs, and pages already in the page cache are written over at about twice the
@@ -904,7 +904,7 @@ class LMDBTier(Tier):
     def _write_file(self, heads: memoryview, payloads: list[memoryview]) -> tuple[bytes, int]:
         """Write the records (header ``heads[i]``, then ``payloads[i]``) one after another into a
         record file of a new token: a spare written over, or a new file. Returns the token and a
-        descriptor holding the file's lock (:mod:`~tieredkv.backends._lmdb_files`: no sweep
+        descriptor holding the file's lock (:mod:`~tieredkv.backends.lmdb.files`: no sweep
         removes the file while it is held), to be closed once the transaction that names the file
         has committed, or the file is removed. Durable: the file synced, then its directory,
         before that commit. On a failure nothing is left (and nothing held)."""
@@ -932,7 +932,7 @@ class LMDBTier(Tier):
         return token, held
 
     def _full_disk(self, exc: BaseException) -> TierFullError:
-        """A write found the disk full (:func:`~tieredkv.backends._lmdb_space.disk_full`): the
+        """A write found the disk full (:func:`~tieredkv.backends.lmdb.space.disk_full`): the
         spares go (their blocks are the room a next write needs), and the tier answers full —
         alive: reads and lookups go on, and a caller's breaker stays closed."""
         self._count("disk_full")

@@ -26,7 +26,7 @@ import lmdb
 import pytest
 
 from tieredkv.backends.lmdb import LMDBTier
-from tieredkv.backends.lmdb.tier import _REGISTRY
+from tieredkv.backends.lmdb.env import REGISTRY
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError
 from tieredkv.format import HEADER_SIZE
@@ -400,7 +400,7 @@ async def test_two_stores_on_one_directory_in_one_process_share_the_environment(
     finally:
         await t1.close()
         await t2.close()
-    assert not _REGISTRY and lmdb_exclusive_lock_free(real)
+    assert not REGISTRY and lmdb_exclusive_lock_free(real)
     print(
         f"\n[drill 4] two stores on {real} (one via a symlink) shared one environment: 2 puts seen by both,"
         f" used {s1.used_bytes} B in both, map {s2.extra['map_size']} B; after one close the other read 2"

@@ -5,7 +5,7 @@
 
 Variants (all :class:`~tieredkv.backends.redis.RedisTier`, records and hash tags the same):
 
-* ``bespoke`` — the tier (:mod:`tieredkv.backends._cluster`): a pipeline per node, MOVED / ASK /
+* ``bespoke`` — the tier (:mod:`tieredkv.backends.redis.cluster`): a pipeline per node, MOVED / ASK /
   TRYAGAIN followed, a failed node's keys retried after a topology refresh (at most twice per node).
 * ``redispy`` — redis-py's own cluster client does it all: one ``ClusterPipeline`` per batch,
   ``allow_redirections=True`` and the client's default retry (3 retries, exponential backoff with

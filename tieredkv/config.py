@@ -40,25 +40,29 @@ import stat
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
-    ConfigDict,
     Field,
     SerializeAsAny,
     TypeAdapter,
     ValidationError,
-    field_validator,
+    WrapValidator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from tieredkv.errors import ConfigError
+from tieredkv.backends import registry
+from tieredkv.backends.cpu.config import CPUTierConfig
+from tieredkv.backends.lmdb.config import LMDBTierConfig
+from tieredkv.backends.redis.config import RedisTierConfig
+from tieredkv.errors import BackendNotFoundError, ConfigError
+from tieredkv.tierconfig import ConfigModel as _Model
+from tieredkv.tierconfig import EncryptionConfig, EvictionPolicyName, Size, TierConfigBase
 
 __all__ = [
     "CPUTierConfig",
@@ -83,94 +87,12 @@ ENV_PREFIX = "TIEREDKV_"
 _NOT_OVERRIDES = {"TIEREDKV_CONFIG", "TIEREDKV_VENV"}
 
 
-def _positive_size(v: Any) -> Any:
-    negative = (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0) or (
-        isinstance(v, str) and v.strip().startswith(("-", "0 ")) or v == "0"
-    )
-    if negative:
-        raise ValueError("must be greater than 0: a size in bytes such as 1048576, '512MiB' or '8GiB'")
-    return v
-
-
-#: A byte size: an int or a string with a unit ('512MiB', '8GiB'), greater than 0.
-Size = Annotated[ByteSize, BeforeValidator(_positive_size)]
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
-
-
-class TierConfigBase(_Model):
-    """Base of every tier's config model, built in or third party.
-
-    ``TieredKVConfig.tiers`` holds these: each item's ``kind`` is looked up in the tier registry
-    (:func:`tieredkv.backends.registry.config_model`) and the item validated with that kind's
-    model, so a tier installed through the ``tieredkv.backends`` entry point is written in YAML
-    exactly like a built-in one. A third-party model subclasses this one and narrows ``kind``::
-
-        class DirTierConfig(TierConfigBase):
-            kind: Literal["dir"] = Field("dir", description="Tier kind (selects the backend).")
-            root: str = Field(..., description="Directory holding one file per record.")
-    """
-
-    kind: str = Field(description="Tier kind (selects the backend through the tier registry).")
-    name: str = Field("", description="Unique tier name used in logs, metrics and the CLI; defaults to the kind.")
-    op_timeout_s: float = Field(5.0, gt=0, description="Deadline for one tier operation (a whole batch), in seconds.")
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _by_kind(cls, data: Any, handler: Any) -> Any:
-        """Validated as the base (a ``tiers`` item): dispatch to the model registered for ``kind``."""
-        if cls is not TierConfigBase or isinstance(data, TierConfigBase) or not isinstance(data, Mapping):
-            return handler(data)
-        return _tier_model(data).model_validate(data)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not data.get("name") and data.get("kind"):
-            data = {**data, "name": data["kind"]}
-        return data
-
-    #: The field naming the directory on local disk that the tier keeps its data in (LMDB:
-    #: ``path``), or None (in memory, on a server). Lets callers relocate a tier's data
-    #: (``tieredkv demo --data-dir``) without knowing its kind: :meth:`with_local_dir`.
-    local_dir_field: ClassVar[str | None] = None
-
-    @property
-    def label(self) -> str:
-        """The tier's name, or its kind when unnamed."""
-        return self.name or str(self.kind)
-
-    def _updated(self, **fields: Any) -> Self:
-        """A validated copy with ``fields`` changed (``model_copy`` would skip the checks)."""
-        return type(self).model_validate({**self.model_dump(), **fields})
-
-    def with_local_dir(self, path: str | os.PathLike[str]) -> Self:
-        """A copy keeping its data under ``path`` when the tier has a local directory, else itself."""
-        if self.local_dir_field is None:
-            return self
-        return self._updated(**{self.local_dir_field: str(path)})
-
-    def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
-        """A copy that holds about ``capacity_bytes`` of records (headers included) before it
-        evicts, records of up to ``largest_record_bytes`` fitting, adjusting whatever else that
-        needs; itself when a server holds the capacity (Redis ``maxmemory``). For callers that
-        size tiers for a workload (``tieredkv bench``, tests) without knowing the kind."""
-        return self
-
-
 #: The old private name of :class:`TierConfigBase`.
 _TierBase = TierConfigBase
-#: Type of a ``tiers`` item (a :class:`TierConfigBase` subclass chosen by ``kind``).
-TierConfig = TierConfigBase
 
 
 def _tier_model(data: Mapping[str, Any]) -> type[TierConfigBase]:
     """The registered config model for ``data['kind']``, or a one-line validation error."""
-    from tieredkv.backends import registry
-    from tieredkv.errors import BackendNotFoundError
-
     kind = data.get("kind")
     if kind is None or kind == "":
         raise PydanticCustomError("tier_kind_missing", "a tier needs a 'kind'")
@@ -182,220 +104,17 @@ def _tier_model(data: Mapping[str, Any]) -> type[TierConfigBase]:
         raise PydanticCustomError("tier_kind_unavailable", "{detail}", {"detail": str(e)}) from None
 
 
-def _known_policy(name: str) -> str:
-    from tieredkv.eviction import policies
-
-    if name not in policies:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; known: {sorted(policies)} (a new policy registers in"
-            " tieredkv.eviction.policies)"
-        )
-    return name
+def _by_kind(data: Any, handler: Any) -> Any:
+    """A ``tiers`` item: validated with the model its ``kind`` registers (a model instance as is)."""
+    if isinstance(data, TierConfigBase) or not isinstance(data, Mapping):
+        return handler(data)
+    return _tier_model(data).model_validate(data)
 
 
-#: The name of an eviction policy in :data:`tieredkv.eviction.policies`, checked at validation.
-EvictionPolicyName = Annotated[str, AfterValidator(_known_policy)]
-
-_EVICTION_POLICY_DOC = (
-    "Which records go first when the tier is full: a policy named in tieredkv.eviction.policies ('lru')."
-)
-
-
-class CPUTierConfig(TierConfigBase):
-    """In-process slab of host memory (pinned when CUDA is available)."""
-
-    kind: Literal["cpu"] = Field("cpu", description="Tier kind (selects the backend).")
-    capacity_bytes: Size = Field(ByteSize(1 << 30), gt=0, description="Size of the preallocated slab, e.g. '8GiB'.")
-    segment_bytes: Size = Field(
-        ByteSize(8 << 20),
-        gt=0,
-        description="Slab segment size; the largest chunk must fit in one segment.",
-    )
-    min_slot_bytes: Size = Field(
-        ByteSize(4096),
-        gt=0,
-        description="Smallest slot size class; classes grow by x1.5 and x2 steps up to segment_bytes.",
-    )
-    pin_memory: Literal["auto", "always", "never"] = Field(
-        "auto", description="Pin the slab: 'auto' pins when CUDA is available."
-    )
-    prefault: bool = Field(
-        False,
-        description="Touch every slab page at open so first stores do not pay page faults (the whole slab is"
-        " resident from the start; serving deployments set it, a laptop try-out need not).",
-    )
-    eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
-
-    def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
-        """Segments large enough for the largest record; the slab a whole number of them, at
-        least ``capacity_bytes`` plus one segment (slot classes round records up)."""
-        seg = max(int(self.segment_bytes), largest_record_bytes)
-        return self._updated(segment_bytes=seg, capacity_bytes=(-(-capacity_bytes // seg) + 1) * seg)
-
-    @model_validator(mode="after")
-    def _sizes(self) -> CPUTierConfig:
-        if self.segment_bytes > self.capacity_bytes:
-            raise ValueError(
-                f"segment_bytes ({int(self.segment_bytes)}) must not exceed capacity_bytes ({int(self.capacity_bytes)})"
-            )
-        if self.min_slot_bytes > self.segment_bytes:
-            raise ValueError("min_slot_bytes must not exceed segment_bytes")
-        return self
-
-
-class EncryptionConfig(_Model):
-    """Sealed records (:mod:`tieredkv.sealing`): every payload the tier stores is encrypted and
-    authenticated with AES-256-GCM under a key derived per namespace and tenant from a master key;
-    a record no master key opens is a miss. The master keys come from a file or an environment
-    variable (exactly one of the two), newest first: the newest seals, every one opens."""
-
-    keys_file: str | None = Field(
-        None,
-        description="File of master keys, newest first: one per line, 64 hex digits (`openssl rand -hex 32`) or"
-        " the base64 of 32 bytes; '#' starts a comment. It must be its owner's alone (chmod 600).",
-    )
-    keys_env: str | None = Field(
-        None,
-        description="Name of an environment variable holding the master keys instead, newest first, separated"
-        " by spaces, commas or line breaks (e.g. TIEREDKV_KEYS).",
-    )
-
-    @field_validator("keys_env")
-    @classmethod
-    def _env_name(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError("must be the name of an environment variable (letters, digits, '_'), e.g. TIEREDKV_KEYS")
-        return v
-
-    @field_validator("keys_file")
-    @classmethod
-    def _file_name(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("must name the key file, e.g. /etc/tieredkv/keys")
-        return v
-
-    @model_validator(mode="after")
-    def _one_source(self) -> EncryptionConfig:
-        if (self.keys_file is None) == (self.keys_env is None):
-            raise ValueError(
-                "set exactly one of keys_file (a file of master keys) or keys_env (the name of an environment"
-                " variable holding them)"
-            )
-        return self
-
-
-_ENCRYPTION_DOC = (
-    "Seal every record (AES-256-GCM, keys from a key file or an environment variable): only a holder"
-    " of a key reads it, a forged or altered record is a miss. None: records are stored in clear,"
-    " with a checksum."
-)
-
-
-class LMDBTierConfig(TierConfigBase):
-    """One LMDB environment on local disk (NVMe)."""
-
-    kind: Literal["lmdb"] = Field("lmdb", description="Tier kind (selects the backend).")
-    path: str = Field("./tieredkv-data/lmdb", description="Directory of the LMDB environment (created if missing).")
-    map_size_bytes: Size = Field(
-        ByteSize(4 << 30), gt=0, description="Initial LMDB map size; grown on demand up to max_map_size_bytes."
-    )
-    max_map_size_bytes: Size = Field(
-        ByteSize(64 << 30), gt=0, description="Upper bound for map growth after MapFullError."
-    )
-    size_cap_bytes: Size = Field(
-        ByteSize(2 << 30),
-        gt=0,
-        description="Stored bytes allowed before LRU eviction; must be below map_size_bytes.",
-    )
-    sync_mode: Literal["durable", "fast"] = Field(
-        "fast",
-        description="'durable': fsync every write transaction; 'fast': no fsync per commit (a power loss may lose recent puts, never corrupt older ones).",
-    )
-    max_readers: int = Field(126, gt=0, description="LMDB reader slots.")
-    eviction_policy: EvictionPolicyName = Field("lru", description=_EVICTION_POLICY_DOC)
-    file_batch_bytes: Size | None = Field(
-        ByteSize(16 << 20),
-        description=(
-            "A write batch whose payloads add up to this many bytes or more is written as one record"
-            " file beside the LMDB index (files/ under path: each payload copied once, where LMDB"
-            " copies it twice); None keeps every record inside LMDB."
-        ),
-    )
-    encryption: EncryptionConfig | None = Field(None, description=_ENCRYPTION_DOC)
-
-    local_dir_field: ClassVar[str | None] = "path"
-
-    def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
-        """The size cap at ``capacity_bytes``; the map (and its growth limit) at least twice it,
-        plus 32 MiB of headroom for LMDB's B-tree and free pages."""
-        cap = max(capacity_bytes, largest_record_bytes)
-        map_size = max(int(self.map_size_bytes), 2 * cap + (32 << 20))
-        max_map = max(int(self.max_map_size_bytes), 2 * map_size)
-        return self._updated(size_cap_bytes=cap, map_size_bytes=map_size, max_map_size_bytes=max_map)
-
-    @model_validator(mode="after")
-    def _sizes(self) -> LMDBTierConfig:
-        if self.size_cap_bytes >= self.map_size_bytes:
-            raise ValueError(
-                f"size_cap_bytes ({int(self.size_cap_bytes)}) must be below map_size_bytes ({int(self.map_size_bytes)});"
-                " LMDB needs headroom for its B-tree and free pages — raise map_size_bytes or lower size_cap_bytes"
-            )
-        if self.max_map_size_bytes < self.map_size_bytes:
-            raise ValueError("max_map_size_bytes must be at least map_size_bytes")
-        return self
-
-
-class RedisTierConfig(TierConfigBase):
-    """A Redis server or Redis Cluster."""
-
-    kind: Literal["redis"] = Field("redis", description="Tier kind (selects the backend).")
-    url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="redis:// or rediss:// (TLS) URL of a node; for a cluster, any node.",
-    )
-    cluster: bool = Field(False, description="Use the Redis Cluster client (slot routing, hash-tagged keys).")
-    username: str | None = Field(None, description="ACL user name (AUTH user pass).")
-    password: str | None = Field(None, description="Password (AUTH); masked in `config show`.")
-    ssl_ca_certs: str | None = Field(None, description="CA bundle for TLS (rediss://).")
-    ssl_certfile: str | None = Field(None, description="Client certificate for mutual TLS.")
-    ssl_keyfile: str | None = Field(None, description="Client key for mutual TLS.")
-    socket_timeout_s: float = Field(2.0, gt=0, description="Socket read/write timeout; a dead server fails fast.")
-    connect_timeout_s: float = Field(0.5, gt=0, description="TCP connect timeout.")
-    ttl_s: int | None = Field(None, gt=0, description="Expire records after this many seconds (None: no TTL).")
-    key_prefix: str = Field("tkv", min_length=1, description="Prefix of every key this tier writes.")
-    hash_tag_buckets: int = Field(
-        16,
-        ge=1,
-        le=4096,
-        description="Hash-tag buckets per namespace: a batch of one namespace touches at most this many cluster slots.",
-    )
-    max_batch_bytes: Size = Field(
-        ByteSize(8 << 20), gt=0, description="Split pipelines so one round trip carries at most this many bytes."
-    )
-    native_io: bool = Field(
-        True,
-        description="On a single node over redis:// or unix://, move records with tieredkv's own pipelined"
-        " RESP connections (payloads sent and received in place, no copies); false: redis-py for everything."
-        " Clusters and TLS always use redis-py.",
-    )
-    connections: int = Field(
-        2, ge=1, le=64, description="Data-path connections of native_io: a batch's reads are split over them."
-    )
-    encryption: EncryptionConfig | None = Field(None, description=_ENCRYPTION_DOC)
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        if "{" in v or "}" in v:
-            raise ValueError("must not contain '{' or '}' (they would become the Redis Cluster hash tag)")
-        return v
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return v
+#: Type of a ``tiers`` item: a :class:`TierConfigBase` subclass chosen by ``kind`` through the
+#: tier registry, so a tier installed through the ``tieredkv.backends`` entry point is written in
+#: YAML exactly like a built-in one.
+TierConfig = Annotated[SerializeAsAny[TierConfigBase], WrapValidator(_by_kind)]
 
 
 class NamespaceConfig(_Model):
@@ -511,7 +230,7 @@ class TieredKVConfig(_Model):
 
     version: Literal[1] = Field(1, description="Config file format version.")
     namespace: NamespaceConfig = Field(default_factory=NamespaceConfig, description="Namespace identity.")
-    tiers: list[SerializeAsAny[TierConfigBase]] = Field(
+    tiers: list[TierConfig] = Field(
         default_factory=_default_tiers,
         min_length=1,
         description="Tiers, fastest first; each item's 'kind' selects its model in the tier registry.",

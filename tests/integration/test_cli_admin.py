@@ -424,7 +424,7 @@ def test_evict_by_age_namespace_and_size_target(tmp_path: Path, monkeypatch: pyt
     cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
     real = time.time
     with monkeypatch.context() as m:  # written two hours ago (LMDB keeps the stamp on disk)
-        m.setattr("tieredkv.backends.lmdb.time.time", lambda: real() - 7200)
+        m.setattr("tieredkv.backends.lmdb.writes.time.time", lambda: real() - 7200)
         old = seed(cfg, "nvme", 10, groups=1)
     new = seed(cfg, "nvme", 10, groups=1, start=10)
     g1 = seed(cfg, "nvme", 6, ns=NS_B, groups=1, start=50)

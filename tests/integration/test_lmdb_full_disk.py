@@ -13,9 +13,10 @@ from typing import Any
 import lmdb
 import pytest
 
-from tieredkv.backends import _lmdb_space
-from tieredkv.backends import lmdb as lmdb_tier
 from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.lmdb import env as lmdb_env
+from tieredkv.backends.lmdb import records as lmdb_records
+from tieredkv.backends.lmdb import space as _lmdb_space
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import TierFullError, TierUnavailableError
 from tieredkv.format import encode_record
@@ -48,7 +49,7 @@ def files(path: Path) -> list[str]:
 def disk(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
     """The filesystem's free space, as the tier reads it (``os.statvfs``)."""
     monkeypatch.setattr(_lmdb_space, "free_bytes", lambda path: free)
-    monkeypatch.setattr(lmdb_tier, "free_bytes", lambda path: free)
+    monkeypatch.setattr(lmdb_records, "free_bytes", lambda path: free)
 
 
 def failing_commits(monkeypatch: pytest.MonkeyPatch, tier: LMDBTier, error: str) -> None:
@@ -108,13 +109,13 @@ async def test_a_record_file_write_on_a_full_disk_is_tier_full(
             await tier.put_many([(k(8 * b + i), payload(SIZE, i)) for i in range(8)])
         await tier.delete_many([k(i) for i in range(16)])
         assert len(spares(tmp_path)) == 2
-        real = lmdb_tier.write_records
+        real = lmdb_records.write_records
 
         def write(path: str, *args: Any, **kw: Any) -> None:
             real(path, *args, **kw)  # written, then its sync fails
             raise OSError(err, f"fdatasync: {errno.errorcode[err]}", path)
 
-        monkeypatch.setattr(lmdb_tier, "write_records", write)
+        monkeypatch.setattr(lmdb_records, "write_records", write)
         disk(monkeypatch, free)
         with pytest.raises(TierFullError if full else TierUnavailableError):
             await tier.put_many([(k(100 + i), payload(SIZE, i)) for i in range(8)])
@@ -130,7 +131,7 @@ async def test_a_full_disk_at_map_growth_is_tier_full(tmp_path: Path, monkeypatc
         def grow(self: Any, target: int) -> None:
             raise lmdb.DiskError("mdb_env_set_mapsize: No space left on device")
 
-        monkeypatch.setattr(lmdb_tier._SharedEnv, "grow_map", grow)
+        monkeypatch.setattr(lmdb_env.SharedEnv, "grow_map", grow)
         with pytest.raises(TierFullError):
             for b in range(0, 64, 4):  # the map fills: it must grow
                 await tier.put_many([(k(b + i), payload(60 * KiB, i)) for i in range(4)])

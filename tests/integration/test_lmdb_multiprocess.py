@@ -25,7 +25,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tieredkv.backends.lmdb import _REGISTRY, LMDBTier
+from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.lmdb.env import REGISTRY
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import ConfigError
 from tieredkv.format import HEADER_SIZE
@@ -399,7 +400,7 @@ async def test_two_stores_on_one_directory_in_one_process_share_the_environment(
     finally:
         await t1.close()
         await t2.close()
-    assert not _REGISTRY and lmdb_exclusive_lock_free(real)
+    assert not REGISTRY and lmdb_exclusive_lock_free(real)
     print(
         f"\n[drill 4] two stores on {real} (one via a symlink) shared one environment: 2 puts seen by both,"
         f" used {s1.used_bytes} B in both, map {s2.extra['map_size']} B; after one close the other read 2"
@@ -483,7 +484,7 @@ async def test_two_processes_flooding_as_tenants_keep_exact_per_tenant_accountin
     of every record's header), a and b stay within their quota with their newest records, and
     none of c's or the default tenant's records is lost (before: no counters, and the flood
     evicted c and the default tenant)."""
-    from tieredkv.backends._lmdb_tenants import count_tenants
+    from tieredkv.backends.lmdb.tenants import count_tenants
     from tieredkv.keys import tenant_id
     from tieredkv.tenants import TenantQuotas
 

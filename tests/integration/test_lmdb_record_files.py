@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from tieredkv import format as fmt
-from tieredkv.backends import lmdb as lmdb_tier
 from tieredkv.backends.lmdb import LMDBTier
+from tieredkv.backends.lmdb import raw as lmdb_raw
+from tieredkv.backends.lmdb import reads as lmdb_reads
+from tieredkv.backends.lmdb import records as lmdb_records
 from tieredkv.config import LMDBTierConfig
 from tieredkv.errors import TierFullError
 from tieredkv.format import HEADER_SIZE, verify_record
@@ -268,11 +270,11 @@ async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got
     # takes longer than the default 5 s deadline for that, which is not what is tested here.
     async with LMDBTier(cfg(tmp_path, op_timeout_s=600)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
-        real = lmdb_tier.read_placed_into
+        real = lmdb_reads.read_placed_into
 
         def copy_then_replace(*args: object) -> object:
             got = real(*args)  # the copies are done; the records are replaced before the tier looks again
-            monkeypatch.setattr(lmdb_tier, "read_placed_into", real)
+            monkeypatch.setattr(lmdb_reads, "read_placed_into", real)
             if writer == "this-process":
                 tier._heads_put([(k(i), memoryview(data(SIZE, 100 + i))) for i in range(0, 8, 2)])
             else:
@@ -281,7 +283,7 @@ async def test_a_record_replaced_during_its_copy_is_a_miss_whatever_the_copy_got
                 assert done.returncode == 0, done.stderr.decode()[-2000:]
             return got
 
-        monkeypatch.setattr(lmdb_tier, "read_placed_into", copy_then_replace)
+        monkeypatch.setattr(lmdb_reads, "read_placed_into", copy_then_replace)
         bufs = [bytearray(b"\xee" * SIZE) for _ in range(8)]
         assert await tier.get_many([k(i) for i in range(8)], into=bufs) == [None, SIZE] * 4
         assert [bytes(b) for b in bufs[::2]] == [bytes(SIZE)] * 4  # nothing the copies got stays
@@ -352,16 +354,16 @@ async def test_an_admin_read_of_a_record_that_left_its_place_meanwhile_is_read_a
     that went is None, never the bytes its old place holds now."""
     async with LMDBTier(cfg(tmp_path)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
-        real = lmdb_tier._read_at
+        real = lmdb_raw._read_at
 
         def read_after_a_writer(path: str, at: int, size: int) -> bytes | None:
-            monkeypatch.setattr(lmdb_tier, "_read_at", real)
+            monkeypatch.setattr(lmdb_raw, "_read_at", real)
             # the read transaction found k(0) and k(1) here; now k(0) is replaced, k(1) deleted
             tier._heads_put([(k(0), memoryview(data(SIZE, 100)))])
             tier._delete_sync([k(1)])
             return real(path, at, size)
 
-        monkeypatch.setattr(lmdb_tier, "_read_at", read_after_a_writer)
+        monkeypatch.setattr(lmdb_raw, "_read_at", read_after_a_writer)
         got = await tier.raw_get_many([k(0), k(1), k(2)])
         assert got[1] is None
         assert got[0] is not None and bytes(verify_record(got[0], k(0))) == data(SIZE, 100)
@@ -402,18 +404,18 @@ async def test_delete_if_same_on_every_layout_keeps_the_accounts(tmp_path: Path)
 #: its lock held) and writes it only when told ``go`` on stdin, then commits.
 _STALLED_WRITER = """
 import asyncio, os, sys
-from tieredkv.backends import lmdb as lmdb_tier
+from tieredkv.backends.lmdb import records as lmdb_records
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.config import LMDBTierConfig
 from tieredkv.keys import Namespace
 from tieredkv.testing.contract import payload
 ns = Namespace(model="record-files")
-real = lmdb_tier.write_records
+real = lmdb_records.write_records
 def stalled(path, *args, **kw):
     print("HOLDING", os.path.basename(path), flush=True)
     sys.stdin.readline()  # a write that takes as long as the test wants (a stalled disk)
     return real(path, *args, **kw)
-lmdb_tier.write_records = stalled
+lmdb_records.write_records = stalled
 async def main():
     cfg = LMDBTierConfig(path=sys.argv[1], file_batch_bytes=256 << 10, size_cap_bytes=64 << 20)
     async with LMDBTier(cfg) as tier:
@@ -464,7 +466,7 @@ async def test_an_open_tier_sweeps_a_crashed_writers_file_and_never_a_live_write
     open, leave it; told to go on, it commits and its records read back. A second writer
     SIGKILLed in the same place leaves an orphan the already-open tier sweeps by itself, without
     being reopened."""
-    monkeypatch.setattr(lmdb_tier, "_SWEEP_EVERY_S", 0.02)
+    monkeypatch.setattr(lmdb_records, "_SWEEP_EVERY_S", 0.02)
     async with LMDBTier(cfg(tmp_path)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
         await tier.put_many([(k(100 + i), payload(SIZE, i)) for i in range(8)])
@@ -509,7 +511,7 @@ async def test_an_open_tier_sweeps_a_crashed_writers_file_and_never_a_live_write
 async def test_a_periodic_sweep_removes_a_bounded_number_of_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lmdb_tier, "_SWEEP_MAX_FILES", 3)
+    monkeypatch.setattr(lmdb_records, "_SWEEP_MAX_FILES", 3)
     async with LMDBTier(cfg(tmp_path)) as tier:
         await tier.put_many([(k(i), payload(SIZE, i)) for i in range(8)])
         (named,) = files(tmp_path)
@@ -533,7 +535,7 @@ async def test_spares_no_writer_takes_are_given_back(tmp_path: Path, monkeypatch
         (first,) = spares(tmp_path)
         await tier._run(tier._upkeep_sync)
         assert spares(tmp_path) == [first]  # just retired: kept
-        monkeypatch.setattr(lmdb_tier, "_SPARE_IDLE_S", 0.0)
+        monkeypatch.setattr(lmdb_records, "_SPARE_IDLE_S", 0.0)
         await tier._run(tier._upkeep_sync)
         assert spares(tmp_path) == [] and tier.counters["spares_given_back"] == 1
         await tier.delete_many([k(i) for i in range(8, 16)])

@@ -194,7 +194,7 @@ def lmdb_cfg(tmp_path: Path, **kw: Any) -> dict[str, Any]:
 
 def scan_counts(path: Path) -> dict[int, int]:
     """Each tenant's record bytes by reading every record's header (what the counters must say)."""
-    from tieredkv.backends._lmdb_tenants import count_tenants
+    from tieredkv.backends.lmdb.tenants import count_tenants
 
     env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=True)
     try:

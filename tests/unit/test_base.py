@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tieredkv.backends.cpu import CPUTier
-from tieredkv.config import CPUTierConfig
+from tieredkv.backends.cpu.config import CPUTierConfig
 from tieredkv.errors import TierClosedError, TierTimeoutError, TierUnavailableError
 from tieredkv.keys import Namespace
 from tieredkv.testing.faulty import FaultyTier

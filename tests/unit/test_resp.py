@@ -1,4 +1,4 @@
-"""The native RESP reader (tieredkv.backends._resp) fed byte streams cut at every place a socket
+"""The native RESP reader (tieredkv.backends.redis.resp) fed byte streams cut at every place a socket
 could cut them: replies land in order, bulk replies with a destination land in it, and anything
 unexpected closes the connection instead of being guessed at."""
 
@@ -14,7 +14,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from tieredkv.backends._resp import (
+from tieredkv.backends.redis.resp import (
     Into,
     Placed,
     Record,

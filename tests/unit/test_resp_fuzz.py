@@ -1,4 +1,4 @@
-"""Property-based tests of the native RESP client (tieredkv.backends._resp).
+"""Property-based tests of the native RESP client (tieredkv.backends.redis.resp).
 
 * Against a real redis-server: random batches of the data path's commands (SET of binary values of
   random sizes, empty ones and ones with CRLF inside, as one part or as header + payload parts;
@@ -32,8 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tieredkv.backends import _resp
-from tieredkv.backends._resp import Into, Placed, Record, RespPool, _Protocol
+from tieredkv.backends.redis import resp as _resp
+from tieredkv.backends.redis.resp import Into, Placed, Record, RespPool, _Protocol
 from tieredkv.testing.servers import RedisServer
 
 SENTINEL = 0xAB

@@ -79,7 +79,7 @@ class SealedTier(Tier):
         self.off_loop_bytes: int | None = _OFF_LOOP_BYTES
         self._reads: _RedisReads | None = None
         if inner.kind == "redis":
-            from tieredkv.backends.redis import RedisTier
+            from tieredkv.backends.redis.tier import RedisTier
 
             if isinstance(inner, RedisTier):
                 self._reads = _RedisReads(self, inner)
@@ -293,8 +293,8 @@ class _RedisReads:
     """
 
     def __init__(self, tier: SealedTier, inner: Any) -> None:
-        from tieredkv.backends._resp import Into, Placed
-        from tieredkv.backends.redis import _NativePipe, _wrongtype
+        from tieredkv.backends.redis.resp import Into, Placed
+        from tieredkv.backends.redis.tier import _NativePipe, _wrongtype
 
         self.tier = tier
         self.inner = inner

@@ -11,12 +11,13 @@ A tier config with ``encryption`` set is built as its tier wrapped in a
 :class:`~tieredkv.backends._sealed.SealedTier` (records sealed, :mod:`tieredkv.sealing`).
 
 The tier class carries everything else as class variables: ``kind``, ``config_model`` (a
-:class:`~tieredkv.config.TierConfigBase` subclass), ``capabilities``. So the config validates
+:class:`~tieredkv.tierconfig.TierConfigBase` subclass), ``capabilities``. So the config validates
 ``kind: mykind`` with ``MyTier.config_model``, ``build_tier`` constructs it, and callers
 branch on :attr:`TierEntry.capabilities`, never on the kind.
 
 Importing this module (or :mod:`tieredkv.config`) imports no backend: a built-in's config
-model resolves from :mod:`tieredkv.config` alone, so a config naming ``redis`` validates
+model lives beside its tier (``tieredkv.backends.<kind>.config``) and imports no client
+library, and a tier package imports its tier lazily, so a config naming ``redis`` validates
 where the Redis client is not installed; only :func:`tier_entry`, :func:`get_tier_class`
 and :func:`build_tier` import the tier's module (and its client library).
 """
@@ -33,8 +34,8 @@ from tieredkv.errors import BackendNotFoundError
 
 if TYPE_CHECKING:
     from tieredkv.backends.base import Tier, TierCapabilities
-    from tieredkv.config import TierConfigBase
     from tieredkv.eviction import EvictionPolicy
+    from tieredkv.tierconfig import TierConfigBase
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -56,19 +57,25 @@ ENTRY_POINT_GROUP = "tieredkv.backends"
 @dataclass(frozen=True)
 class _Builtin:
     target: str  # "module:Class" of the tier
-    config: str  # "module:Class" of its config model (in tieredkv.config: no backend import)
+    config: str  # "module:Class" of its config model (beside the tier, importing no client library)
     hint: str  # how to install what the tier's module imports
 
 
 _BUILTINS: dict[str, _Builtin] = {
     "cpu": _Builtin(
-        "tieredkv.backends.cpu:CPUTier", "tieredkv.config:CPUTierConfig", "pip install 'tieredkv[engine]' (torch)"
+        "tieredkv.backends.cpu.tier:CPUTier",
+        "tieredkv.backends.cpu.config:CPUTierConfig",
+        "pip install 'tieredkv[engine]' (torch)",
     ),
     "lmdb": _Builtin(
-        "tieredkv.backends.lmdb:LMDBTier", "tieredkv.config:LMDBTierConfig", "pip install 'tieredkv[lmdb]'"
+        "tieredkv.backends.lmdb.tier:LMDBTier",
+        "tieredkv.backends.lmdb.config:LMDBTierConfig",
+        "pip install 'tieredkv[lmdb]'",
     ),
     "redis": _Builtin(
-        "tieredkv.backends.redis:RedisTier", "tieredkv.config:RedisTierConfig", "pip install 'tieredkv[redis]'"
+        "tieredkv.backends.redis.tier:RedisTier",
+        "tieredkv.backends.redis.config:RedisTierConfig",
+        "pip install 'tieredkv[redis]'",
     ),
 }
 assert list(_BUILTINS) == sorted(_BUILTINS), "keep the built-in tiers alphabetized"
@@ -189,14 +196,14 @@ def get_tier_class(kind: str) -> type[Tier]:
 
 def config_model(kind: str) -> type[TierConfigBase]:
     """The config model that validates a tier of ``kind``. A built-in's comes from
-    :mod:`tieredkv.config` without importing the backend; any other's is its tier class's
+    :mod:`tieredkv.backends.<kind>.config` without importing the backend; any other's is its tier class's
     ``config_model``.
 
     Raises:
         BackendNotFoundError: unknown kind, missing package, or a tier class without a usable
             ``config_model``.
     """
-    from tieredkv.config import TierConfigBase
+    from tieredkv.tierconfig import TierConfigBase
 
     _load_entry_points()
     if kind in _BUILTINS and kind not in _registry:

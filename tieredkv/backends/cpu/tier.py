@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
-from tieredkv.config import CPUTierConfig
+from tieredkv.backends.cpu.config import CPUTierConfig
 from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
 from tieredkv.eviction import EvictionPolicy, make_policy
 from tieredkv.format import HEADER_SIZE, TENANT_AT, TENANT_VERSION, make_header, verify_parts

@@ -27,7 +27,7 @@ its header states.
 
 On a Redis Cluster every batch is split per node (a pipeline each, run concurrently) and the
 cluster's redirections are followed by the tier itself
-(:class:`~tieredkv.backends._cluster.ClusterBatches`): ``MOVED`` patches the slot map and resends
+(:class:`~tieredkv.backends.redis.cluster.ClusterBatches`): ``MOVED`` patches the slot map and resends
 the key to the new owner; ``ASK`` (a slot in migration, the key already moved) resends it to the
 importing master with ``ASKING`` before it on the same connection; ``TRYAGAIN`` (a multi-key
 command split by a migration) resends it after a backoff. A node that fails costs its own keys
@@ -66,7 +66,7 @@ after deleting the records of that call that were already written (best effort).
 Tenants: a record's header names its tenant (version 2; the default tenant's records are
 version 1, as before). With tenant quotas configured, each tenant's usage is kept in Redis
 itself, shared by every engine and node, and a tenant over its quota loses its own oldest
-records (:mod:`~tieredkv.backends._redis_tenants`, which says what that costs); a quota given as
+records (:mod:`~tieredkv.backends.redis.tenants`, which says what that costs); a quota given as
 a share is a share of the primaries' summed ``maxmemory`` (unbounded where one has none).
 ``scan`` gives each record's tenant: an active scan reads header bytes 48..55 (``GETRANGE``, an
 access like ``STRLEN``); a passive one cannot read a header without touching the key (Redis
@@ -106,11 +106,11 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tieredkv.backends._cluster import ClusterBatches
-from tieredkv.backends._redis_tenants import SCAN_TENANTS_MAX, TenantBooks, tenant_of
-from tieredkv.backends._resp import Into, Placed, Record, RespPool, native_target
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats, runs
-from tieredkv.config import RedisTierConfig
+from tieredkv.backends.redis.cluster import ClusterBatches
+from tieredkv.backends.redis.config import RedisTierConfig
+from tieredkv.backends.redis.resp import Into, Placed, Record, RespPool, native_target
+from tieredkv.backends.redis.tenants import SCAN_TENANTS_MAX, TenantBooks, tenant_of
 from tieredkv.errors import (
     ConfigError,
     CorruptRecordError,
@@ -251,7 +251,7 @@ class RedisTier(Tier):
         self._buckets = config.hash_tag_buckets
         self._max_batch = int(config.max_batch_bytes)
         self._record_guess = _DEFAULT_RECORD_GUESS
-        #: Per-tenant usage kept in Redis (:mod:`~tieredkv.backends._redis_tenants`).
+        #: Per-tenant usage kept in Redis (:mod:`~tieredkv.backends.redis.tenants`).
         self._books = TenantBooks(self._prefix, self._per_key, self._count, self.name)
         #: The servers' maxmemory summed over primaries (None: some primary has none): what a
         #: quota given as a share of the tier's capacity is a share of.
@@ -336,7 +336,7 @@ class RedisTier(Tier):
         """``ncmd`` commands per key (``add(pipe, i)`` queues them for ``rkeys[i]``): one pipeline
         on a single node; on a cluster a pipeline per node, run concurrently, following MOVED /
         ASK / TRYAGAIN and retrying a failed node's keys, bounded in sends and time
-        (:class:`~tieredkv.backends._cluster.ClusterBatches`).
+        (:class:`~tieredkv.backends.redis.cluster.ClusterBatches`).
 
         Returns each key's reply (a tuple of ``ncmd`` replies when ``ncmd > 1``) — an exception
         object for a command the server refused (e.g. WRONGTYPE), for a key still redirected when
@@ -498,7 +498,7 @@ class RedisTier(Tier):
         ``tenants`` and quotas configured: a tenant's batch larger than its quota is refused
         first, and once written the records are counted in their tenants' books, whose
         victims (each over-quota tenant's oldest records) are then deleted
-        (:mod:`~tieredkv.backends._redis_tenants`)."""
+        (:mod:`~tieredkv.backends.redis.tenants`)."""
         ttl = self.config.ttl_s
         written: list[bytes] = []
         books = tenants is not None and self.quotas.enabled and not self._books.refused
@@ -882,7 +882,7 @@ class RedisTier(Tier):
         gone since SCAN saw it or a foreign value. A passive scan sizes values with ``MEMORY
         USAGE``, which does not touch the key (an upper bound: it counts the allocation), and
         finds tenants in the tenants' books (``books``: the tenants that have some; at most
-        :data:`~tieredkv.backends._redis_tenants.SCAN_TENANTS_MAX` of them, else the tenant is
+        :data:`~tieredkv.backends.redis.tenants.SCAN_TENANTS_MAX` of them, else the tenant is
         unknown, as it is with no books: a header read would touch the key on Redis before 7.2);
         an active one with ``STRLEN`` and ``GETRANGE`` of the header's tenant: exact, but both
         count as accesses and reset the key's idle time."""
@@ -1023,7 +1023,7 @@ class RedisTier(Tier):
 
 
 class _NativePipe:
-    """Collects data-path commands for :class:`~tieredkv.backends._resp.RespPool` with the method
+    """Collects data-path commands for :class:`~tieredkv.backends.redis.resp.RespPool` with the method
     names of a redis-py pipeline (so one ``add`` serves both)."""
 
     __slots__ = ("commands", "intos")

@@ -2,12 +2,12 @@
 the index, per-tenant byte counters kept in the environment, and per-process orders of each
 tenant's records.
 
-Layout (beside the tier's own, see :mod:`tieredkv.backends.lmdb`):
+Layout (beside the tier's own, see :mod:`~tieredkv.backends.lmdb.layout`):
 
 * **A record's tenant** (:mod:`tieredkv.format`, header bytes 48..55; 0: the default tenant) is
   found in the index without touching a payload: for a record stored apart, in the header kept
   after its access stamp; for a record in a record file (its header is in the file), after its
-  place in its ``records`` value (``_PLACE`` then ``<Q`` tenant; a default-tenant record's value
+  place in its ``records`` value (``PLACE`` then ``<Q`` tenant; a default-tenant record's value
   is the place alone, as before); for a record stored whole, in the header its ``records`` value
   starts with (:func:`entry_tenant`).
 * **Counters**: named DB ``tenants``, tenant id ``<Q`` → ``<QQ`` (record bytes, records), for
@@ -23,7 +23,7 @@ Layout (beside the tier's own, see :mod:`tieredkv.backends.lmdb`):
 
 :class:`TenantOrders` is a process's eviction order of each tenant's records (the tier's policy,
 one per tenant), beside its order of every record: a tenant over its quota loses its own oldest
-records first (:meth:`LMDBTier._evict_in`).
+records first (:meth:`~tieredkv.backends.lmdb.eviction.LMDBEviction._evict_in`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+from tieredkv.backends.lmdb.layout import ACCESS, PLACE
 from tieredkv.eviction import EvictionPolicy, make_policy
 from tieredkv.format import HEADER_SIZE, MAGIC, TENANT_AT, TENANT_VERSION
 
@@ -52,8 +53,8 @@ TENANTS_DB = b"tenants"
 AT_KEY = b"tieredkv:tenants-at"
 _ID = struct.Struct("<Q")
 _COUNT = struct.Struct("<QQ")  # record bytes, records
-_ACCESS_SIZE = struct.calcsize("<dQ")  # the access entry's stamp and size (lmdb._ACCESS)
-_PLACE_SIZE = struct.calcsize("<16sQ")  # a filed record's place (lmdb._PLACE)
+_ACCESS_SIZE = ACCESS.size  # the access entry's stamp and size
+_PLACE_SIZE = PLACE.size  # a filed record's place
 _FILED_SIZE = _ACCESS_SIZE + _PLACE_SIZE
 _APART_SIZE = _ACCESS_SIZE + HEADER_SIZE
 

@@ -20,9 +20,10 @@ file again to write it, readers map it) leaves them alone, unlike ``fcntl`` reco
 
 **Spares** (``files/spare/``): files whose records all went, kept to be written over by a later
 batch. A spare is given back (removed) when it has not been taken for a while (no writer is
-churning here), when the filesystem is short of free space (:func:`._lmdb_space.spares_fit`), and
-on any disk-full error. Removing one is always safe: a writer taking it has it locked and renames
-it away; one that loses the race takes another.
+churning here), when the filesystem is short of free space
+(:func:`~tieredkv.backends.lmdb.space.spares_fit`), and on any disk-full error. Removing one is
+always safe: a writer taking it has it locked and renames it away; one that loses the race takes
+another.
 """
 
 from __future__ import annotations

@@ -1,0 +1,28 @@
+"""The CPU tier: an in-process slab of host memory (pinned with CUDA), slot classes, an eviction
+policy per class.
+
+* ``tier`` — :class:`CPUTier`.
+* ``config`` — :class:`CPUTierConfig` (importing it imports no torch).
+
+The tier class is imported on first use (``from tieredkv.backends.cpu import CPUTier``), so
+importing the package, or its ``config``, does not import the tier's client library.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tieredkv.backends.cpu.config import CPUTierConfig
+
+if TYPE_CHECKING:
+    from tieredkv.backends.cpu.tier import CPUTier
+
+__all__ = ["CPUTier", "CPUTierConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CPUTier":
+        from tieredkv.backends.cpu.tier import CPUTier
+
+        return CPUTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,64 @@
+"""The Redis tier's config model (``kind: redis``); imports nothing of the tier itself (redis-py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ByteSize, Field, field_validator
+
+from tieredkv.tierconfig import ENCRYPTION_DOC, EncryptionConfig, Size, TierConfigBase
+
+__all__ = ["RedisTierConfig"]
+
+
+class RedisTierConfig(TierConfigBase):
+    """A Redis server or Redis Cluster."""
+
+    kind: Literal["redis"] = Field("redis", description="Tier kind (selects the backend).")
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="redis:// or rediss:// (TLS) URL of a node; for a cluster, any node.",
+    )
+    cluster: bool = Field(False, description="Use the Redis Cluster client (slot routing, hash-tagged keys).")
+    username: str | None = Field(None, description="ACL user name (AUTH user pass).")
+    password: str | None = Field(None, description="Password (AUTH); masked in `config show`.")
+    ssl_ca_certs: str | None = Field(None, description="CA bundle for TLS (rediss://).")
+    ssl_certfile: str | None = Field(None, description="Client certificate for mutual TLS.")
+    ssl_keyfile: str | None = Field(None, description="Client key for mutual TLS.")
+    socket_timeout_s: float = Field(2.0, gt=0, description="Socket read/write timeout; a dead server fails fast.")
+    connect_timeout_s: float = Field(0.5, gt=0, description="TCP connect timeout.")
+    ttl_s: int | None = Field(None, gt=0, description="Expire records after this many seconds (None: no TTL).")
+    key_prefix: str = Field("tkv", min_length=1, description="Prefix of every key this tier writes.")
+    hash_tag_buckets: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="Hash-tag buckets per namespace: a batch of one namespace touches at most this many cluster slots.",
+    )
+    max_batch_bytes: Size = Field(
+        ByteSize(8 << 20), gt=0, description="Split pipelines so one round trip carries at most this many bytes."
+    )
+    native_io: bool = Field(
+        True,
+        description="On a single node over redis:// or unix://, move records with tieredkv's own pipelined"
+        " RESP connections (payloads sent and received in place, no copies); false: redis-py for everything."
+        " Clusters and TLS always use redis-py.",
+    )
+    connections: int = Field(
+        2, ge=1, le=64, description="Data-path connections of native_io: a batch's reads are split over them."
+    )
+    encryption: EncryptionConfig | None = Field(None, description=ENCRYPTION_DOC)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if "{" in v or "}" in v:
+            raise ValueError("must not contain '{' or '}' (they would become the Redis Cluster hash tag)")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v

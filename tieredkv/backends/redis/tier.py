@@ -109,7 +109,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats, runs
 from tieredkv.backends.redis.cluster import ClusterBatches
 from tieredkv.backends.redis.config import RedisTierConfig
-from tieredkv.backends.redis.resp import Into, Placed, Record, RespPool, native_target
+from tieredkv.backends.redis.pool import RespPool, native_target
+from tieredkv.backends.redis.resp import Into, Placed, Record
 from tieredkv.backends.redis.tenants import SCAN_TENANTS_MAX, TenantBooks, tenant_of
 from tieredkv.errors import (
     ConfigError,

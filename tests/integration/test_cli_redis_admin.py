@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.integration.test_cli_admin import present, redis_tier, run, run_json, seed, write_config
-from tieredkv.backends.redis.tier import redis_key
+from tieredkv.backends.redis.keys import redis_key
 from tieredkv.format import HEADER_SIZE, encode_record
 from tieredkv.keys import Namespace
 from tieredkv.testing.servers import RedisCluster, RedisServer, redis_command

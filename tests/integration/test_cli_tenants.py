@@ -16,7 +16,7 @@ import yaml
 
 import tieredkv
 from tests.integration.test_cli_admin import run, run_json
-from tieredkv.backends.redis.tier import redis_key
+from tieredkv.backends.redis.keys import redis_key
 from tieredkv.catalog import catalog_key
 from tieredkv.format import HEADER_SIZE
 from tieredkv.keys import Namespace, tenant_id

@@ -25,8 +25,8 @@ from redis.exceptions import OutOfMemoryError, RedisError
 
 from tieredkv.backends.redis import RedisTier
 from tieredkv.backends.redis import resp as _resp
+from tieredkv.backends.redis.keys import parse_redis_key, redis_key
 from tieredkv.backends.redis.resp import REPLY_WINDOW, Placed, _Protocol
-from tieredkv.backends.redis.tier import parse_redis_key, redis_key
 from tieredkv.config import RedisTierConfig
 from tieredkv.errors import TierFullError, TierTimeoutError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE, encode_record

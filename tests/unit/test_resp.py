@@ -14,16 +14,15 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 
+from tieredkv.backends.redis.pool import RespPool, native_target
 from tieredkv.backends.redis.resp import (
     Into,
     Placed,
     Record,
-    RespPool,
     RespProtocolError,
     _pack,
     _Protocol,
     _windows,
-    native_target,
 )
 
 

@@ -33,7 +33,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tieredkv.backends.redis import resp as _resp
-from tieredkv.backends.redis.resp import Into, Placed, Record, RespPool, _Protocol
+from tieredkv.backends.redis.pool import RespPool
+from tieredkv.backends.redis.resp import Into, Placed, Record, _Protocol
 from tieredkv.testing.servers import RedisServer
 
 SENTINEL = 0xAB

@@ -293,8 +293,9 @@ class _RedisReads:
     """
 
     def __init__(self, tier: SealedTier, inner: Any) -> None:
+        from tieredkv.backends.redis.native import _NativePipe
+        from tieredkv.backends.redis.reads import _wrongtype
         from tieredkv.backends.redis.resp import Into, Placed
-        from tieredkv.backends.redis.tier import _NativePipe, _wrongtype
 
         self.tier = tier
         self.inner = inner

@@ -125,7 +125,10 @@ def test_page_conventions_are_understood() -> None:
       │   jobs.py   read by metrics.py
  policy.py ── routes
  backends/ ── tiers
-      ├── cpu.py
+      ├── base.py
+      ├── lmdb/    LMDB
+      │     env.py
+      ├── _sealed.py
  integrations/ ── engines
       ├── vllm/    vLLM
       │     spec.py
@@ -139,7 +142,9 @@ See `tests/unit/test_scheduler*.py` and `tieredkv/__init__.py`.
     rel = {t: sorted(str(p.relative_to(ROOT)) for p in files) for t, (files, ok) in got.items() if ok}
     assert rel["jobs.py"] == ["tieredkv/pipeline/jobs.py"]
     assert rel["metrics.py"] == ["tieredkv/metrics.py"]  # not in pipeline/: tieredkv/ itself
-    assert rel["cpu.py"] == ["tieredkv/backends/cpu.py"]
+    assert rel["base.py"] == ["tieredkv/backends/base.py"]
+    assert rel["env.py"] == ["tieredkv/backends/lmdb/env.py"]  # a tier package under backends/
+    assert rel["_sealed.py"] == ["tieredkv/backends/_sealed.py"]  # back out of lmdb/
     assert rel["spec.py"] == ["tieredkv/integrations/vllm/spec.py"]  # a package in a package
     assert "after.py" not in rel  # back out of vllm/: integrations/after.py, which does not exist
     assert rel["app.py"] == ["tieredkv/cli/app.py"]

@@ -1,20 +1,12 @@
 """CPUTier: one preallocated slab of host memory with size-classed slots, evicted by policy (LRU).
 
 The slab is a single ``uint8`` torch tensor (pinned when CUDA is available, so H2D/D2H
-copies can run asynchronously; plain otherwise — pinning needs an accelerator). It is cut
-into segments of ``segment_bytes``; a segment is carved on demand into equal slots of one
-size class (``min_slot_bytes`` doubling up to ``segment_bytes``). A record (64-byte header +
-payload) goes to the smallest class that holds it.
-
-Allocation order for a record of class *c*: a free slot of *c*; a free segment carved for
-*c*; the first unpinned victim of *c*'s eviction policy (one
-:class:`~tieredkv.eviction.EvictionPolicy` per slot class, named by ``eviction_policy``;
-``lru``: the least recently used); a whole segment of another class whose records are all
-unpinned (they are evicted). Otherwise the batch fails with
-:class:`~tieredkv.errors.TierFullError` and nothing of it is stored.
-
-An overwrite writes a new slot and switches the index afterwards (copy-on-write), so a
-slot being written is never readable, and a published slot's bytes never change.
+copies can run asynchronously; plain otherwise — pinning needs an accelerator). Its segments,
+slot classes, allocation, eviction and the pipeline's reserve / commit / borrow path are
+:class:`~tieredkv.backends.cpu.slab.SlabTier` (:mod:`tieredkv.backends.cpu.slab`); each tenant's
+bytes, quota and eviction orders are :class:`~tieredkv.backends.cpu.tenants.TenantBooks`
+(:mod:`tieredkv.backends.cpu.tenants`). This module is the tier itself: config, lifecycle, the
+:class:`~tieredkv.backends.base.Tier` hooks and raw records.
 
 Checksums: the slab never leaves the process, so bytes written here (``put_many``, the
 pipeline's ``reserve``/``commit``) are served without a checksum pass on either path. A record's
@@ -24,61 +16,28 @@ change); eviction write-back hands the payload to the next tier, which seals its
 Records that came from outside (:meth:`raw_put_many`) carry their header and are verified on
 first use — a corrupt one is a counted miss, deleted — and trusted after that.
 
-Tenants (``capabilities.tenants``): each slot knows its record's tenant id (``put_many(tenants=)``,
-``reserve(tenant=)``, the header of a raw record), and the tier keeps each tenant's bytes (slot
-sizes, as ``used_bytes``; slots reserved and not yet committed count) and, per tenant and slot
-class, the tenant's records in its eviction policy's order. Before a tenant's slots are
-allocated, that tenant's own records are evicted (unpinned, least recently used first, the
-batch's slot class first) until what it holds plus the batch fits its quota
-(:meth:`~tieredkv.tenants.TenantQuotas.limit` of the slab's capacity); no other tenant loses a
-record for that. A batch larger than a tenant's whole quota, or one that its unevictable records
-leave no room for, is refused (:class:`~tieredkv.errors.TierFullError`, ``tenant_refusals``
-counted) before anything is allocated. When the slab itself is full, a victim of a tenant over
-its quota (a quota lowered, records that came raw) goes before the class's own order. The
-default tenant (0) has no quota and none of this bookkeeping: without tenants the slab runs the
-code it always ran.
-
-Slot lifetime has one owner, :meth:`CPUTier._release`: a slot lent to a reader by
-:meth:`CPUTier.borrow` (the pipeline copies straight from it) carries a reference count,
-and a slot that loses its key while lent (an overwrite, a promotion into this tier, a
-corrupt record dropped) is not freed but parked until the last reader gives it back; its
-segment is not reclaimed meanwhile. So a lent slot's bytes never change under the reader. All work runs synchronously on the caller's event
-loop (a 4 MiB copy takes well under a millisecond; a thread hop would cost more). A tier
-instance belongs to one event loop.
+All work runs synchronously on the caller's event loop (a 4 MiB copy takes well under a
+millisecond; a thread hop would cost more). A tier instance belongs to one event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Container, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Container, Sequence
 from typing import Any
 
-from tieredkv.backends.base import RawLimits, RecordInfo, Tier, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats
 from tieredkv.backends.cpu.config import CPUTierConfig
-from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
+from tieredkv.backends.cpu.slab import SlabTier, _Slot
+from tieredkv.backends.cpu.tenants import header_tenant
+from tieredkv.errors import ConfigError
 from tieredkv.eviction import EvictionPolicy, make_policy
-from tieredkv.format import HEADER_SIZE, TENANT_AT, TENANT_VERSION, make_header, verify_parts
-from tieredkv.tenants import TenantQuotas
+from tieredkv.format import HEADER_SIZE, make_header
 
 __all__ = ["CPUTier"]
 
 
-@dataclass(slots=True)
-class _Slot:
-    offset: int
-    cls: int
-    seg: int
-    length: int  # payload bytes
-    header: bytes  # the record header; b"": not sealed yet (written in this process, see _seal)
-    stamp: float
-    checked: bool = True  # False: bytes came from outside the process, verify before serving
-    refs: int = 0  # readers holding this slot (borrow .. give_back)
-    dead: bool = False  # dropped from the index while lent: freed by the last give_back
-    tenant: int = 0  # the record's tenant id (tieredkv.keys.tenant_id; 0: the default tenant)
-
-
-class CPUTier(Tier):
+class CPUTier(SlabTier):
     """In-process slab tier. ``CPUTier(CPUTierConfig(capacity_bytes="8GiB"))``."""
 
     kind = "cpu"
@@ -108,7 +67,7 @@ class CPUTier(Tier):
         self._mv: memoryview | None = None
         self._evict_listener: Callable[[bytes, bytes, int], None] | None = None
         self.pinned = False
-        # Tenants (ids other than 0 only; see the module docstring).
+        # Tenants (ids other than 0 only; see tieredkv.backends.cpu.tenants).
         self._tbytes: dict[int, int] = {}  # tenant -> slot bytes held, reserved slots included
         self._tresv: dict[int, int] = {}  # tenant -> bytes of its slots reserved, not yet committed
         self._tpol: dict[int, dict[int, EvictionPolicy]] = {}  # tenant -> slot class -> its records
@@ -165,11 +124,6 @@ class CPUTier(Tier):
         its slot is reused — write-back demotes it to a lower tier, under its own tenant. Corrupt
         records are not passed on."""
         self._evict_listener = fn
-
-    def set_quotas(self, quotas: TenantQuotas) -> None:
-        super().set_quotas(quotas)
-        self._limits = {}
-        self._over = {t for t, b in self._tbytes.items() if (lim := self._limit(t)) is not None and b > lim}
 
     @property
     def slab(self) -> Any:
@@ -292,28 +246,13 @@ class CPUTier(Tier):
             slot.header = make_header(key, self._mv[slot.offset : slot.offset + slot.length], tenant=slot.tenant)
         return slot.header
 
-    def _check(self, key: bytes, slot: _Slot) -> bool:
-        """Whether ``slot`` may be served: bytes written in this process are; a record that came
-        from outside is verified against its header once (corrupt: counted, dropped, False)."""
-        if slot.checked:
-            return True
-        assert self._mv is not None
-        try:
-            verify_parts(slot.header, self._mv[slot.offset : slot.offset + slot.length], key)
-        except CorruptRecordError as e:
-            self._on_corrupt(key, e)
-            self._drop(key, slot)
-            return False
-        slot.checked = True
-        return True
-
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         mv = self._mv
         assert mv is not None
         for key, rec in items:
             n = max(len(rec) - HEADER_SIZE, 0)
             cls = self._class_for(n)
-            tenant = _header_tenant(rec)  # the header is verified on first use; until then, as it says
+            tenant = header_tenant(rec)  # the header is verified on first use; until then, as it says
             if tenant:
                 self._make_room(tenant, self._class_sizes[cls], {key}, (cls,))
             off, seg = self._allocate(cls, {key}, set())
@@ -335,451 +274,3 @@ class CPUTier(Tier):
             self._tenant_policy(slot.tenant, slot.cls).insert(key, self._class_sizes[slot.cls])
         self._seg_keys[slot.seg].add(key)
         self._used += self._class_sizes[slot.cls]
-
-    # ---- zero-extra-copy path for the pipeline (loop thread only) -------------------------
-    #
-    # A store reserves slots, lets the device copy land in them, then commits (no checksum: the
-    # header is sealed when the record leaves the process); a load borrows slot views (pinned)
-    # and copies from them straight to the device. Each saves one memcpy through a staging
-    # buffer.
-
-    def reserve(self, items: list[tuple[bytes, int]], tenant: int | Sequence[int] = 0) -> list[_Slot]:
-        """Allocate a slot per ``(key, nbytes)``, all or nothing (TierFullError). Slots stay
-        invisible to readers until :meth:`commit`. ``tenant``: the records' tenant id, or one per
-        item (0: the default tenant); a tenant's own records make room for its quota first (see
-        the module docstring)."""
-        if self._mv is None:
-            raise TierClosedError(f"tier {self.name!r} is not open")
-        if tenant:
-            return self._reserve_tenants(items, tenant)
-        plan: list[_Slot] = []
-        reserved: set[bytes] = set()
-        segs: set[int] = set()
-        now = time.time()
-        seg_bytes, seg_reserved, free_lists = self._seg_bytes, self._seg_reserved, self._free
-        cls_of: dict[int, int] = {}  # one class lookup per distinct size (a job's chunks share one)
-        try:
-            for key, n in items:
-                cls = cls_of.get(n)
-                if cls is None:
-                    cls = cls_of[n] = self._class_for(n)
-                free = free_lists[cls]
-                if free:  # the common case: a free slot of the class
-                    off = free.pop()
-                    seg = off // seg_bytes
-                else:
-                    off, seg = self._allocate(cls, reserved, segs)
-                plan.append(_Slot(off, cls, seg, n, b"", now))
-                reserved.add(key)
-                segs.add(seg)
-                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
-        except TierFullError:
-            self.abort(plan)
-            raise
-        return plan
-
-    def slot_view(self, slot: _Slot) -> Any:
-        """``uint8`` tensor view of a reserved or borrowed slot's payload bytes."""
-        return self._slab[slot.offset : slot.offset + slot.length]
-
-    def span_view(self, slots: Sequence[_Slot]) -> Any:
-        """One ``uint8`` view over ``slots`` when they lie back to back in the slab, each exactly
-        its payload long (so the view is their payloads concatenated), else None. Lets the
-        pipeline move a whole run of a job's chunks with one copy."""
-        if not slots:
-            return None
-        first = slots[0]
-        n = first.length
-        off = first.offset
-        for i, s in enumerate(slots):
-            if s.offset != off + i * n or s.length != n:
-                return None
-        return self._slab[off : off + n * len(slots)]
-
-    def commit(self, items: list[tuple[bytes, _Slot]], *, count: bool = True) -> None:
-        """Publish reserved slots whose bytes are written (``count``: as puts, for callers
-        outside :meth:`put_many`)."""
-        assert self._mv is not None
-        index, policies, seg_keys, sizes, seg_reserved = (
-            self._index,
-            self._policies,
-            self._seg_keys,
-            self._class_sizes,
-            self._seg_reserved,
-        )
-        for key, slot in items:  # _unreserve + _install, inlined: this runs per chunk
-            seg = slot.seg
-            n = seg_reserved[seg] - 1
-            if n > 0:
-                seg_reserved[seg] = n
-            else:
-                del seg_reserved[seg]
-            old = index.get(key)
-            if old is not None:
-                self._drop(key, old)
-            index[key] = slot
-            size = sizes[slot.cls]
-            policies[slot.cls].insert(key, size)
-            if slot.tenant:
-                self._commit_tenant(key, slot, size)
-            seg_keys[seg].add(key)
-            self._used += size
-        if count:
-            self._count("puts", len(items))
-            self._count("put_bytes", sum(s.length for _, s in items))
-
-    def abort(self, slots: list[_Slot]) -> None:
-        """Give back reserved slots that were never committed."""
-        for slot in slots:
-            self._unreserve(slot)
-            if slot.tenant:
-                size = self._class_sizes[slot.cls]
-                self._charge(slot.tenant, -size)
-                self._add(self._tresv, slot.tenant, -size)
-            self._release(slot)
-
-    def _unreserve(self, slot: _Slot) -> None:
-        n = self._seg_reserved.get(slot.seg, 0) - 1
-        if n > 0:
-            self._seg_reserved[slot.seg] = n
-        else:
-            self._seg_reserved.pop(slot.seg, None)
-
-    def borrow(self, keys: list[bytes]) -> list[_Slot | None]:
-        """Verified slots of ``keys`` (None: a miss), lent until :meth:`give_back`: the key is
-        pinned (not evicted or deleted) and the slot is never freed or reused meanwhile, even
-        when the key is overwritten (the overwrite takes a new slot)."""
-        mv = self._mv
-        if mv is None:
-            raise TierClosedError(f"tier {self.name!r} is not open")
-        out: list[_Slot | None] = []
-        now = time.time()
-        for key in keys:
-            slot = self._index.get(key)
-            if slot is not None and not self._check(key, slot):
-                slot = None
-            if slot is None:
-                out.append(None)
-                continue
-            slot.stamp = now
-            self._policies[slot.cls].touch(key)
-            if slot.tenant:
-                self._tpol[slot.tenant][slot.cls].touch(key)
-            slot.refs += 1
-            self._seg_lent[slot.seg] = self._seg_lent.get(slot.seg, 0) + 1
-            self._lent.setdefault(key, []).append(slot)
-            out.append(slot)
-        found = [k for k, s in zip(keys, out) if s is not None]
-        self.pin_many(found)
-        self._count("hits", len(found))
-        self._count("misses", len(keys) - len(found))
-        self._count("get_bytes", sum(s.length for s in out if s is not None))
-        return out
-
-    def give_back(self, keys: list[bytes], slots: list[_Slot] | None = None) -> None:
-        """End borrows: unpin each key and return its slot (the one :meth:`borrow` lent; pass
-        ``slots`` when one key may be borrowed more than once, else the latest lent is taken). A
-        slot that lost its key meanwhile is freed by its last give-back."""
-        returned: list[bytes] = []
-        try:
-            self._give_back(keys, slots, returned)
-        finally:
-            self.unpin_many(returned)  # one lock round for the batch
-
-    def _give_back(self, keys: list[bytes], slots: list[_Slot] | None, returned: list[bytes]) -> None:
-        for i, key in enumerate(keys):
-            lent = self._lent.get(key)
-            if not lent:
-                continue
-            slot = lent[-1] if slots is None else slots[i]
-            for j in range(len(lent) - 1, -1, -1):
-                if lent[j] is slot:
-                    del lent[j]
-                    break
-            else:
-                continue  # not lent under this key: nothing to return
-            if not lent:
-                del self._lent[key]
-            returned.append(key)
-            slot.refs -= 1
-            n = self._seg_lent[slot.seg] - 1
-            if n > 0:
-                self._seg_lent[slot.seg] = n
-            else:
-                del self._seg_lent[slot.seg]
-            if slot.refs == 0 and slot.dead:
-                slot.dead = False
-                self._parked -= 1
-                self._release(slot)
-
-    # ---- allocation --------------------------------------------------------------------
-
-    def _class_for(self, length: int) -> int:
-        for i, size in enumerate(self._class_sizes):
-            if length <= size:
-                return i
-        raise ConfigError(
-            f"tiers.{self.name}.segment_bytes: a chunk of {length} bytes does not fit a"
-            f" {self._seg_bytes}-byte segment; raise segment_bytes to at least {length}"
-        )
-
-    def _allocate(self, cls: int, reserved: set[bytes], segs: set[int]) -> tuple[int, int]:
-        free = self._free[cls]
-        if not free and self._free_segs:
-            self._carve(self._free_segs.pop(), cls)
-        if not free and not self._evict_one(cls, reserved):
-            self._reclaim_segment(cls, reserved, segs)
-        if not free:
-            raise TierFullError(
-                f"tier {self.name!r}: no room for a {self._class_sizes[cls]}-byte slot;"
-                " every record that could be evicted is pinned (in use)"
-            )
-        off = free.pop()
-        return off, off // self._seg_bytes
-
-    def _carve(self, seg: int, cls: int) -> None:
-        size = self._class_sizes[cls]
-        base = seg * self._seg_bytes
-        self._seg_cls[seg] = cls
-        self._seg_keys[seg] = set()
-        self._free[cls].extend(range(base + (self._seg_bytes // size - 1) * size, base - 1, -size))
-
-    def _evict_one(self, cls: int, reserved: set[bytes]) -> bool:
-        """Evict the first record of class ``cls`` its policy offers that is neither pinned nor
-        part of the batch being reserved (one of a tenant over its quota first)."""
-        if self._over:
-            for tenant in list(self._over):
-                key = self._tenant_victim(tenant, reserved, cls)
-                if key is not None:
-                    self._evict(key, self._index[key])
-                    self._count("tenant_evictions")
-                    return True
-        for key in self._policies[cls].victims():
-            if key not in reserved and not self.is_pinned(key):
-                self._evict(key, self._index[key])  # ends the iteration: the policy changes
-                return True
-        return False
-
-    def _reclaim_segment(self, cls: int, reserved: set[bytes], segs: set[int]) -> None:
-        """Evict a whole segment of another class (all unpinned) and carve it for ``cls``."""
-        best: int | None = None
-        for seg, owner in self._seg_cls.items():
-            if owner == cls or seg in segs or seg in self._seg_reserved or seg in self._seg_lent:
-                continue  # slots handed out (reserved, not yet indexed; or lent to a reader)
-            keys = self._seg_keys[seg]
-            if any(k in reserved or self.is_pinned(k) for k in keys):
-                continue
-            if best is None or len(keys) < len(self._seg_keys[best]):
-                best = seg
-        if best is None:
-            return
-        for key in list(self._seg_keys[best]):
-            self._evict(key, self._index[key])
-        owner = self._seg_cls.pop(best)
-        del self._seg_keys[best]
-        base = best * self._seg_bytes
-        self._free[owner] = [o for o in self._free[owner] if not base <= o < base + self._seg_bytes]
-        self._carve(best, cls)
-
-    def _evict(self, key: bytes, slot: _Slot) -> None:
-        if self._evict_listener is not None and self._mv is not None:
-            if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
-                self._count("evictions")
-                return
-            self._evict_listener(key, bytes(self._mv[slot.offset : slot.offset + slot.length]), slot.tenant)
-        self._drop(key, slot)
-        self._count("evictions")
-
-    def _drop(self, key: bytes, slot: _Slot) -> None:
-        del self._index[key]
-        self._policies[slot.cls].remove(key)
-        self._seg_keys[slot.seg].discard(key)
-        self._used -= self._class_sizes[slot.cls]
-        if slot.tenant:
-            self._drop_tenant(key, slot)
-        self._release(slot)
-
-    def _release(self, slot: _Slot) -> None:
-        """The one place a slot becomes free: at once, or (lent to a reader) at its last give-back."""
-        if slot.refs > 0:
-            if not slot.dead:
-                slot.dead = True
-                self._parked += 1
-            return
-        self._free[slot.cls].append(slot.offset)
-
-    # ---- tenants (ids other than 0; see the module docstring) ----------------------------------
-
-    def _limit(self, tenant: int) -> int | None:
-        """Tenant ``tenant``'s quota in this slab (None: unbounded), cached per tenant."""
-        limits = self._limits
-        try:
-            return limits[tenant]
-        except KeyError:
-            if len(limits) >= 1 << 16:
-                limits.clear()
-            lim = limits[tenant] = self.quotas.limit(tenant, self._nseg * self._seg_bytes)
-            return lim
-
-    @staticmethod
-    def _add(counts: dict[int, int], tenant: int, delta: int) -> int:
-        n = counts.get(tenant, 0) + delta
-        if n:
-            counts[tenant] = n
-        else:
-            counts.pop(tenant, None)
-        return n
-
-    def _charge(self, tenant: int, delta: int) -> None:
-        """Move tenant ``tenant``'s bytes by ``delta`` (and whether it is over its quota)."""
-        held = self._add(self._tbytes, tenant, delta)
-        lim = self._limit(tenant)
-        if lim is not None:
-            if held > lim:
-                self._over.add(tenant)
-            else:
-                self._over.discard(tenant)
-
-    def _tenant_policy(self, tenant: int, cls: int) -> EvictionPolicy:
-        pols = self._tpol.get(tenant)
-        if pols is None:
-            pols = self._tpol[tenant] = {}
-        pol = pols.get(cls)
-        if pol is None:
-            pol = pols[cls] = make_policy(self.config.eviction_policy)
-        return pol
-
-    def _commit_tenant(self, key: bytes, slot: _Slot, size: int) -> None:
-        """A reserved slot of a tenant published under ``key`` (charged when it was reserved)."""
-        self._add(self._tresv, slot.tenant, -size)
-        self._tenant_policy(slot.tenant, slot.cls).insert(key, size)
-
-    def _drop_tenant(self, key: bytes, slot: _Slot) -> None:
-        tenant, cls = slot.tenant, slot.cls
-        self._charge(tenant, -self._class_sizes[cls])
-        pols = self._tpol[tenant]
-        pol = pols[cls]
-        pol.remove(key)
-        if not len(pol):
-            del pols[cls]
-            if not pols:
-                del self._tpol[tenant]
-
-    def _tenant_victim(self, tenant: int, skip: Container[bytes], cls: int) -> bytes | None:
-        """The first record of ``tenant`` of class ``cls`` in its policy order that is neither
-        pinned nor in ``skip``; None if none."""
-        pol = self._tpol.get(tenant, {}).get(cls)
-        if pol is not None:
-            for key in pol.victims():
-                if key not in skip and not self.is_pinned(key):
-                    return key
-        return None
-
-    def _refuse(self, tenant: int, why: str) -> TierFullError:
-        self._count("tenant_refusals")
-        return TierFullError(f"tier {self.name!r}: tenant {self.quotas.label(tenant)}: {why}")
-
-    def _make_room(self, tenant: int, need: int, batch: Collection[bytes], classes: Sequence[int]) -> None:
-        """Evict ``tenant``'s own records (of ``classes`` first, each class in its policy order;
-        never pinned ones or those the ``batch`` overwrites, whose slots it frees itself) until
-        it holds at most its quota less ``need`` bytes. TierFullError (counted), with nothing
-        evicted, when they cannot make that room."""
-        lim = self._limit(tenant)
-        if lim is None:
-            return
-        excess = self._tbytes.get(tenant, 0) + need - lim
-        if excess <= 0:
-            return
-        index, sizes = self._index, self._class_sizes
-        for key in batch:  # an overwrite of its own record: the old slot goes at commit
-            old = index.get(key)
-            if old is not None and old.tenant == tenant:
-                excess -= sizes[old.cls]
-        if excess <= 0:
-            return
-        skip = batch
-        pols = self._tpol.get(tenant) or {}
-        victims: list[bytes] = []
-        for cls in [c for c in classes if c in pols] + [c for c in pols if c not in classes]:
-            size = self._class_sizes[cls]
-            for key in pols[cls].victims():  # collected first: evicting changes the policy
-                if key not in skip and not self.is_pinned(key):
-                    victims.append(key)
-                    excess -= size
-                    if excess <= 0:
-                        break
-            if excess <= 0:
-                break
-        if excess > 0:
-            raise self._refuse(
-                tenant,
-                f"a store of {need} bytes does not fit its quota of {lim} bytes: it holds"
-                f" {self._tbytes.get(tenant, 0)} bytes, {excess} too many of them in records being read or"
-                " written (pinned, reserved)",
-            )
-        # Newest victim first: its slot goes on the free list first and is taken last, so the batch
-        # gets the freed slots in the order they lie in the slab (a job's chunks back to back: one
-        # copy per run, as after the slab's own evictions). The listener (write-back) only queues:
-        # the index holds them all still.
-        for key in reversed(victims):
-            self._evict(key, self._index[key])
-        self._count("tenant_evictions", len(victims))
-
-    def _reserve_tenants(self, items: list[tuple[bytes, int]], tenant: int | Sequence[int]) -> list[_Slot]:
-        """:meth:`reserve` of records with tenants: each tenant's quota first (refused before
-        anything is evicted when a tenant's part of the batch exceeds its whole quota; else its
-        own records make room), then the slots, charged to their tenants."""
-        tenants = [tenant] * len(items) if isinstance(tenant, int) else list(tenant)
-        if len(tenants) != len(items):
-            raise ValueError(f"reserve: {len(items)} items but {len(tenants)} tenants")
-        sizes = self._class_sizes
-        cls_of: dict[int, int] = {}
-        classes: list[int] = []
-        need: dict[int, int] = {}
-        for (_, n), t in zip(items, tenants):
-            cls = cls_of.get(n)
-            if cls is None:
-                cls = cls_of[n] = self._class_for(n)
-            classes.append(cls)
-            if t:
-                need[t] = need.get(t, 0) + sizes[cls]
-        for t, nbytes in need.items():
-            lim = self._limit(t)
-            if lim is not None and nbytes > lim:
-                raise self._refuse(t, f"a store of {nbytes} bytes is larger than its whole quota ({lim} bytes)")
-        batch = {k for k, _ in items}
-        for t, nbytes in need.items():
-            self._make_room(t, nbytes, batch, sorted(set(cls_of.values())))
-        plan: list[_Slot] = []
-        reserved: set[bytes] = set()
-        segs: set[int] = set()
-        now = time.time()
-        seg_bytes, seg_reserved = self._seg_bytes, self._seg_reserved
-        try:
-            for (key, n), t, cls in zip(items, tenants, classes):
-                free = self._free[cls]
-                if free:
-                    off = free.pop()
-                    seg = off // seg_bytes
-                else:
-                    off, seg = self._allocate(cls, reserved, segs)
-                plan.append(_Slot(off, cls, seg, n, b"", now, True, 0, False, t))
-                reserved.add(key)
-                segs.add(seg)
-                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
-        except TierFullError:
-            for slot in plan:  # not charged yet
-                self._unreserve(slot)
-                self._release(slot)
-            raise
-        for t, nbytes in need.items():  # charged once per tenant, when every slot is had
-            self._charge(t, nbytes)
-            self._add(self._tresv, t, nbytes)
-        return plan
-
-
-def _header_tenant(record: memoryview) -> int:
-    """The tenant a raw record's header names (0: version 1, or no header)."""
-    if len(record) < HEADER_SIZE or bytes(record[4:6]) != TENANT_VERSION.to_bytes(2, "little"):
-        return 0
-    return int.from_bytes(record[TENANT_AT : TENANT_AT + 8], "little")

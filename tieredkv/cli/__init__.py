@@ -15,7 +15,7 @@ Module map (where to make a change):
 * :mod:`tieredkv.cli.parse` — option values → typed values, with errors that name the fix.
 * :mod:`tieredkv.cli.enginemetrics` — a running engine's ``/metrics`` (breaker states).
 * :mod:`tieredkv.cli.engine` — ``demo`` and ``bench``: the only commands that need torch.
-* :mod:`tieredkv.localredis` — the ``cluster up`` / ``down`` local Redis Cluster.
+* :mod:`tieredkv.localcluster` — the ``cluster up`` / ``down`` local Redis Cluster.
 
 The admin verbs import nothing that needs torch: ``pip install 'tieredkv[admin]'`` is enough.
 """

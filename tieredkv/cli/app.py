@@ -343,7 +343,7 @@ def cluster_up(
     as_json: bool = JsonOpt,
 ) -> None:
     """Start a Redis Cluster of detached redis-server processes on 127.0.0.1 and print its URL."""
-    from tieredkv.localredis import start_detached_cluster
+    from tieredkv.localcluster import start_detached_cluster
 
     try:
         state = start_detached_cluster(state_dir, masters, base_port or None)
@@ -364,7 +364,7 @@ def cluster_up(
 @cluster_app.command("down")
 def cluster_down(state_dir: Path = DirOpt, as_json: bool = JsonOpt) -> None:
     """Stop the cluster recorded in --dir (by pid) and remove its files."""
-    from tieredkv.localredis import detached_cluster_state, stop_detached_cluster
+    from tieredkv.localcluster import detached_cluster_state, stop_detached_cluster
 
     state = detached_cluster_state(state_dir)
     stopped = stop_detached_cluster(state_dir)

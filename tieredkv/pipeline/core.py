@@ -107,9 +107,7 @@ class Pipeline:
                 lane.breaker.trip()
             lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
             self._lanes[tier.name] = lane
-            hook = getattr(tier, "set_evict_listener", None)
-            if hook is not None:
-                hook(self.writeback.evict_listener(tier.name))
+            tier.set_evict_listener(self.writeback.evict_listener(tier.name))
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has finished; False if ``timeout`` passed first."""

@@ -3,7 +3,8 @@
 Primitives:
 
 * :class:`TieredKVCollector` — a custom collector. At each scrape it reads the tiers'
-  ``counters`` (plain ints under a lock), an optional cached :class:`~tieredkv.backends.base.TierStats`
+  counters (:meth:`Tier.counters_snapshot <tieredkv.backends.base.Tier.counters_snapshot>`: plain
+  ints copied under the tier's lock), an optional cached :class:`~tieredkv.backends.base.TierStats`
   snapshot per tier and, for a tier that keeps tenants, its bytes per tenant (both refreshed by
   :meth:`TieredKVCollector.refresh_stats`, since ``stats()`` and ``tenant_usage()`` are async),
   and, when given, a pipeline whose ``stats()`` returns a typed
@@ -61,6 +62,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tieredkv.backends.base import Tier
 from tieredkv.pipeline.stats import GroupStats, PipelineStats, group_metric_fields
 from tieredkv.tenants import DEFAULT_TENANT, TenantQuotas
 
@@ -114,12 +116,20 @@ def _get(obj: Any, attr: str) -> Any:
         return None
 
 
+def _counters_of(tier: Any) -> dict[str, int]:
+    """A tier's counters: :meth:`Tier.counters_snapshot <tieredkv.backends.base.Tier.counters_snapshot>`
+    (taken under the tier's lock), or a stand-in's ``counters`` mapping as it is."""
+    if isinstance(tier, Tier):
+        return tier.counters_snapshot()
+    return dict(tier.counters)
+
+
 class TieredKVCollector(Collector):
     """Reads tier and pipeline state at scrape time.
 
     Args:
-        tiers: tiers to report (anything with ``name`` and ``counters``); more can be added
-            with :meth:`add_tier`.
+        tiers: tiers to report (each a :class:`~tieredkv.backends.base.Tier`, or a stand-in with
+            ``name`` and a ``counters`` mapping); more can be added with :meth:`add_tier`.
         pipeline: optional object whose ``stats()`` returns a :class:`PipelineStats` (a
             :class:`~tieredkv.pipeline.Pipeline` or :class:`~tieredkv.store.TieredStore`).
         engine: optional object whose ``block_hashes_reproducible`` (True, False or None: not
@@ -150,7 +160,7 @@ class TieredKVCollector(Collector):
         tenants (call it periodically from the tiers' loop)."""
         for name, tier in self.tiers.items():
             try:
-                usage = await tier.tenant_usage() if hasattr(tier, "tenant_usage") else None
+                usage = await tier.tenant_usage() if isinstance(tier, Tier) else None
                 if usage is not None:
                     self._usage[name] = usage
                 self._stats[name] = await tier.stats()
@@ -198,13 +208,7 @@ class TieredKVCollector(Collector):
             _name("tenant_quota_bytes"), "A tenant's quota in a tier (bytes).", labels=["tier", "tenant"]
         )
         for name, tier in self.tiers.items():
-            counters = getattr(tier, "counters", None) or {}
-            lock = getattr(tier, "_counter_lock", None)
-            if lock is not None:
-                with lock:
-                    counters = dict(counters)
-            else:
-                counters = dict(counters)
+            counters = _counters_of(tier)
             for key in _TIER_COUNTERS:  # always present, so dashboards see zeros
                 fams[key].add_metric([name], float(counters.get(key, 0)))
             for key, value in sorted(counters.items()):
@@ -219,9 +223,7 @@ class TieredKVCollector(Collector):
                     recs.add_metric([name], float(st.records))
             usage = self._usage.get(name)
             if usage is not None:
-                quotas = getattr(tier, "quotas", None)
-                if not isinstance(quotas, TenantQuotas):
-                    quotas = TenantQuotas()
+                quotas = tier.quotas if isinstance(tier, Tier) else TenantQuotas()
                 capacity = getattr(st, "capacity_bytes", None)
                 for tid in dict.fromkeys((DEFAULT_TENANT, *quotas.reported(usage))):
                     label = quotas.label(tid)

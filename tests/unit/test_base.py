@@ -90,3 +90,26 @@ async def test_a_bad_item_is_named_by_its_index_and_nothing_of_the_batch_is_writ
             with pytest.raises((TypeError, ValueError), match=message):
                 await call([(KEY, good), bad])
             assert await tier.contains_many([KEY, other]) == [False, False]
+
+
+async def test_counters_snapshot_and_the_evict_listener_hook_are_declared_on_every_tier() -> None:
+    """What callers outside the tier modules use instead of reaching in: ``counters_snapshot``
+    (a copy taken under the tier's lock) and ``set_evict_listener`` (the base passes nothing on;
+    the CPU tier calls it for each record its policy evicts)."""
+    async with FaultyTier(cpu()) as wrapped:  # a tier that does not override the hook
+        wrapped.set_evict_listener(lambda *a: None)
+        await wrapped.put_many([(KEY, b"abc")])
+        snap = wrapped.counters_snapshot()
+        assert snap["puts"] == 1 and type(snap) is dict
+        wrapped.counters["puts"] += 1
+        assert snap["puts"] == 1  # a copy, not the live counters
+
+    evicted: list[tuple[bytes, bytes, int]] = []
+    tier = CPUTier(CPUTierConfig(capacity_bytes="2MiB", segment_bytes="1MiB", min_slot_bytes="512KiB"))
+    tier.set_evict_listener(lambda k, payload, tenant: evicted.append((k, payload, tenant)))
+    async with tier:
+        ns = Namespace(model="m")
+        for i in range(6):  # 512 KiB records in 2 MiB: the oldest are evicted
+            await tier.put_many([(ns.key(bytes([i]) * 32, 0), bytes([i]) * (400 << 10))])
+    assert evicted and evicted[0] == (ns.key(bytes([0]) * 32, 0), bytes([0]) * (400 << 10), 0)
+    assert tier.counters_snapshot()["evictions"] == len(evicted)

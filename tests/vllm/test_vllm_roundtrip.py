@@ -500,7 +500,7 @@ def test_stored_keys_made_once_bounded_and_new_per_generation() -> None:
     """The manager's vLLM key -> stored key map: the same object for the same key (its hash
     computed once), never more than its limit (full, it starts again), always ``fingerprint +
     key``; a new cache generation gets a new map under its own fingerprint."""
-    from tieredkv.integrations.vllm.spec import StoredKeys, _Shared
+    from tieredkv.integrations.vllm.shared import StoredKeys, _Shared
 
     fp = b"F" * 16
     sk = StoredKeys(fp, limit=4)

@@ -38,6 +38,7 @@ from tieredkv.keys import FINGERPRINT_BYTES, MIN_STORED_KEY_BYTES, Namespace, ke
 from tieredkv.tenants import TenantQuotas
 
 __all__ = [
+    "EvictListener",
     "OpObserver",
     "RawLimits",
     "RecordInfo",
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 
 #: ``observer(tier_name, op, keys, nbytes, seconds, outcome)``; outcome is "ok" or an error class name.
 OpObserver = Callable[[str, str, int, int, float, str], None]
+#: ``listener(key, payload, tenant)``: a record the tier's own policy evicts (see
+#: :meth:`Tier.set_evict_listener`).
+EvictListener = Callable[[bytes, bytes, int], None]
 
 _T = TypeVar("_T")
 
@@ -198,6 +202,8 @@ class Tier(ABC):
         self.config = config
         self.name: str = name or getattr(config, "name", "") or self.kind
         self.op_timeout: float | None = getattr(config, "op_timeout_s", None)
+        #: Event counts (``hits``, ``misses``, ``corrupt``, ``evictions``, ...), moved by
+        #: :meth:`_count` under a lock; read them whole with :meth:`counters_snapshot`.
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
         self._pins: Counter[bytes] = Counter()
@@ -311,6 +317,19 @@ class Tier(ABC):
     def add_observer(self, fn: OpObserver) -> None:
         """Call ``fn`` after every operation (metrics); exceptions in ``fn`` are logged."""
         self._observers.append(fn)
+
+    def set_evict_listener(self, fn: EvictListener | None) -> None:
+        """Call ``fn(key, payload, tenant)`` for every record this tier's own policy evicts (not
+        deletes), before its space is reused: write-back demotes it to the next tier of its route,
+        as its tenant's record. The default passes nothing on (a tier that evicts nothing a
+        route still needs, or whose server evicts: Redis ``maxmemory``); the CPU tier overrides it.
+        Set by the pipeline once the tier is open."""
+
+    def counters_snapshot(self) -> dict[str, int]:
+        """A copy of :attr:`counters`, taken under the lock backends count under (their I/O
+        threads may be counting at the same moment): what a metrics scrape reads."""
+        with self._counter_lock:
+            return dict(self.counters)
 
     # ---- public operations -----------------------------------------------------------
 
@@ -451,7 +470,7 @@ class Tier(ABC):
     async def stats(self) -> TierStats:
         await self._ensure_open()
         st: TierStats = await self._guard("stats", 0, self._stats())
-        st.counters = {**dict(self.counters), **st.counters}
+        st.counters = {**self.counters_snapshot(), **st.counters}
         st.extra.setdefault("pinned_keys", len(self._pins))
         return st
 

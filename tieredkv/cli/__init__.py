@@ -3,7 +3,9 @@
 Module map (where to make a change):
 
 * :mod:`tieredkv.cli.app` — the typer app: one function per command, options → operation →
-  printer / ``--json``, errors through :func:`~tieredkv.cli.app.run`. Add a command here.
+  printer / ``--json``, errors through :func:`~tieredkv.cli.common.run`. Add a command here.
+* :mod:`tieredkv.cli.common` — what the app and the engine commands share: ``run`` / ``fail``
+  and the ``--config`` option (neither imports the other back).
 * :mod:`tieredkv.cli.exits` — exit codes and the one error → exit-code map.
 * :mod:`tieredkv.cli.ops` — the admin operations (status, ls, inspect, verify, evict, flush,
   migrate, config show / init); typed results, no printing.

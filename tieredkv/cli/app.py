@@ -1,24 +1,25 @@
 """The ``tieredkv`` typer app: one small function per command, wiring options to an operation
 (:mod:`tieredkv.cli.ops`) and its result to a printer (:mod:`tieredkv.cli.render`) or ``--json``.
 
-Everything a command raises goes through :func:`run`, which prints one ``error:`` line and exits
-with the code from :func:`tieredkv.cli.exits.exit_code` (the only error → exit-code map).
-Engine-side commands (``demo``, ``bench``; they need torch) live in :mod:`tieredkv.cli.engine`
-and import the engine only when they run, so the admin verbs work in an install without torch.
+Everything a command raises goes through :func:`~tieredkv.cli.common.run`, which prints one
+``error:`` line and exits with the code from :func:`tieredkv.cli.exits.exit_code` (the only
+error → exit-code map). Engine-side commands (``demo``, ``bench``; they need torch) live in
+:mod:`tieredkv.cli.engine` and import the engine only when they run, so the admin verbs work in
+an install without torch; both modules take what they share from :mod:`tieredkv.cli.common`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import typer
 
 from tieredkv import __version__
-from tieredkv.cli import ops, render
+from tieredkv.cli import engine, ops, render
+from tieredkv.cli.common import ConfigOpt, fail, run
 from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, EXIT_UNAVAILABLE, CLIError, exit_code, message_for
 from tieredkv.cli.parse import (
     parse_duration,
@@ -49,7 +50,6 @@ cluster_app = typer.Typer(no_args_is_help=True, help="A local Redis Cluster on l
 app.add_typer(config_app, name="config")
 app.add_typer(cluster_app, name="cluster")
 
-ConfigOpt = typer.Option(None, "--config", "-c", envvar="TIEREDKV_CONFIG", help="tieredkv YAML config file.")
 TierOpt = typer.Option(None, "--tier", "-t", help="Tier name (repeatable); default: every tier outside the engine.")
 NsOpt = typer.Option(None, "--namespace", "-n", help="Namespace fingerprint, 32 hex digits (see `ls --by namespace`).")
 GroupOpt = typer.Option(None, "--group", "-g", min=0, help="KV group index.")
@@ -57,22 +57,6 @@ JsonOpt = typer.Option(False, "--json", help="Print JSON on stdout (for scripts)
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress display.")
 _CheckFileArg = typer.Argument(..., help="Config file to validate.")
 _InitPathArg = typer.Argument(Path("tieredkv.yaml"), help="Where to write the sample config.")
-
-
-def fail(code: int, message: str) -> NoReturn:
-    render.error(message)
-    raise typer.Exit(code)
-
-
-def run(fn: Callable[[], Any]) -> Any:
-    """Run one command body (sync, or returning a coroutine), mapping errors to exit codes."""
-    try:
-        result = fn()
-        if asyncio.iscoroutine(result):
-            result = asyncio.run(result)
-        return result
-    except (CLIError, TieredKVError, KeyboardInterrupt) as e:
-        fail(exit_code(e), message_for(e))
 
 
 def emit(result: Result, as_json: bool, printer: Callable[[Any], None]) -> None:
@@ -371,13 +355,7 @@ def cluster_down(state_dir: Path = DirOpt, as_json: bool = JsonOpt) -> None:
     emit(ClusterDownResult(str(state_dir), state is not None, stopped), as_json, render.print_cluster_down)
 
 
-def _register_engine_commands() -> None:
-    from tieredkv.cli import engine
-
-    engine.register(app)
-
-
-_register_engine_commands()
+engine.register(app)
 
 
 def main() -> None:

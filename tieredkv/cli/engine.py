@@ -13,6 +13,7 @@ import typer
 
 from tieredkv import ENGINE_HINT
 from tieredkv.cli import render
+from tieredkv.cli.common import ConfigOpt, run
 from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, CLIError
 from tieredkv.cli.tiers import local_path, with_data_dir
 
@@ -43,7 +44,6 @@ def require_engine(command: str) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add ``demo`` and ``bench`` to ``app``."""
-    from tieredkv.cli.app import ConfigOpt
 
     @app.command()
     def demo(
@@ -60,8 +60,6 @@ def register(app: typer.Typer) -> None:
         (default: CPU + LMDB), checking every loaded block against what was stored. Reports prompt
         tokens served from cache, the time that saved vs recomputing them at --prefill-tokens-per-s
         (minus the time spent loading them), and store/load throughput over busy time."""
-        from tieredkv.cli.app import run
-
         summary, kept = run(
             lambda: _demo(config, data_dir, conversations, turns, mamba, seed, prefill_tokens_per_s, as_json)
         )
@@ -85,8 +83,6 @@ def register(app: typer.Typer) -> None:
         (each tier class's own: memcpy, file and py-lmdb writes/reads, redis-py and redis-benchmark).
         Local tiers run in temporary directories beside the configured path; shared ones under a
         fresh namespace, deleting only their own keys. Writes results JSON and a PNG plot."""
-        from tieredkv.cli.app import run
-
         run(lambda: _bench(config, sizes, total_mib, reps, out_dir, as_json))
 
 

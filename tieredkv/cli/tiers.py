@@ -17,7 +17,7 @@ from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, runs
 from tieredkv.backends.registry import build_tier, get_tier_class
 from tieredkv.catalog import is_catalog_key
 from tieredkv.cli.exits import EXIT_BAD_INPUT, CLIError
-from tieredkv.config import TieredKVConfig
+from tieredkv.config import TierConfigBase, TieredKVConfig
 from tieredkv.errors import BackendNotFoundError, ConfigError, TierUnavailableError
 from tieredkv.format import HEADER_SIZE
 
@@ -93,9 +93,10 @@ def select_tiers(cfg: TieredKVConfig, names: Sequence[str] | None, *, allow_in_p
     return chosen
 
 
-def local_path(tcfg: Any) -> str | None:
-    """The local directory a tier keeps its data in (its config's ``local_dir_field``), else ``None``."""
-    field = getattr(tcfg, "local_dir_field", None)
+def local_path(tcfg: TierConfigBase) -> str | None:
+    """The local directory a tier keeps its data in (the field its config model names in
+    ``local_dir_field``), else ``None``."""
+    field = tcfg.local_dir_field
     path = getattr(tcfg, field, None) if field else None
     return os.path.abspath(os.path.expanduser(path)) if isinstance(path, str) else None
 

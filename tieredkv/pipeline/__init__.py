@@ -10,11 +10,15 @@ Modules, one job each:
 * :mod:`~tieredkv.pipeline.lanes` — one writer lane and circuit breaker per tier.
 * :mod:`~tieredkv.pipeline.transfer` — transfer strategies (slots / direct / staged), chosen by
   tier capabilities, never by a tier's class.
+* :mod:`~tieredkv.pipeline.route` — the one walk over a key's route every lookup asks
+  (:class:`~tieredkv.pipeline.route.RouteWalker`: plans per group, the walk that does not wait,
+  the batched one that does).
 * :mod:`~tieredkv.pipeline.writeback` — write-back of dirty chunks and promotion of lower-tier hits.
 * :mod:`~tieredkv.pipeline.stats` — typed stats (:class:`PipelineStats`, :class:`GroupStats`,
   :class:`LaneStats`) shared by the pipeline and :mod:`tieredkv.metrics`.
 * :mod:`~tieredkv.pipeline.core` — :class:`Pipeline`: admission and the two job families
-  (store/load of engine blocks; put/get of host buffers), lookups and probes.
+  (store/load of engine blocks; put/get of host buffers), lookups and probes (over the route
+  walker).
 
 ``submit_store`` / ``submit_load`` return at once (the engine is never blocked by a tier);
 bytes move GPU → staging → tiers and back on the loop thread. The staging pool bounds the bytes

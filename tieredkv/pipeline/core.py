@@ -7,12 +7,10 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import operator
 import threading
 import time
 from collections.abc import Container, Coroutine, Sequence
-from itertools import islice, takewhile
-from typing import Any, Self, cast
+from typing import Any, Self
 
 from tieredkv.backends.base import Tier, check_items
 from tieredkv.config import PipelineConfig
@@ -23,10 +21,11 @@ from tieredkv.keys import GROUP_SUFFIX, key_group
 from tieredkv.pipeline.jobs import InFlight, JobResult, JobRun, KeyState, LoadJob, StoreJob, by_group
 from tieredkv.pipeline.lanes import Lanes, TierLane
 from tieredkv.pipeline.loop import LoopThread
+from tieredkv.pipeline.route import RoutePlan, RouteWalker
 from tieredkv.pipeline.stats import GroupStats, LaneStats, PipelineStats, StagingStats
 from tieredkv.pipeline.transfer import GroupBinding, Transfers, tiers_read
 from tieredkv.pipeline.writeback import WriteBack
-from tieredkv.policy import BreakerState, GroupRoute, TierPolicy
+from tieredkv.policy import GroupRoute, TierPolicy
 from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, StagingPool
 
 __all__ = ["Pipeline"]
@@ -39,8 +38,6 @@ CLOSE_GRACE_S = 1.0
 
 # Enum members as module constants: ``probe`` runs once per key per engine step.
 _HIT, _MISS, _PENDING = KeyState.HIT, KeyState.MISS, KeyState.PENDING
-_CLOSED = BreakerState.CLOSED
-_SUFFIX_OF = operator.itemgetter(GROUP_SUFFIX)
 
 
 class Pipeline:
@@ -71,11 +68,10 @@ class Pipeline:
         self.writeback = WriteBack(self._lanes, self.tiers, policy, self.inflight, self.counters)
         self.transfers = Transfers(self.copier, self._lanes, self.writeback)
         self._groups: dict[int, GroupBinding] = {}
-        # Per group suffix (``key[GROUP_SUFFIX]``): the route's (breaker, tier.probe_key) pairs and
-        # the group's stats, resolved once (probe runs once per key per engine step).
-        # group suffix -> (the route's (breaker, Tier.probe_key) pairs, the group's stats, the first
-        # tier's (breaker, Tier.probe_members))
-        self._probe_plans: dict[bytes, tuple[tuple[tuple[Any, Any], ...], GroupStats, tuple[Any, Any]]] = {}
+        #: Every lookup's walk over a key's route (plans resolved once per group: ``probe`` runs
+        #: once per key per engine step).
+        self.routes = RouteWalker(self._lanes, policy, self.group_stats.__getitem__, self._live)
+        self._plans = self.routes.plans  # group suffix -> its plan (read directly by probe)
         self._lookup_lock = threading.Lock()  # lookup counts: from the loop and from engine threads
         # See activity(). Bumped from engine threads and the loop without a lock: a lost bump
         # still leaves a value the reader has not seen, or one read after the change it covers.
@@ -111,9 +107,7 @@ class Pipeline:
                 lane.breaker.trip()
             lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
             self._lanes[tier.name] = lane
-            hook = getattr(tier, "set_evict_listener", None)
-            if hook is not None:
-                hook(self.writeback.evict_listener(tier.name))
+            tier.set_evict_listener(self.writeback.evict_listener(tier.name))
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has finished; False if ``timeout`` passed first."""
@@ -130,7 +124,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        self._probe_plans.clear()
+        self.routes.clear()
         if not self.loop.running:
             return
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -425,17 +419,8 @@ class Pipeline:
                 out[i] = (KeyState.PENDING, None)
             else:
                 todo.append(i)
-        for name in self.tiers:
-            ask = [i for i in todo if name in self.policy.get(key_group(keys[i])).tiers]
-            if not ask:
-                continue
-            got = await self._lanes[name].contains([keys[i] for i in ask])
-            if got is None:
-                continue
-            hit = {i for i, present in zip(ask, got) if present}
-            for i in hit:
-                out[i] = (KeyState.HIT, name)
-            todo = [i for i in todo if i not in hit]
+        for i, name in (await self.routes.find_many(keys, todo)).items():
+            out[i] = (KeyState.HIT, name)
         for k, (state, _) in zip(keys, out):
             if state is not _PENDING:
                 self._count_lookup(key_group(k), state is _HIT)
@@ -447,37 +432,29 @@ class Pipeline:
         some tier cannot (a Redis server) or its breaker is not closed, and no earlier tier holds
         it: ask :meth:`lookup_future`.
 
-        vLLM's scheduler calls this once per key per step: the route is resolved once per group,
-        and a probe is a dict lookup, one call per tier and the count (the lock taken and released
-        by hand: ``with`` costs twice as much on this path)."""
+        vLLM's scheduler calls this once per key per step: the route is resolved once per group
+        (:meth:`RouteWalker.plan <tieredkv.pipeline.route.RouteWalker.plan>`), and a probe is a
+        dict lookup, the plan's walk and the count (the lock taken and released by hand: ``with``
+        costs twice as much on this path)."""
         if key in self.inflight.pending:
             return _PENDING
-        plan = self._probe_plans.get(key[GROUP_SUFFIX])
+        plan = self._plans.get(key[GROUP_SUFFIX]) or self.routes.plan(key)
         if plan is None:
-            plan = self._probe_plan(key)
-            if plan is None:
-                return None
-        lanes, gs, _ = plan
-        hit = False
-        for breaker, probe_key in lanes:
-            if breaker.state is not _CLOSED:
-                return None  # let the asynchronous path (and its breaker probes) decide
-            got = probe_key(key)
-            if got:
-                hit = True
-                break
-            if got is None:
-                return None
+            return None
+        found = plan.find(key)
+        if found is None:
+            return None  # let the asynchronous path (and its breaker probes) decide
+        gs = plan.stats
         lock = self._lookup_lock
         lock.acquire()
         try:
-            if hit:
-                gs.hits += 1
-            else:
+            if found is False:
                 gs.misses += 1
+            else:
+                gs.hits += 1
         finally:
             lock.release()
-        return _HIT if hit else _MISS
+        return _MISS if found is False else _HIT
 
     def probe_prefix(
         self, keys: Sequence[bytes], start: int = 0, writing: Container[bytes] = ()
@@ -490,62 +467,56 @@ class Pipeline:
 
         The leading run of keys of one group that its route's first tier holds (and that are not
         in flight) is found by C loops when that tier has an in-process index
-        (:meth:`Tier.probe_members`: the CPU tier); the rest key by key."""
+        (:meth:`RoutePlan.hit_run <tieredkv.pipeline.route.RoutePlan.hit_run>`: the CPU tier);
+        the rest key by key."""
         out: list[KeyState | None] = []
         n = len(keys)
-        gs: GroupStats | None = None
-        lanes: tuple[tuple[Any, Any], ...] = ()
+        plan: RoutePlan | None = None
         suffix = b""
         hits = misses = 0
-        if start < n:
-            plan = self._probe_plans.get(keys[start][GROUP_SUFFIX])
-            if plan is not None:
-                run = self._hit_run(keys, start, writing, plan[2])
-                if run:
-                    lanes, gs = plan[0], plan[1]
-                    suffix = keys[start][GROUP_SUFFIX]
-                    hits = run
-                    out = [_HIT] * run
-                    start += run
         pending = self.inflight.pending
-        plans = self._probe_plans
+        if start < n:
+            plan = self._plans.get(keys[start][GROUP_SUFFIX])
+            if plan is not None:
+                run = plan.hit_run(keys, start)
+                if run and not (
+                    (pending and any(map(pending.__contains__, run)))
+                    or (writing and any(map(writing.__contains__, run)))
+                ):
+                    suffix = keys[start][GROUP_SUFFIX]
+                    hits = len(run)
+                    out = [_HIT] * hits
+                    start += hits
+                else:
+                    plan = None
+        plans = self._plans
         counts: list[tuple[GroupStats, int, int]] = []
         for i in range(start, n):
             key = keys[i]
             if key in pending or key in writing:
                 out.append(_PENDING)
                 continue
-            if key[GROUP_SUFFIX] != suffix or gs is None:
-                plan = plans.get(key[GROUP_SUFFIX]) or self._probe_plan(key)
+            if key[GROUP_SUFFIX] != suffix or plan is None:
+                if plan is not None and (hits or misses):
+                    counts.append((plan.stats, hits, misses))
+                    hits = misses = 0
+                plan = plans.get(key[GROUP_SUFFIX]) or self.routes.plan(key)
                 if plan is None:
                     out.append(None)
                     break
-                if gs is not None and (hits or misses):
-                    counts.append((gs, hits, misses))
-                    hits = misses = 0
-                lanes, gs, _ = plan
                 suffix = key[GROUP_SUFFIX]
-            state: KeyState | None = _MISS
-            for breaker, probe_key in lanes:
-                if breaker.state is not _CLOSED:
-                    state = None
-                    break
-                got = probe_key(key)
-                if got:
-                    state = _HIT
-                    break
-                if got is None:
-                    state = None
-                    break
-            out.append(state)
-            if state is _HIT:
-                hits += 1
-            else:
-                if state is _MISS:
-                    misses += 1
+            found = plan.find(key)
+            if found is None:
+                out.append(None)
                 break
-        if gs is not None and (hits or misses):
-            counts.append((gs, hits, misses))
+            if found is False:
+                out.append(_MISS)
+                misses += 1
+                break
+            out.append(_HIT)
+            hits += 1
+        if plan is not None and (hits or misses):
+            counts.append((plan.stats, hits, misses))
         if counts:
             lock = self._lookup_lock
             lock.acquire()
@@ -557,59 +528,16 @@ class Pipeline:
                 lock.release()
         return out
 
-    def _hit_run(self, keys: Sequence[bytes], start: int, writing: Container[bytes], first: tuple[Any, Any]) -> int:
-        """How many keys from ``start`` on are HITs by the first tier of ``keys[start]``'s route,
-        found without a Python step per key: the leading keys in that tier's index, if they are
-        all of that group and none is in flight (else 0: the caller's key-by-key loop decides)."""
-        breaker, members = first
-        if members is None or breaker.state is not _CLOSED:
-            return 0
-        index = members()
-        if index is None:
-            return 0
-        run = list(takewhile(index.__contains__, islice(keys, start, None)))
-        if not run or len(set(map(_SUFFIX_OF, run))) != 1:
-            return 0
-        pending = self.inflight.pending
-        if (pending and any(map(pending.__contains__, run))) or (writing and any(map(writing.__contains__, run))):
-            return 0
-        return len(run)
-
     def locate(self, key: bytes) -> str | None:
         """The first tier of ``key``'s route that holds it (the one a load reads first), asked
         without waiting (:meth:`Tier.probe_key`) and not counted as a lookup; None when a tier
         before it cannot tell (a Redis server, a breaker not closed) or none holds it."""
-        if self._closed or not self.loop.running:
-            return None
-        for name in self.policy.get(key_group(key)).tiers:
-            lane = self._lanes.get(name)
-            if lane is None or lane.breaker.state is not _CLOSED:
-                return None
-            got = lane.tier.probe_key(key)
-            if got:
-                return name
-            if got is None:
-                return None
-        return None
+        plan = self.routes.plan(key) if self._live() else None
+        return (plan.find(key) or None) if plan is not None else None
 
-    def _probe_plan(self, key: bytes) -> tuple[tuple[tuple[Any, Any], ...], GroupStats, tuple[Any, Any]] | None:
-        """``key``'s group's probe plan, kept once every tier of its route has a lane (tiers
-        opened); None while the pipeline is not running (close drops the plans)."""
-        if self._closed or not self.loop.running:
-            return None
-        group = key_group(key)
-        found = [self._lanes.get(name) for name in self.policy.get(group).tiers]
-        if any(lane is None for lane in found):
-            return None
-        lanes = cast("list[TierLane]", found)
-        plan = (
-            tuple((lane.breaker, lane.tier.probe_key) for lane in lanes),
-            self.group_stats[group],
-            (lanes[0].breaker, lanes[0].tier.probe_members) if lanes else (None, None),
-        )
-        if not self._closed:
-            self._probe_plans[key[GROUP_SUFFIX]] = plan
-        return plan
+    def _live(self) -> bool:
+        """Whether the pipeline runs (started, not closed): route plans are made and kept only then."""
+        return not self._closed and self.loop.running
 
     def _count_lookup(self, group: int, hit: bool) -> None:
         with self._lookup_lock:

@@ -1,0 +1,376 @@
+"""The scheduler side of :class:`~tieredkv.integrations.vllm.spec.TieredKVOffloadingSpec`:
+:class:`TieredKVManager`, vLLM's ``OffloadingManager`` over tieredkv's tiers (every call returns
+at once; lookups answer from the store's probe or a batched asynchronous existence check)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tieredkv.integrations.vllm.lookups import AsyncLookups
+from tieredkv.integrations.vllm.namespace import new_generation
+from tieredkv.integrations.vllm.shared import TieredKVLoadStoreSpec, acquire_store, release_store
+from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source
+from tieredkv.integrations.vllm.tenants import request_tenant
+from tieredkv.keys import GROUP_SUFFIX, group_suffix, key_group, partial_chunk_key, stored_key, with_group
+from tieredkv.pipeline import KeyState
+from tieredkv.store import TieredStore
+
+if TYPE_CHECKING:
+    from tieredkv.integrations.vllm.spec import TieredKVOffloadingSpec
+
+__all__ = ["TieredKVManager"]
+
+log = logging.getLogger(__name__)
+
+_HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS  # read once per lookup
+_KS_HIT, _KS_PENDING, _KS_MISS = KeyState.HIT, KeyState.PENDING, KeyState.MISS
+_UNSPECIFIED = CacheHitSource.EXTERNAL_UNSPECIFIED
+_MIXED = object()  # a route whose tiers' media differ: ask which tier holds the key
+
+
+def _route_source(store: TieredStore, route: tuple[str, ...]) -> Any:
+    """The hit source of a route whose tiers share one medium, else ``_MIXED``."""
+    sources = {hit_source(store.tier_medium(name)) for name in route}
+    return sources.pop() if len(sources) == 1 else _MIXED
+
+
+class TieredKVManager(OffloadingManager):
+    """Scheduler-side bookkeeping over tieredkv's tiers; every call returns at once.
+
+    * ``lookup`` answers from a batched, asynchronous existence check (RETRY until it is known);
+      a sliding-window or Mamba chunk is also found as a partial record (leading sub-blocks
+      invalid), which ``prepare_load`` then names for the worker.
+    * ``prepare_store`` defers (``None``) only batches of full-attention keys, which vLLM offers
+      again; a batch with a sliding-window or Mamba key is always accepted (vLLM may never offer
+      it again), even past ``max_inflight_store_chunks`` (the worker queues what staging cannot
+      take yet). Every deferred key is counted.
+    * ``reset_cache`` (sleep, weight update) starts a new cache generation: a fresh namespace
+      fingerprint, so nothing stored before it can be hit (``keep_on_reset`` turns that off).
+    * ``has_pending_work`` is true only while lookups are queued and not yet sent.
+    """
+
+    def __init__(self, spec: TieredKVOffloadingSpec) -> None:
+        self.spec = spec
+        self._sh = acquire_store(spec.store_ident, spec.tkv_config, spec.namespace)
+        self.store = self._sh.store
+        self._probe = self.store.probe
+        self._probe_prefix = self.store.probe_prefix
+        self._cap = spec.max_inflight_store_chunks
+        self._bpc = int(spec.blocks_per_chunk)
+        self._windowed = {i for i, k in enumerate(spec.group_kinds) if k != "full"}
+        # group suffixes of the keys that may also be found as a partial record (several candidates)
+        self._partial_groups = frozenset(group_suffix(g) for g in self._windowed) if self._bpc > 1 else frozenset()
+        self._num_groups = len(spec.group_kinds)
+        self._writing: collections.Counter[bytes] = collections.Counter()
+        self._inflight = 0
+        self._stored: dict[bytes, None] = {}  # written by this engine, not since seen missing
+        self._group_sources: dict[bytes, Any] = {}  # group suffix -> its route's source, or _MIXED
+        self._common_source: Any = None  # the source of every group's route if one, else _MIXED
+        self._chosen: dict[bytes, bytes] = {}  # whole-chunk key -> the record a HIT found (partial or whole)
+        self._loading: dict[bytes, collections.deque[bytes]] = collections.defaultdict(collections.deque)
+        self._lookups = AsyncLookups(self.store.lookup_async)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._closed = False
+        self._stats = StoreStatsReporter(lambda: [self.store])
+        self._stats_at = float("-inf")
+
+    def get_stats(self) -> Any:
+        """tieredkv's counter increments since the last report (an ``OffloadingConnectorStats`` or
+        None); vLLM's scheduler side calls this every step and adds them to its connector stats.
+
+        A step on which nothing finished (no job, write-back or batched lookup ended since the
+        last read: ``TieredStore.activity``) costs a few attribute reads. Otherwise, while
+        transfers or lookups are in flight, the counters are read at most every
+        ``stats_interval_s`` (the increments add up, nothing is lost, they only show up to that
+        much later); once nothing is in flight they are read on the next call, so an idle engine
+        has reported everything."""
+        if not self._stats.moved():  # most steps: nothing finished since the last read
+            return None
+        interval = self.spec.stats_interval_s
+        if interval:
+            now = time.monotonic()
+            if now - self._stats_at < interval and not self._quiet():
+                return None
+            self._stats_at = now
+        return self._stats.take()
+
+    def _quiet(self) -> bool:
+        """Nothing of this engine's is in flight: no store or load between prepare and complete,
+        no lookup queued or unanswered, no job in the store's pipeline."""
+        return not self._inflight and not self._loading and not self._lookups.busy() and self.store.drain(0)
+
+    @property
+    def _fp(self) -> bytes:
+        return self._sh.fingerprint
+
+    def _candidates(self, key: bytes, skey: bytes) -> list[bytes]:
+        if key[GROUP_SUFFIX] not in self._partial_groups:
+            return [skey]
+        return [skey] + [stored_key(self._fp, partial_chunk_key(bytes(key), v)) for v in range(1, self._bpc)]
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # vLLM's scheduler asks every key of every waiting request on every step: this path is
+        # kept to a few dict lookups and one call into the store (its probe).
+        skey = self._sh.skeys[key]
+        if skey in self._writing:
+            return _HIT_PENDING
+        if self._partial_groups and key[GROUP_SUFFIX] in self._partial_groups:
+            return self._lookup_partial(key, skey)
+        state = self._probe(skey)  # a store in flight is pending, then the tiers that can tell
+        if state is _KS_HIT:
+            return _HIT
+        if state is _KS_MISS:
+            self._stored.pop(skey, None)
+            return _MISS
+        if state is None:
+            known = self._lookups.answer(skey)
+            return _HIT if known == "hit" else self._not_hit(key, skey, (known,))
+        return self._not_hit(key, skey, (state,))
+
+    def lookup_prefix(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> list[LookupResult]:
+        """:meth:`lookup` of each key in order, up to and including the first MISS: a connector's
+        prefix scan of a group in one call (``TieredKVConnector`` calls this; it is what ``lookup``
+        answers, key by key). The store probes the run of keys in one call
+        (``TieredStore.probe_prefix``: one route plan, one count); a key it cannot answer goes to
+        the batched lookups, as in ``lookup``, and the scan goes on after it."""
+        keys = list(keys)
+        partial = self._partial_groups
+        if partial and any(k[GROUP_SUFFIX] in partial for k in keys):
+            return self._lookup_each(keys, req_context)
+        skeys = list(map(self._sh.skeys.__getitem__, keys))
+        probe_prefix, answer, writing = self._probe_prefix, self._lookups.answer, self._writing
+        out: list[LookupResult] = []
+        i, n = 0, len(skeys)
+        while i < n:
+            states = probe_prefix(skeys, i, writing)
+            k, last = states.count(_KS_HIT), states[-1]  # count: identity tests, in C
+            if last is not _KS_PENDING and k == len(states) - (last is not _KS_HIT):
+                # the usual scan: hits, then perhaps one other answer (a miss, or one to ask elsewhere)
+                out += [_HIT] * k
+                i += k
+                states = states[k:]
+            for state in states:
+                if state is _KS_HIT:
+                    out.append(_HIT)
+                elif state is _KS_PENDING:
+                    out.append(_HIT_PENDING)
+                elif state is _KS_MISS:
+                    self._stored.pop(skeys[i], None)
+                    out.append(_MISS)
+                    return out
+                else:
+                    known = answer(skeys[i])  # None: a tier that cannot tell without waiting
+                    result = _HIT if known == "hit" else self._not_hit(keys[i], skeys[i], (known,))
+                    out.append(result)
+                    if result is _MISS:
+                        return out
+                i += 1
+        return out
+
+    def _lookup_each(self, keys: list[OffloadKey], req_context: ReqContext) -> list[LookupResult]:
+        """:meth:`lookup_prefix` key by key (a scan with keys that may be found as partial records)."""
+        out: list[LookupResult] = []
+        for key in keys:
+            result = self.lookup(key, req_context)
+            out.append(result)
+            if result is _MISS:
+                break
+        return out
+
+    def _lookup_partial(self, key: bytes, skey: bytes) -> LookupResult:
+        """A sliding-window or Mamba key with several chunks per block: the whole record, else
+        a partial one (leading sub-blocks invalid)."""
+        states = []
+        for cand in self._candidates(key, skey):
+            state = self._probe(cand) or self._lookups.answer(cand)
+            if state == "hit":
+                if cand != skey:
+                    if len(self._chosen) > 65536:
+                        self._chosen.clear()
+                    self._chosen[skey] = cand
+                return _HIT
+            states.append(state)
+        return self._not_hit(key, skey, states)
+
+    def _not_hit(self, key: bytes, skey: bytes, states: Sequence[str | None]) -> LookupResult:
+        if None in states:
+            self.counters["lookup_retry"] += 1
+            self._prefetch_other_groups(key)
+            return LookupResult.RETRY
+        if "pending" in states:
+            return LookupResult.HIT_PENDING
+        self._stored.pop(skey, None)
+        return _MISS
+
+    def _prefetch_other_groups(self, key: bytes) -> None:
+        """Ask the tiers, in the same batch, for this hash in every other group: vLLM looks up the
+        full-attention groups first and the sliding-window / Mamba groups after them (their keys
+        share the hash bytes where chunk boundaries coincide), so their answers are there by the
+        time it asks instead of costing the request another deferred step."""
+        key = bytes(key)
+        own = key_group(key)
+        for g in range(self._num_groups):
+            if g != own:
+                other = with_group(key, g)
+                for cand in self._candidates(other, stored_key(self._fp, other)):
+                    self._lookups.prefetch(cand)
+
+    # Keys are vLLM's ``OffloadKey`` (bytes): a stored key is ``fingerprint + key``, one
+    # concatenation (``keys.stored_key`` copies both to bytes first).
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        sk = self._sh.skeys
+        chosen, loading = self._chosen, self._loading
+        skeys = list(map(sk.__getitem__, keys))
+        stored = [chosen.pop(s, s) for s in skeys] if chosen else skeys
+        for s, rec in zip(skeys, stored):
+            loading[s].append(rec)
+        self.store.pin(stored)
+        self.counters["load_chunks"] += len(stored)
+        if stored is not skeys:
+            self.counters["load_partial_chunks"] += sum(r is not s for r, s in zip(stored, skeys))
+        return TieredKVLoadStoreSpec(list(keys), sk.fp, stored, request_tenant(req_context))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        sk, loading = self._sh.skeys, self._loading
+        recs = []
+        for k in keys:
+            skey = sk[k]
+            q = loading.get(skey)
+            if q:
+                recs.append(q.popleft())
+                if not q:
+                    del loading[skey]
+        if recs and not self._closed:
+            self.store.unpin(recs)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        sk, stored, writing = self._sh.skeys, self._stored, self._writing
+        todo: list[OffloadKey] = []
+        todo_skeys: list[bytes] = []
+        for k in keys:
+            s = sk[k]
+            if s not in stored and s not in writing:
+                todo.append(k)
+                todo_skeys.append(s)
+        if todo and self._inflight and self._inflight + len(todo) > self._cap:
+            if not any(key_group(k) in self._windowed for k in todo):
+                # Full-attention keys only: vLLM offers the same range again on a later step.
+                self.counters["prepare_store_deferred"] += 1
+                self.counters["store_keys_deferred"] += len(todo)
+                return None
+            # A sliding-window or Mamba key may never be offered again: take the batch; the
+            # worker queues what the staging pool cannot hold yet.
+            self.counters["store_over_cap_batches"] += 1
+        writing.update(todo_skeys)
+        self._inflight += len(todo)
+        self.counters["store_chunks"] += len(todo)
+        return PrepareStoreOutput(
+            keys_to_store=todo,
+            store_spec=TieredKVLoadStoreSpec(todo, sk.fp, todo_skeys, request_tenant(req_context)),
+            evicted_keys=[],
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        writing, stored = self._writing, self._stored
+        skeys = list(map(self._sh.skeys.__getitem__, keys))
+        unstored = self._sh.unstored
+        for s in skeys:
+            n = writing.get(s, 0)
+            if n <= 0:
+                continue
+            self._inflight -= 1
+            if n == 1:
+                del writing[s]
+            else:
+                writing[s] = n - 1
+            if s in unstored:
+                unstored.discard(s)  # refused, dropped or partial: offer it again later
+                self.counters["store_chunks_not_whole"] += 1
+            elif success:
+                stored[s] = None
+        self._lookups.forget(skeys)
+        while len(stored) > (1 << 20):
+            stored.pop(next(iter(stored)))
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """The cache tier a hit is loaded from, for vLLM's hits-by-source metrics: the medium of
+        the tier of the key's route that holds it (``host`` for the CPU tier, ``disk`` for
+        LMDB); ``external_unspecified`` for a remote store (Redis: vLLM has no member for it)
+        and when the tiers cannot tell without waiting. An attribute read when every group's route
+        has one medium and the same; else one dict read for a route of one medium."""
+        common = self._common_source
+        if common is None:
+            routes = {self.store.policy.get(g).tiers for g in range(self._num_groups)}
+            found = {_route_source(self.store, route) for route in routes}
+            common = self._common_source = found.pop() if len(found) == 1 else _MIXED
+        if common is not _MIXED:
+            return common  # every group's route has one medium, the same
+        skey = self._sh.skeys[key]
+        q = self._loading.get(skey)
+        rec = q[-1] if q else skey  # the record prepare_load chose (whole or partial)
+        source = self._group_sources.get(rec[GROUP_SUFFIX])
+        if source is None:
+            route = self.store.policy.get(key_group(rec)).tiers
+            source = self._group_sources[rec[GROUP_SUFFIX]] = _route_source(self.store, route)
+        if source is not _MIXED:
+            return source
+        name = self.store.locate(rec)
+        return hit_source(self.store.tier_medium(name)) if name else _UNSPECIFIED
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._lookups.flush()
+        self._lookups.end_step()
+
+    def has_pending_work(self) -> bool:
+        # Answers resolve on tieredkv's loop thread by themselves; a request waiting for one keeps
+        # the engine stepping anyway. Only keys not yet sent need another on_schedule_end.
+        return self._lookups.has_unsent()
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every transfer and lookup in flight has finished (False on timeout).
+
+        Not part of vLLM's interface and never called by vLLM: for tests that model a forward
+        pass longer than the tier I/O it overlaps, and for an orderly stop."""
+        return self.store.drain(timeout) and self._lookups.wait(timeout)
+
+    def reset_cache(self) -> None:
+        self._stored.clear()
+        self._chosen.clear()
+        self._lookups.clear()
+        self._writing.clear()
+        self._inflight = 0
+        self._sh.unstored.clear()
+        if not self.spec.keep_on_reset:
+            self._sh.namespace = new_generation(self._sh.namespace)
+            self.counters["cache_generations"] += 1
+            log.info(
+                "tieredkv: cache reset; new cache generation %s (fingerprint %s)",
+                self._sh.namespace.generation,
+                self._sh.fingerprint.hex(),
+            )
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lookups.clear()
+        release_store(self.spec.store_ident)

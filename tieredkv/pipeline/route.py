@@ -1,0 +1,169 @@
+"""Route walks: which tier of a key's route holds it, its tiers asked in route order.
+
+The pipeline's four lookups (``lookup``, ``probe``, ``probe_prefix``, ``locate``) all ask one
+:class:`RouteWalker`:
+
+* :meth:`RouteWalker.plan` — a group's route resolved once (:class:`RoutePlan`: its tiers'
+  breakers and :meth:`Tier.probe_key <tieredkv.backends.base.Tier.probe_key>`, its group's
+  stats, the first tier's in-process index) and kept under the group's key suffix;
+* :meth:`RoutePlan.find` — the walk of one key without waiting (``probe``, ``probe_prefix``,
+  ``locate``): the first tier that holds it; a tier before that one whose breaker is not closed,
+  or that cannot tell without waiting (a Redis server), ends the walk without an answer (the
+  asynchronous walk decides);
+* :meth:`RouteWalker.find_many` — the batched asynchronous walk (``lookup``): each key's tiers in
+  its route's order, one ``contains_many`` per tier for every key that reached it; a tier its
+  breaker keeps closed to calls (or that fails) is passed over, the key asked of the next one.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Container, Sequence
+from itertools import islice, takewhile
+from typing import Literal
+
+from tieredkv.keys import GROUP_SUFFIX, key_group
+from tieredkv.pipeline.lanes import Lanes, TierLane
+from tieredkv.pipeline.stats import GroupStats
+from tieredkv.policy import BreakerState, CircuitBreaker, TierPolicy
+
+__all__ = ["RoutePlan", "RouteWalker"]
+
+_CLOSED = BreakerState.CLOSED
+_SUFFIX_OF = operator.itemgetter(GROUP_SUFFIX)
+
+
+class RoutePlan:
+    """One group's route, resolved for walks that do not wait (the scheduler's per-key path:
+    tuples and bound methods, no dict lookup per tier)."""
+
+    __slots__ = ("first", "names", "stats", "steps")
+
+    def __init__(self, names: Sequence[str], lanes: Sequence[TierLane], stats: GroupStats) -> None:
+        #: The route's tier names, in route order.
+        self.names: tuple[str, ...] = tuple(names)
+        #: Per tier, in route order: its breaker, its ``probe_key`` and its name.
+        self.steps: tuple[tuple[CircuitBreaker, Callable[[bytes], bool | None], str], ...] = tuple(
+            (lane.breaker, lane.tier.probe_key, name) for name, lane in zip(self.names, lanes)
+        )
+        #: The group's stats, where the callers count lookups.
+        self.stats = stats
+        #: The first tier's breaker and ``probe_members`` (None: an empty route).
+        self.first: tuple[CircuitBreaker | None, Callable[[], Container[bytes] | None] | None] = (
+            (lanes[0].breaker, lanes[0].tier.probe_members) if lanes else (None, None)
+        )
+
+    def find(self, key: bytes) -> str | Literal[False] | None:
+        """The first tier of the route that holds ``key`` (its name); False when no tier does;
+        None when a tier before the one holding it cannot tell without waiting or its breaker is
+        not closed (the asynchronous path, with its breaker probes, decides)."""
+        for breaker, probe_key, name in self.steps:
+            if breaker.state is not _CLOSED:
+                return None
+            got = probe_key(key)
+            if got:
+                return name
+            if got is None:
+                return None
+        return False
+
+    def hit_run(self, keys: Sequence[bytes], start: int) -> list[bytes]:
+        """The leading keys of ``keys[start:]`` that the route's first tier holds, found without a
+        Python step per key (C loops over that tier's in-process index): empty unless that tier
+        has one (:meth:`Tier.probe_members <tieredkv.backends.base.Tier.probe_members>`), its
+        breaker is closed and every key of the run is of this plan's group (a run that crosses
+        into another group is left to the key-by-key walk)."""
+        breaker, members = self.first
+        if members is None or breaker is None or breaker.state is not _CLOSED:
+            return []
+        index = members()
+        if index is None:
+            return []
+        run = list(takewhile(index.__contains__, islice(keys, start, None)))
+        if not run or len(set(map(_SUFFIX_OF, run))) != 1:
+            return []
+        return run
+
+
+class RouteWalker:
+    """Plans and walks the routes of a pipeline's keys over its tier lanes.
+
+    Args:
+        lanes: the pipeline's lanes by tier name (filled as the tiers open; the order of their
+            opening is the order the batched walk visits tiers in).
+        policy: the routes of the groups.
+        stats: per group, the stats a plan carries (``stats[group]`` makes a group's on first use).
+        live: whether plans may be made and kept now (the pipeline is running, not closed).
+    """
+
+    def __init__(
+        self,
+        lanes: Lanes,
+        policy: TierPolicy,
+        stats: Callable[[int], GroupStats],
+        live: Callable[[], bool],
+    ) -> None:
+        self._lanes = lanes
+        self._policy = policy
+        self._stats = stats
+        self._live = live
+        #: Group suffix (``key[GROUP_SUFFIX]``) -> its plan; read directly by hot paths.
+        self.plans: dict[bytes, RoutePlan] = {}
+
+    def plan(self, key: bytes) -> RoutePlan | None:
+        """``key``'s group's plan, kept once every tier of its route has a lane (tiers opened);
+        None while the walker is not live (:meth:`clear` drops the plans at close)."""
+        plan = self.plans.get(key[GROUP_SUFFIX])
+        if plan is not None:
+            return plan
+        if not self._live():
+            return None
+        group = key_group(key)
+        names = self._policy.get(group).tiers
+        lanes = [self._lanes.get(name) for name in names]
+        if any(lane is None for lane in lanes):
+            return None
+        plan = RoutePlan(names, [lane for lane in lanes if lane is not None], self._stats(group))
+        if self._live():
+            self.plans[key[GROUP_SUFFIX]] = plan
+        return plan
+
+    def clear(self) -> None:
+        """Drop every plan (the pipeline closes)."""
+        self.plans.clear()
+
+    async def find_many(self, keys: Sequence[bytes], todo: Sequence[int]) -> dict[int, str]:
+        """``{i: tier}`` for each index ``i`` of ``todo`` whose key a tier of its route holds: the
+        first such tier in route order. Each tier is asked once per pass, for every key whose walk
+        reached it (a pass visits the tiers in lane order: routes in that order, the usual case,
+        take one pass). A tier whose breaker refuses the call, or whose call fails, is passed
+        over; a route's tier without a lane is skipped."""
+        order = list(self._lanes)
+        known = set(order)
+        routes: dict[int, tuple[str, ...]] = {}  # group -> its route's tiers that have lanes
+        walks: dict[int, tuple[tuple[str, ...], int]] = {}  # key index -> (its tiers, the next one's position)
+        for i in todo:
+            group = key_group(keys[i])
+            route = routes.get(group)
+            if route is None:
+                route = routes[group] = tuple(n for n in self._policy.get(group).tiers if n in known)
+            if route:
+                walks[i] = (route, 0)
+        found: dict[int, str] = {}
+        while walks:
+            for name in order:
+                ask = [i for i, (route, at) in walks.items() if route[at] == name]
+                if not ask:
+                    continue
+                got = await self._lanes[name].contains([keys[i] for i in ask])
+                for j, i in enumerate(ask):
+                    if got is not None and got[j]:
+                        found[i] = name
+                        del walks[i]
+                        continue
+                    route, at = walks[i]
+                    if at + 1 < len(route):
+                        walks[i] = (route, at + 1)
+                    else:
+                        del walks[i]
+        return found

@@ -224,7 +224,7 @@ class TieredKVCollector(Collector):
             usage = self._usage.get(name)
             if usage is not None:
                 quotas = tier.quotas if isinstance(tier, Tier) else TenantQuotas()
-                capacity = getattr(st, "capacity_bytes", None)
+                capacity = st.capacity_bytes if st is not None else None
                 for tid in dict.fromkeys((DEFAULT_TENANT, *quotas.reported(usage))):
                     label = quotas.label(tid)
                     t_used.add_metric([name, label], float(usage.get(tid, 0)))

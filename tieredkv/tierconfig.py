@@ -85,6 +85,18 @@ class TierConfigBase(ConfigModel):
     local_dir_field: ClassVar[str | None] = None
 
     @property
+    def local_dir(self) -> str | None:
+        """The directory on local disk the tier keeps its data in (its ``local_dir_field``), else None."""
+        path = getattr(self, self.local_dir_field, None) if self.local_dir_field else None
+        return path if isinstance(path, str) else None
+
+    @property
+    def configured_capacity(self) -> int | None:
+        """The capacity this config gives the tier in bytes, where it says one without opening the
+        tier (the CPU tier's slab), else None."""
+        return None
+
+    @property
     def label(self) -> str:
         """The tier's name, or its kind when unnamed."""
         return self.name or str(self.kind)

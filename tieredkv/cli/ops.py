@@ -195,7 +195,7 @@ async def _status_row(tcfg: Any, progress: Progress, quotas: TenantQuotas) -> St
     caps = capabilities(tcfg)
     if caps is None or caps.in_process:
         where = "in-process (inside the engine)" if caps else "cannot load this tier kind here"
-        return StatusRow(tcfg.label, tcfg.kind, None, int(getattr(tcfg, "capacity_bytes", 0)) or None, where=where)
+        return StatusRow(tcfg.label, tcfg.kind, None, tcfg.configured_capacity, where=where)
     try:
         async with open_tier(tcfg) as tier:
             st = await tier.stats()

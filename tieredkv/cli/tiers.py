@@ -96,9 +96,8 @@ def select_tiers(cfg: TieredKVConfig, names: Sequence[str] | None, *, allow_in_p
 def local_path(tcfg: TierConfigBase) -> str | None:
     """The local directory a tier keeps its data in (the field its config model names in
     ``local_dir_field``), else ``None``."""
-    field = tcfg.local_dir_field
-    path = getattr(tcfg, field, None) if field else None
-    return os.path.abspath(os.path.expanduser(path)) if isinstance(path, str) else None
+    path = tcfg.local_dir
+    return os.path.abspath(os.path.expanduser(path)) if path is not None else None
 
 
 def with_data_dir(cfg: TieredKVConfig, data_dir: Path) -> TieredKVConfig:

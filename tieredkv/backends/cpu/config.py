@@ -36,6 +36,10 @@ class CPUTierConfig(TierConfigBase):
     )
     eviction_policy: EvictionPolicyName = Field("lru", description=EVICTION_POLICY_DOC)
 
+    @property
+    def configured_capacity(self) -> int | None:
+        return int(self.capacity_bytes)
+
     def with_capacity(self, capacity_bytes: int, *, largest_record_bytes: int = 0) -> Self:
         """Segments large enough for the largest record; the slab a whole number of them, at
         least ``capacity_bytes`` plus one segment (slot classes round records up)."""

@@ -407,10 +407,11 @@ def verify_into(record: memoryview | bytes, key: bytes, dst: memoryview) -> int:
     """Deliver ``record``'s payload into the start of ``dst`` if it was written for stored key
     ``key``; return the payload's length, or -1 when it does not fit ``dst`` (nothing copied).
     ``record`` must not change during the call (a record in an LMDB read transaction, or bytes
-    of this process): it is checked where it is, then copied from there (read from memory once).
+    of this process).
 
     Raises:
-        CorruptRecordError: as :func:`verify_record`; nothing is copied then.
+        CorruptRecordError: as :func:`verify_record`. A payload found damaged after its copy is
+            zeroed where it landed: no damaged byte stays in a destination.
     """
     mv = record if isinstance(record, memoryview) else memoryview(record)
     if len(mv) < HEADER_SIZE:
@@ -423,7 +424,7 @@ def verify_many_into(
 ) -> list[int | CorruptRecordError]:
     """:func:`verify_into` for each (record, key, dst): the payload's length, -1 when it does
     not fit (nothing copied), or the :class:`CorruptRecordError` naming what is wrong with a
-    record that is not good for its key (nothing of it left in its destination). With the C
+    record that is not good for its key (its destination zeroed where it landed). With the C
     helper, one call: the GIL is let go once for every check and copy."""
     if _fastrec is None:
         out: list[int | CorruptRecordError] = []
@@ -467,18 +468,31 @@ def verify_many_parts_into(
     return got
 
 
-def _parts_into(head: memoryview | bytes, payload: memoryview | bytes, key: bytes, dst: memoryview) -> int:
-    """Pure-Python checked copy of one record kept as header and payload: checked where it is
-    (the payload read once from memory into cache), then copied from there."""
+def _parts_into(head: memoryview | bytes, payload: memoryview | bytes, key: bytes, dst: Any) -> int:
+    """Pure-Python checked copy of one record kept as header and payload: the payload copied, then
+    checked where it landed (still in cache: faster than checking it where it is, then copying
+    it, measured), so what is delivered is what was checked; a damaged one is zeroed there."""
     pv = payload if isinstance(payload, memoryview) else memoryview(payload)
     if len(head) != HEADER_SIZE:
         raise CorruptRecordError(f"header of {len(head)} bytes; a header is {HEADER_SIZE}")
-    verify_parts(head, pv, key)  # a damaged record is corrupt, not merely too large
     n = len(pv)
-    if n > len(dst):
+    dv = dst if type(dst) is memoryview else as_writable(dst)
+    if n > len(dv):
+        verify_parts(head, pv, key)  # a damaged record is corrupt, not merely too large
         return -1
-    _copy_into(dst, pv)
+    landed = dv[:n]
+    _copy_into(landed, pv)
+    try:
+        verify_parts(head, landed, key)
+    except CorruptRecordError:
+        _zero(landed)
+        raise
     return n
+
+
+def _zero(view: memoryview) -> None:
+    """Zero ``view`` (no damaged byte stays where it landed)."""
+    view[:] = bytes(len(view))
 
 
 def _native_refusal(n: int, record: memoryview | bytes, key: bytes) -> int:
@@ -669,6 +683,6 @@ def _read_record(fd: int, at: int, size: int, key: bytes, dst: Any) -> int | Cor
         verify_parts(head, landed, key)
     except CorruptRecordError as e:
         if landed is not None:
-            landed[:] = bytes(n)
+            _zero(landed)
         return e
     return hdr.payload_len

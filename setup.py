@@ -24,10 +24,9 @@ LOST = """\
 tieredkv: the optional C helper {name} did not build ({why}).
 tieredkv works without it (tieredkv.format's pure-Python path writes and accepts the same
 records), but without it:
-  - checked reads of records (LMDB and Redis tiers) cost about 1.4-1.9x the CPU per byte, and hold
-    the GIL longer;
-  - the LMDB tier's reads of record files cost about 1.7-1.9x the CPU per byte;
-  - the CPU tier's host copies are plain copies (about 1.5x the CPU per byte).
+  - the LMDB tier's reads cost about 1.2-1.8x the CPU per byte and run about 1.2-1.4x slower
+    through the pipeline (checked copies, record files), with more of it under the GIL;
+  - the CPU tier's stores and loads run about 1.2x slower (plain host copies).
 To build it: a C compiler (gcc or clang) and Python's headers (Debian: build-essential and
 python3-dev), then reinstall (pip install -e .). See docs/native.md.
 """

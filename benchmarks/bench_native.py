@@ -5,7 +5,9 @@
 Per chunk size, each repetition moves the same ``--total-mib`` of payloads through each record
 function twice, once with the helper and once on the pure-Python path (``tieredkv.format`` and
 ``tieredkv.staging`` with the helper switched off, as on a machine where it did not build), the
-two interleaved and their order swapped every other rep; rep 0 warms up and is not kept:
+two interleaved and their order swapped every other rep; rep 0 warms up and is not kept. The
+functions that are Python only (docs/native.md: the encodes, ``verify_into``, ``write_records``)
+run the same code in both columns, a check on the noise:
 
 * ``encode_records_into``: whole records (header, payload copied, checksummed) into one buffer;
 * ``encode_heads_into``: the headers alone (checksums), payloads left in place (the LMDB put);
@@ -18,10 +20,9 @@ two interleaved and their order swapped every other rep; rep 0 warms up and is n
 ``--without-helper SCRIPT [ARGS]`` instead runs another bench script with the helper blocked
 (e.g. ``benchmarks/bench_tiers.py --tiers cpu,lmdb``), to set its figures beside a run with it.
 
-Prints GB/s (median of the reps) per path and the ratio native / python. ``--gil`` also runs a
-Python thread counting beside each call and prints how far it got against counting alone: what
-the call leaves of the GIL to the engine and the event loop (1.0: all of it). Not part of the
-test suite; no file is written unless ``--out`` is given.
+Prints GB/s of payload (median of the reps) per path and the ratio C / Python. The clock is the
+calling thread's CPU time by default (``--clock wall`` for wall time). Not part of the test suite;
+no file is written unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import statistics
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -188,74 +188,38 @@ def use_native(on: bool, helper: Any, stream: Any) -> None:
     staging._stream_into = stream if on else None
 
 
-def _spin(stop: threading.Event, counter: list[int]) -> None:
-    n = 0
-    while not stop.is_set():
-        n += 1
-    counter[0] = n
-
-
-def spin_rate(seconds: float = 0.05) -> float:
-    """Counts per second of a Python thread alone."""
-    stop, got = threading.Event(), [0]
-    t = threading.Thread(target=_spin, args=(stop, got))
-    t0 = time.perf_counter()
-    t.start()
-    time.sleep(seconds)
-    stop.set()
-    t.join()
-    return got[0] / (time.perf_counter() - t0)
-
-
-def timed(fn: Callable[[], None], gil: bool) -> tuple[float, float]:
-    """Seconds of ``fn()`` and, with ``gil``, the counts per second of a Python thread beside it."""
-    if not gil:
-        t0 = CLOCK()
-        fn()
-        return CLOCK() - t0, 0.0
-    stop, got = threading.Event(), [0]
-    t = threading.Thread(target=_spin, args=(stop, got))
-    t.start()
-    time.sleep(0.002)
-    t0 = time.perf_counter()
+def timed(fn: Callable[[], None]) -> float:
+    """Seconds of ``fn()`` on :data:`CLOCK`."""
+    t0 = CLOCK()
     fn()
-    seconds = time.perf_counter() - t0
-    stop.set()
-    t.join()
-    return seconds, got[0] / (seconds + 0.002)
+    return CLOCK() - t0
 
 
-def measure(sizes: list[int], total: int, reps: int, ops: list[str], gil: bool) -> list[dict[str, Any]]:
+def measure(sizes: list[int], total: int, reps: int, ops: list[str]) -> list[dict[str, Any]]:
     helper, stream = fmt._fastrec, staging._stream_into
     if helper is None:
         raise SystemExit("the C helper is not built here: nothing to compare (pip install -e .)")
     work = tempfile.mkdtemp(prefix="tieredkv-native-")
     rows: list[dict[str, Any]] = []
-    alone = spin_rate() if gil else 0.0
     try:
         for size in sizes:
             case = Case(size, total, work)
             for op in ops:
                 fn = getattr(case, op)
                 got: dict[str, list[float]] = {"native": [], "python": []}
-                spun: dict[str, list[float]] = {"native": [], "python": []}
                 for rep in range(reps + 1):
                     for path in ("native", "python") if rep % 2 == 0 else ("python", "native"):
                         use_native(path == "native", helper, stream)
-                        seconds, rate = timed(fn, gil)
+                        seconds = timed(fn)
                         if op in _CHECKED:
                             case.check()
                         if rep:
                             got[path].append(case.count * size / seconds / 1e9)
-                            spun[path].append(rate / alone if gil else 0.0)
                 use_native(True, helper, stream)
                 med = {p: statistics.median(v) for p, v in got.items()}
                 row = {"size": size, "op": op, "gbps": med, "reps": got}
                 line = f"{size // KiB:>5} KiB {op:<24} {med['native']:6.2f} {med['python']:6.2f} "
                 line += f"{med['native'] / med['python']:5.2f}x"
-                if gil:
-                    row["gil_left"] = {p: statistics.median(v) for p, v in spun.items()}
-                    line += f"   {row['gil_left']['native']:4.2f} {row['gil_left']['python']:4.2f}"
                 print(line, flush=True)
                 rows.append(row)
             shutil.rmtree(case.dir, ignore_errors=True)
@@ -295,15 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--clock", choices=["cpu", "wall"], default="cpu", help="the calling thread's CPU time, or wall time"
     )
-    ap.add_argument("--gil", action="store_true", help="also measure what each call leaves of the GIL")
     ap.add_argument("--out", default=None, help="write the figures to this JSON file")
     a = ap.parse_args(argv)
     sizes = [int(x) * KiB for x in a.sizes.split(",")]
     global CLOCK
     CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     head = f"{'chunk':>9} {'function':<24} {'C':>6} {'Python':>6} {'ratio':>6}"
-    print(head + ("   GIL left: C / Python" if a.gil else ""))
-    rows = measure(sizes, a.total_mib * MiB, a.reps, a.ops.split(","), a.gil)
+    print(head)
+    rows = measure(sizes, a.total_mib * MiB, a.reps, a.ops.split(","))
     print(f"GB/s of payload, median of {a.reps} interleaved reps; ratio = C / Python")
     if a.out:
         with open(a.out, "w") as f:

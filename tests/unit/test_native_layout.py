@@ -151,5 +151,5 @@ def test_an_install_that_cannot_build_the_helper_says_what_is_lost(tmp_path: Pat
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "did not build" in r.stderr and "tieredkv._fastrec" in r.stderr, r.stderr[-3000:]
-    assert "checked reads" in r.stderr and "docs/native.md" in r.stderr
+    assert "LMDB tier's reads" in r.stderr and "docs/native.md" in r.stderr
     assert not list((tmp_path / "lib").rglob("_fastrec*"))

@@ -21,7 +21,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 # Re-install only when pyproject.toml, setup.py, the C helper or the extras change.
-stamp="$VENV/.tieredkv-$(cat pyproject.toml setup.py tieredkv/_native/*.c scripts/_bootstrap.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+stamp="$VENV/.tieredkv-$(cat pyproject.toml setup.py tieredkv/_native/*.c tieredkv/_native/xxhash/* scripts/_bootstrap.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
 if [ ! -f "$stamp" ]; then
   if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -37,6 +37,8 @@ if [ ! -f "$stamp" ]; then
   echo "==> installing tieredkv[$EXTRAS]"
   "${PIP[@]}" install -e ".[$EXTRAS]"
   "$VENV/bin/python" -c 'import tieredkv' # fail loudly if the install did not work
+  # pip -q hides setup.py's own warning: say here when the C helper did not build (docs/native.md)
+  "$VENV/bin/python" -c 'import tieredkv.format as f; f.NATIVE or print("WARNING: tieredkv._fastrec (the C helper) did not build: pure-Python record checks, slower reads (docs/native.md)")' >&2
   rm -f "$VENV"/.tieredkv-*
   touch "$stamp"
 fi

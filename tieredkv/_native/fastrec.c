@@ -1,15 +1,24 @@
-/* tieredkv._fastrec: a record's encode and its checked copy in one call each, the GIL released
- * for the copy and the checksum; also a record's header alone (heads_many) and the checked copy
- * of a record kept as header and payload apart (verify_parts_many), for the LMDB tier's layout.
+/* tieredkv._fastrec: the LMDB tier's checked reads and the CPU tier's host copies, in C, the GIL
+ * released.
  *
- * The record format is tieredkv/format.py's (a 64-byte header, then the payload); this module
- * computes exactly what format.py computes, and tests/unit/test_format.py checks both ways (a
- * record written by one path verifies on the other, a damaged one fails on both). The checksum is
- * XXH3-64 (seed 0) of the stored key, header bytes 0..31 (a version 2 record: then bytes 48..63,
- * its tenant) and the payload, streamed through the
- * system's libxxhash (Debian's libxxhash0, a dependency of apt); its prototypes are declared here
- * because the -dev header is not on a new machine. Built as an optional extension: where it does
- * not build or load, format.py keeps its pure-Python path.
+ * What is here is what measured faster than tieredkv/format.py's pure-Python path by a stated
+ * margin on the benches' paths (docs/native.md has the figures): the checked copies of a read
+ * transaction's records (verify_many; records kept as header and payload apart,
+ * verify_parts_many), the reads of records in record files (read_records, read_placed), and a
+ * non-temporal host copy for staging.py (stream_into). Encoding records, their headers, writing
+ * record files and the Redis tier's one-record checked copy are Python only (format.py): C bought
+ * them under 1.2x through the pipeline.
+ *
+ * The record layout is not written down here: format.py hands it over at import (set_layout), and
+ * every check reads it from there (tests/unit/test_native_layout.py checks that what this module
+ * holds is what format.py says). A checksum is XXH3-64 (seed 0) of the stored key, then the header
+ * ranges the record's version names, then the payload, through the xxHash header vendored in
+ * xxhash/ (BSD-2-Clause, xxhash/LICENSE), compiled in (XXH_INLINE_ALL); on x86 its update goes
+ * through xxHash's run-time dispatch (xxhash/xxh_x86dispatch.c: AVX2 or AVX-512 where the CPU has
+ * them; its plain build is about half as fast). No system library is linked.
+ *
+ * Built as an optional extension: where it does not build, format.py and staging.py keep their
+ * pure-Python paths, which write and accept the same bytes (tests/integration/test_native_fallback.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,51 +28,192 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/uio.h>
 #include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
-typedef struct XXH3_state_s XXH3_state_t; /* opaque here: only created, fed and freed */
-extern XXH3_state_t *XXH3_createState(void);
-extern int XXH3_freeState(XXH3_state_t *state);
-extern int XXH3_64bits_reset(XXH3_state_t *state);
+#define XXH_INLINE_ALL
+#include "xxhash/xxhash.h"
 #if defined(__x86_64__) || defined(__i386__)
-/* xxh_x86dispatch: AVX2 / AVX-512 picked at run time (the plain update is the SSE2 build: about
- * half the speed on this machine kind, 10 against 23 GB/s at 64 KiB). */
+#include "xxhash/xxh_x86dispatch.h"
 #define XXH3_UPDATE XXH3_64bits_update_dispatch
 #else
 #define XXH3_UPDATE XXH3_64bits_update
 #endif
-extern int XXH3_UPDATE(XXH3_state_t *state, const void *input, size_t length);
-extern unsigned long long XXH3_64bits_digest(const XXH3_state_t *state);
 
-#define HEADER_SIZE 64
-#define PREFIX 32
-#define FP_BYTES 16
-#define GROUP_BYTES 4
-#define FORMAT_VERSION 1 /* a record of the default tenant: as every earlier version wrote it */
-#define TENANT_VERSION 2 /* a record with a tenant (bytes 48..55), covered by the checksum */
-#define TENANT_AT 48
-#define FLAG_SEALED 1u /* sealed (AES-256-GCM) records are opened in Python, never here */
 /* Below this many payload bytes the GIL is kept: releasing and taking it back costs more than
  * the copy and the checksum of a small payload. */
 #define RELEASE_AT (16 * 1024)
 /* From this many payload bytes a checked copy streams to its destination (see copy_checksum). */
 #define STREAM_AT (64 * 1024)
+#define STEP (64 * 1024)
 
-static void put_le(uint8_t *p, uint64_t v, int n) {
-    for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
+/* ---- the record layout, from format.py (set_layout) ---- */
 
-static uint64_t get_le(const uint8_t *p, int n) {
+#define MAX_HEADER 256
+#define MAX_VERSIONS 4
+#define MAX_RANGES 4
+
+typedef struct {
+    Py_ssize_t at, width; /* a little-endian unsigned field of 1, 2, 4 or 8 bytes */
+} field;
+
+typedef struct {
+    Py_ssize_t a, b; /* header bytes a..b */
+} range;
+
+typedef struct {
+    uint64_t version;
+    Py_ssize_t nhashed;
+    range hashed[MAX_RANGES]; /* what the checksum covers after the key, before the payload */
+    range zero;               /* must read back as zeros */
+    uint64_t refused;         /* a record with any of these flags is not for this module */
+} version_rule;
+
+static struct {
+    int ready;
+    Py_ssize_t header, magic_at, magic_len;
+    uint8_t magic[16];
+    field version, header_size, flags, length, checksum;
+    range fingerprint, group; /* the key's first bytes; its last bytes, reversed */
+    Py_ssize_t nversions;
+    version_rule versions[MAX_VERSIONS];
+} L;
+
+static uint64_t get_le(const uint8_t *p, Py_ssize_t n) {
     uint64_t v = 0;
-    for (int i = n - 1; i >= 0; i--) v = (v << 8) | p[i];
+    for (Py_ssize_t i = n - 1; i >= 0; i--) v = (v << 8) | p[i];
     return v;
 }
 
-#define STEP (64 * 1024)
+static int is_zero(const uint8_t *p, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (p[i]) return 0;
+    return 1;
+}
+
+static int parse_field(PyObject *obj, field *f, const char *name) {
+    if (!PyArg_ParseTuple(obj, "nn", &f->at, &f->width)) return -1;
+    if (f->at < 0 || (f->width != 1 && f->width != 2 && f->width != 4 && f->width != 8) || f->at + f->width > L.header) {
+        PyErr_Format(PyExc_ValueError, "layout: field %s (%zd, %zd) is not a 1, 2, 4 or 8-byte field of the header",
+                     name, f->at, f->width);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_range(const range *r, const char *name) {
+    if (r->a < 0 || r->a > r->b || r->b > L.header) {
+        PyErr_Format(PyExc_ValueError, "layout: %s (%zd, %zd) is not a range of the header", name, r->a, r->b);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_range(PyObject *obj, range *r, const char *name) {
+    if (!PyArg_ParseTuple(obj, "nn", &r->a, &r->b)) return -1;
+    return check_range(r, name);
+}
+
+static int parse_version(PyObject *obj, version_rule *v) {
+    PyObject *hashed;
+    unsigned long long version, refused;
+    if (!PyArg_ParseTuple(obj, "KO(nn)K", &version, &hashed, &v->zero.a, &v->zero.b, &refused)) return -1;
+    v->version = version;
+    v->refused = refused;
+    if (check_range(&v->zero, "a version's zero bytes") < 0) return -1;
+    PyObject *seq = PySequence_Fast(hashed, "layout: a version's hashed ranges must be a sequence");
+    if (seq == NULL) return -1;
+    v->nhashed = PySequence_Fast_GET_SIZE(seq);
+    int rc = 0;
+    if (v->nhashed > MAX_RANGES) {
+        PyErr_Format(PyExc_ValueError, "layout: at most %d hashed ranges per version", MAX_RANGES);
+        rc = -1;
+    }
+    for (Py_ssize_t i = 0; rc == 0 && i < v->nhashed; i++)
+        rc = parse_range(PySequence_Fast_GET_ITEM(seq, i), &v->hashed[i], "a hashed range");
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* set_layout(*, header, magic, magic_at, version, header_size, fingerprint, group, flags, length,
+ *            checksum, versions) -> None
+ * The record layout every check here reads (format.native_layout() builds the arguments): the
+ * header's size; its magic bytes and where they are; the (offset, width) of the version, header
+ * size, flags, payload length and checksum fields (little-endian); the (offset, end) of the key's
+ * fingerprint (the key's first bytes) and of its group (the key's last bytes, big-endian there,
+ * little-endian in the header); per version (version, hashed ranges, zero range, refused flags).
+ * Until it is called every record check raises RuntimeError. */
+static PyObject *set_layout(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"header", "magic", "magic_at", "version", "header_size", "fingerprint", "group",
+                            "flags", "length", "checksum", "versions", NULL};
+    Py_ssize_t header, magic_at, magic_len;
+    const char *magic;
+    PyObject *fv, *fh, *ff, *fg, *ffl, *fl, *fc, *versions;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "$ny#nOOOOOOOO", names, &header, &magic, &magic_len, &magic_at, &fv,
+                                     &fh, &ff, &fg, &ffl, &fl, &fc, &versions))
+        return NULL;
+    L.ready = 0;
+    if (header <= 0 || header > MAX_HEADER || magic_len <= 0 || magic_len > (Py_ssize_t)sizeof L.magic ||
+        magic_at < 0 || magic_at + magic_len > header) {
+        PyErr_SetString(PyExc_ValueError, "layout: header size or magic out of range");
+        return NULL;
+    }
+    L.header = header;
+    L.magic_at = magic_at;
+    L.magic_len = magic_len;
+    memcpy(L.magic, magic, (size_t)magic_len);
+    if (parse_field(fv, &L.version, "version") < 0 || parse_field(fh, &L.header_size, "header_size") < 0 ||
+        parse_range(ff, &L.fingerprint, "fingerprint") < 0 || parse_range(fg, &L.group, "group") < 0 ||
+        parse_field(ffl, &L.flags, "flags") < 0 || parse_field(fl, &L.length, "length") < 0 ||
+        parse_field(fc, &L.checksum, "checksum") < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(versions, "layout: versions must be a sequence");
+    if (seq == NULL) return NULL;
+    L.nversions = PySequence_Fast_GET_SIZE(seq);
+    int rc = L.nversions < 1 || L.nversions > MAX_VERSIONS ? -1 : 0;
+    if (rc < 0) PyErr_Format(PyExc_ValueError, "layout: 1 to %d versions", MAX_VERSIONS);
+    for (Py_ssize_t i = 0; rc == 0 && i < L.nversions; i++) rc = parse_version(PySequence_Fast_GET_ITEM(seq, i), &L.versions[i]);
+    Py_DECREF(seq);
+    if (rc < 0) return NULL;
+    L.ready = 1;
+    Py_RETURN_NONE;
+}
+
+/* layout() -> dict of set_layout's arguments as this module holds them (None before set_layout). */
+static PyObject *layout(PyObject *self, PyObject *unused) {
+    if (!L.ready) Py_RETURN_NONE;
+    PyObject *versions = PyTuple_New(L.nversions);
+    for (Py_ssize_t i = 0; versions != NULL && i < L.nversions; i++) {
+        const version_rule *v = &L.versions[i];
+        PyObject *hashed = PyTuple_New(v->nhashed);
+        for (Py_ssize_t j = 0; hashed != NULL && j < v->nhashed; j++) {
+            PyObject *r = Py_BuildValue("(nn)", v->hashed[j].a, v->hashed[j].b);
+            if (r == NULL) Py_CLEAR(hashed);
+            else PyTuple_SET_ITEM(hashed, j, r);
+        }
+        PyObject *item = hashed == NULL ? NULL : Py_BuildValue("(KN(nn)K)", (unsigned long long)v->version, hashed,
+                                                               v->zero.a, v->zero.b, (unsigned long long)v->refused);
+        if (item == NULL) Py_CLEAR(versions);
+        else PyTuple_SET_ITEM(versions, i, item);
+    }
+    if (versions == NULL) return NULL;
+    return Py_BuildValue("{s:n,s:y#,s:n,s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:(nn),s:N}", "header", L.header,
+                         "magic", (const char *)L.magic, L.magic_len, "magic_at", L.magic_at, "version", L.version.at,
+                         L.version.width, "header_size", L.header_size.at, L.header_size.width, "fingerprint",
+                         L.fingerprint.a, L.fingerprint.b, "group", L.group.a, L.group.b, "flags", L.flags.at,
+                         L.flags.width, "length", L.length.at, L.length.width, "checksum", L.checksum.at,
+                         L.checksum.width, "versions", versions);
+}
+
+static int need_layout(void) {
+    if (L.ready) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "tieredkv._fastrec: no record layout (tieredkv.format sets it at import)");
+    return -1;
+}
+
+/* ---- copies and checksums ---- */
 
 #if defined(__SSE2__)
 /* memcpy with non-temporal stores: the destination's lines are written without being read first
@@ -93,56 +243,86 @@ static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
 #define CAN_STREAM 0
 #endif
 
-/* Copies n bytes from src to dst and returns the XXH3-64 of key, then the header's first 32
- * bytes, then the payload, in one pass of STEP-byte pieces:
- *  - plain (stream == 0): each piece copied, then hashed where it landed while still in cache
- *    (what is checked is what was delivered);
+/* Copies n bytes from src to dst and returns the checksum of a record with header ``head`` (of
+ * version rule ``v``) for key: XXH3-64 of key, then v's hashed header ranges, then the payload, in
+ * one pass of STEP-byte pieces:
+ *  - plain (stream == 0): each piece copied, then hashed where it landed while still in cache;
  *  - streamed: each piece hashed where it is (which brings it into cache), then streamed to dst
  *    from there, so the payload is read from memory once and dst written once. The source must
  *    not change during the call (a record in an LMDB read transaction's snapshot, or bytes of
- *    this process): then the bytes that reach dst are the bytes hashed.
- * *ok is 0 when the state could not be allocated (the only way it can fail). */
+ *    this process): then the bytes that reach dst are the bytes hashed. */
 static uint64_t copy_checksum(uint8_t *dst, const uint8_t *src, size_t n, const uint8_t *key, size_t klen,
-                              const uint8_t *head, int stream, int *ok) {
-    XXH3_state_t *st = XXH3_createState();
-    if (st == NULL) {
-        *ok = 0;
-        return 0;
-    }
-    XXH3_64bits_reset(st);
-    XXH3_UPDATE(st, key, klen);
-    XXH3_UPDATE(st, head, PREFIX);
-    if (get_le(head + 4, 2) == TENANT_VERSION) XXH3_UPDATE(st, head + TENANT_AT, HEADER_SIZE - TENANT_AT);
-    if (dst == NULL) { /* the checksum alone: the payload stays where it is */
-        XXH3_UPDATE(st, src, n);
-        n = 0;
-    }
+                              const uint8_t *head, const version_rule *v, int stream) {
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_UPDATE(&st, key, klen);
+    for (Py_ssize_t i = 0; i < v->nhashed; i++)
+        XXH3_UPDATE(&st, head + v->hashed[i].a, (size_t)(v->hashed[i].b - v->hashed[i].a));
     for (size_t off = 0; off < n; off += STEP) {
         size_t len = n - off < STEP ? n - off : STEP;
 #if CAN_STREAM
         if (stream) {
-            XXH3_UPDATE(st, src + off, len);
+            XXH3_UPDATE(&st, src + off, len);
             stream_copy(dst + off, src + off, len);
             continue;
         }
 #endif
         memcpy(dst + off, src + off, len);
-        XXH3_UPDATE(st, dst + off, len);
+        XXH3_UPDATE(&st, dst + off, len);
     }
 #if CAN_STREAM
     if (stream) _mm_sfence(); /* the streamed stores are visible before the caller reports the copy */
 #endif
-    uint64_t h = XXH3_64bits_digest(st);
-    XXH3_freeState(st);
-    *ok = 1;
-    return h;
+    return XXH3_64bits_digest(&st);
 }
 
-/* The 20 header bytes 8..27 of a stored key: its fingerprint, then its group little-endian. */
-static void header_ids(const uint8_t *key, size_t klen, uint8_t *out) {
-    memcpy(out, key, FP_BYTES);
-    for (int i = 0; i < GROUP_BYTES; i++) out[FP_BYTES + i] = key[klen - 1 - i];
+/* The rule of a header's version, or NULL: not a header of a version this module checks. */
+static const version_rule *header_rule(const uint8_t *h, const uint8_t *key, size_t klen, uint64_t n) {
+    if (memcmp(h + L.magic_at, L.magic, (size_t)L.magic_len) != 0) return NULL;
+    if (get_le(h + L.header_size.at, L.header_size.width) != (uint64_t)L.header) return NULL;
+    if (get_le(h + L.length.at, L.length.width) != n) return NULL;
+    Py_ssize_t fp = L.fingerprint.b - L.fingerprint.a, group = L.group.b - L.group.a;
+    if (memcmp(h + L.fingerprint.a, key, (size_t)fp) != 0) return NULL;
+    for (Py_ssize_t i = 0; i < group; i++)
+        if (h[L.group.a + i] != key[klen - 1 - (size_t)i]) return NULL;
+    uint64_t version = get_le(h + L.version.at, L.version.width);
+    for (Py_ssize_t i = 0; i < L.nversions; i++) {
+        const version_rule *v = &L.versions[i];
+        if (v->version != version) continue;
+        if (get_le(h + L.flags.at, L.flags.width) & v->refused) return NULL;
+        return is_zero(h + v->zero.a, v->zero.b - v->zero.a) ? v : NULL;
+    }
+    return NULL;
 }
+
+/* A record's checked copy, on plain memory, the GIL held or not: its header ``h``, its payload
+ * ``p`` of n bytes, delivered into out (dlen bytes) if it is good for key. Returns the payload
+ * length, -1 (not a good record for key: out's first n bytes zeroed if any landed) or -2 (a good
+ * header, a payload longer than out: nothing copied). A payload under STREAM_AT is copied, then
+ * hashed where it landed; a larger one is hashed piece by piece where it is as each piece is
+ * streamed out (copy_checksum). Which header field is wrong is for format.verify_record to say
+ * (the C answer is only -1). */
+static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, const uint8_t *key, size_t klen,
+                              uint8_t *out, Py_ssize_t dlen) {
+    const version_rule *v = header_rule(h, key, klen, (uint64_t)n);
+    if (v == NULL) return -1;
+    if (n > dlen) return -2;
+    uint64_t want = get_le(h + L.checksum.at, L.checksum.width);
+    uint64_t got = copy_checksum(out, p, (size_t)n, key, klen, h, v, n >= STREAM_AT);
+    if (got != want) {
+        memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
+        return -1;
+    }
+    return n;
+}
+
+static Py_ssize_t check_copy(const uint8_t *r, Py_ssize_t rlen, const uint8_t *key, size_t klen, uint8_t *out,
+                             Py_ssize_t dlen) {
+    if (rlen < L.header) return -1;
+    return check_parts(r, r + L.header, rlen - L.header, key, klen, out, dlen);
+}
+
+/* ---- arguments ---- */
 
 static int key_arg(PyObject *obj, const uint8_t **key, Py_ssize_t *klen) {
     if (!PyBytes_Check(obj)) {
@@ -150,7 +330,8 @@ static int key_arg(PyObject *obj, const uint8_t **key, Py_ssize_t *klen) {
         return -1;
     }
     *klen = PyBytes_GET_SIZE(obj);
-    if (*klen < FP_BYTES + GROUP_BYTES) {
+    Py_ssize_t least = (L.fingerprint.b - L.fingerprint.a) + (L.group.b - L.group.a);
+    if (*klen < least) {
         PyErr_Format(PyExc_ValueError, "key of %zd bytes is shorter than a stored key", *klen);
         return -1;
     }
@@ -168,78 +349,12 @@ static int two_buffers(PyObject *a, Py_buffer *ba, int fa, PyObject *b, Py_buffe
     return 0;
 }
 
-/* The GIL is let go for a copy of RELEASE_AT bytes or more (below that, taking it back costs more
- * than the copy): ``unlocked(n)`` before the work, ``relock(state)`` after it. */
+/* The GIL is let go for RELEASE_AT bytes or more (below that, taking it back costs more than the
+ * copy): ``unlocked(n)`` before the work, ``relock(state)`` after it. */
 static PyThreadState *unlocked(Py_ssize_t n) { return n >= RELEASE_AT ? PyEval_SaveThread() : NULL; }
 
 static void relock(PyThreadState *state) {
     if (state != NULL) PyEval_RestoreThread(state);
-}
-
-/* The header of a record for ``key`` with an n-byte payload, all but its checksum (bytes 40..47,
- * zero until the payload is hashed): version 1 for the default tenant (0), else version 2 with
- * the tenant in bytes 48..55. */
-static void write_header(uint8_t *out, const uint8_t *key, size_t klen, uint64_t n, uint32_t flags, uint64_t tenant) {
-    memcpy(out, "TKVR", 4);
-    put_le(out + 4, tenant ? TENANT_VERSION : FORMAT_VERSION, 2);
-    put_le(out + 6, HEADER_SIZE, 2);
-    header_ids(key, klen, out + 8);
-    put_le(out + 28, flags, 4);
-    put_le(out + 32, n, 8);
-    memset(out + 40, 0, HEADER_SIZE - 40);
-    put_le(out + TENANT_AT, tenant, 8);
-}
-
-/* A tenant argument (an int of 64 bits), or -1 with an exception set. */
-static int tenant_arg(PyObject *obj, uint64_t *tenant) {
-    unsigned long long t = PyLong_AsUnsignedLongLong(obj);
-    if (t == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *tenant = (uint64_t)t;
-    return 0;
-}
-
-/* encode_into(dst, key, payload, flags, tenant=0) -> record length
- * Writes the header and the payload for ``key`` into ``dst`` (format.encode_record_into). */
-static PyObject *encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 && nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "encode_into(dst, key, payload, flags, tenant=0)");
-        return NULL;
-    }
-    uint64_t tenant = 0;
-    if (nargs == 5 && tenant_arg(args[4], &tenant) < 0) return NULL;
-    const uint8_t *key;
-    Py_ssize_t klen;
-    if (key_arg(args[1], &key, &klen) < 0) return NULL;
-    unsigned long flags = PyLong_AsUnsignedLong(args[3]);
-    if (flags == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    if (flags > 0xffffffffUL) {
-        PyErr_SetString(PyExc_OverflowError, "flags must fit 32 bits");
-        return NULL;
-    }
-    Py_buffer dst, src;
-    if (two_buffers(args[0], &dst, PyBUF_WRITABLE, args[2], &src, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t n = src.len, total = HEADER_SIZE + src.len;
-    PyObject *result = NULL;
-    if (dst.len < total) {
-        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the record (%zd)", dst.len, total);
-        goto done;
-    }
-    uint8_t *out = (uint8_t *)dst.buf;
-    write_header(out, key, (size_t)klen, (uint64_t)n, (uint32_t)flags, tenant);
-    int ok;
-    PyThreadState *state = unlocked(n);
-    uint64_t h = copy_checksum(out + HEADER_SIZE, src.buf, (size_t)n, key, (size_t)klen, out, 0, &ok);
-    relock(state);
-    if (!ok) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    put_le(out + 40, h, 8);
-    result = PyLong_FromSsize_t(total);
-done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    return result;
 }
 
 /* A new list of the n integers v[0..n), or NULL with an exception set. */
@@ -255,158 +370,12 @@ static PyObject *int_list(const Py_ssize_t *v, Py_ssize_t n) {
     return list;
 }
 
-/* The work of encode_many (apart == 0) and heads_many (apart == 1): per (key, payload) or
- * (key, payload, tenant) of the list ``items`` (flags 0), one after another from the start of
- * ``dst``, the whole record
- * (header, then the payload copied) or the header alone (the payload left where it is), the GIL
- * released once for every copy and checksum of the call. Returns where each record ends in
- * ``dst`` (apart: each payload's length). Nothing is written unless every item is good and all
- * fit. */
-static PyObject *encode_batch(PyObject *const *args, Py_ssize_t nargs, int apart) {
-    if (nargs != 2 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, apart ? "heads_many(dst, items: list)" : "encode_many(dst, items: list)");
-        return NULL;
-    }
-    PyObject *items = args[1], *result = NULL;
-    Py_ssize_t count = PyList_GET_SIZE(items), held = 0, total = 0;
-    int ok = 1;
-    Py_buffer dst;
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
-    /* per item its payload's buffer and its key (a reference held: the list may change while
-     * the GIL is let go, the keys and buffers stay) */
-    Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
-    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
-    Py_ssize_t *ends = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_ssize_t));
-    uint64_t *tenants = PyMem_Calloc(count ? (size_t)count : 1, sizeof(uint64_t));
-    if (bufs == NULL || keys == NULL || ends == NULL || tenants == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; held < count; held++) {
-        PyObject *item = PyList_GET_ITEM(items, held);
-        const uint8_t *key;
-        Py_ssize_t klen;
-        if (!PyTuple_Check(item) || (PyTuple_GET_SIZE(item) != 2 && PyTuple_GET_SIZE(item) != 3)) {
-            PyErr_Format(PyExc_TypeError, "item %zd is not a (key, payload) pair or (key, payload, tenant)", held);
-            goto done;
-        }
-        if (PyTuple_GET_SIZE(item) == 3 && tenant_arg(PyTuple_GET_ITEM(item, 2), &tenants[held]) < 0) goto done;
-        if (key_arg(PyTuple_GET_ITEM(item, 0), &key, &klen) < 0) goto done;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
-        keys[held] = Py_NewRef(PyTuple_GET_ITEM(item, 0));
-        total += bufs[held].len;
-    }
-    Py_ssize_t need = HEADER_SIZE * count + (apart ? 0 : total);
-    if (dst.len < need) {
-        PyErr_Format(PyExc_ValueError, "destination of %zd bytes is smaller than the %s (%zd)", dst.len,
-                     apart ? "headers" : "records", need);
-        goto done;
-    }
-    PyThreadState *state = unlocked(total);
-    uint8_t *out = (uint8_t *)dst.buf;
-    for (Py_ssize_t i = 0; i < count && ok; i++) {
-        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
-        size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]), n = (size_t)bufs[i].len;
-        write_header(out, key, klen, n, 0, tenants[i]);
-        uint64_t h = copy_checksum(apart ? NULL : out + HEADER_SIZE, bufs[i].buf, n, key, klen, out, 0, &ok);
-        put_le(out + 40, h, 8);
-        out += HEADER_SIZE + (apart ? 0 : n);
-        ends[i] = apart ? (Py_ssize_t)n : out - (uint8_t *)dst.buf;
-    }
-    relock(state);
-    if (!ok)
-        PyErr_NoMemory();
-    else
-        result = int_list(ends, count);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[i]);
-        Py_XDECREF(keys[i]);
-    }
-    PyMem_Free(bufs);
-    PyMem_Free(keys);
-    PyMem_Free(ends);
-    PyMem_Free(tenants);
-    PyBuffer_Release(&dst);
-    return result;
-}
-
-/* encode_many(dst, items) -> list of record ends
- * Encodes each (key, payload) of the list ``items`` (flags 0), one record after another from the
- * start of ``dst`` (encode_batch). */
-static PyObject *encode_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return encode_batch(args, nargs, 0);
-}
-
-/* heads_many(dst, items) -> list of payload lengths
- * Writes the 64-byte header of each (key, payload) of the list ``items``, one after another from
- * the start of ``dst``, the payloads left where they are: a record kept as its header and its
- * payload apart (the LMDB tier's layout; encode_batch). */
-static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return encode_batch(args, nargs, 1);
-}
-
-/* verify_copy(record, key, dst) -> payload length, -1 (not a good record for key), -2 (does not
- * fit dst)
- * Checks the header against ``key`` and copies the payload to the start of ``dst`` with its
- * checksum: a payload under STREAM_AT is copied, then hashed where it landed; a larger one is
- * hashed piece by piece in ``record`` as each piece is streamed out (copy_checksum). A record
- * that fails leaves ``dst``'s first bytes zeroed: no damaged byte stays where it landed. Which
- * header field is wrong is for format.verify_record to say (it raises, naming it). */
-/* The work of verify_copy on plain memory, the GIL held or not: the payload length, -1 (not a
- * good record for key: dst's first bytes zeroed if any landed) or -2 (does not fit dst).
- * *ok is 0 when the hash state could not be allocated. */
-static Py_ssize_t check_parts(const uint8_t *h, const uint8_t *p, Py_ssize_t n, const uint8_t *key, size_t klen,
-                              uint8_t *out, Py_ssize_t dlen, int *ok) {
-    static const uint8_t zero[HEADER_SIZE - 48] = {0};
-    uint8_t ids[FP_BYTES + GROUP_BYTES];
-    header_ids(key, klen, ids);
-    uint64_t version = get_le(h + 4, 2);
-    if (memcmp(h, "TKVR", 4) != 0 || (version != FORMAT_VERSION && version != TENANT_VERSION) ||
-        get_le(h + 6, 2) != HEADER_SIZE || memcmp(h + 8, ids, sizeof ids) != 0 || get_le(h + 32, 8) != (uint64_t)n)
-        return -1;
-    if (version == FORMAT_VERSION ? memcmp(h + 48, zero, 16) != 0  /* version 1: bytes 48..63 zero */
-                                  : (get_le(h + 28, 4) & FLAG_SEALED) != 0 || memcmp(h + 56, zero, 8) != 0)
-        return -1;
-    if (n > dlen) return -2;
-    uint64_t want = get_le(h + 40, 8);
-    uint64_t got = copy_checksum(out, p, (size_t)n, key, klen, h, n >= STREAM_AT, ok);
-    if (!*ok || got != want) {
-        memset(out, 0, (size_t)n); /* nothing unchecked stays where it landed */
-        return -1;
-    }
-    return n;
-}
-
-static Py_ssize_t check_copy(const uint8_t *r, Py_ssize_t rlen, const uint8_t *key, size_t klen, uint8_t *out,
-                             Py_ssize_t dlen, int *ok) {
-    if (rlen < HEADER_SIZE) return -1;
-    return check_parts(r, r + HEADER_SIZE, rlen - HEADER_SIZE, key, klen, out, dlen, ok);
-}
-
-static PyObject *verify_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "verify_copy(record, key, dst)");
-        return NULL;
-    }
-    const uint8_t *key;
-    Py_ssize_t klen;
-    if (key_arg(args[1], &key, &klen) < 0) return NULL;
-    Py_buffer rec, dst;
-    if (two_buffers(args[0], &rec, PyBUF_SIMPLE, args[2], &dst, PyBUF_WRITABLE) < 0) return NULL;
-    int ok = 1;
-    PyThreadState *state = unlocked(rec.len);
-    Py_ssize_t result = check_copy(rec.buf, rec.len, key, (size_t)klen, dst.buf, dst.len, &ok);
-    relock(state);
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&rec);
-    return ok ? PyLong_FromSsize_t(result) : PyErr_NoMemory();
-}
+/* ---- checked copies of records in memory ---- */
 
 /* The work of verify_many (apart == 0: args records, keys, dsts) and verify_parts_many
- * (apart == 1: args heads, payloads, keys, dsts[, head_at]): verify_copy for each item, the GIL
- * let go once for every check and copy of the call. A record kept apart has its header at
- * head_at (default 0) in heads[i], which must be exactly head_at + 64 bytes long, else the
+ * (apart == 1: args heads, payloads, keys, dsts[, head_at]): check_copy or check_parts for each
+ * item, the GIL let go once for every check and copy of the call. A record kept apart has its header at
+ * head_at (default 0) in heads[i], which must be exactly head_at + the header long, else the
  * record is not good (-1). */
 static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart) {
     Py_ssize_t lists = apart ? 4 : 3, count = 0, head_at = 0;
@@ -419,6 +388,7 @@ static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart
                                                : "verify_many(records: list, keys: list, dsts: list), of one length");
         return NULL;
     }
+    if (need_layout() < 0) return NULL;
     if (nargs == lists + 1) {
         head_at = PyLong_AsSsize_t(args[lists]);
         if (head_at == -1 && PyErr_Occurred()) return NULL;
@@ -431,7 +401,6 @@ static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart
     PyObject *const *srcs = args + apart, *keylist = args[lists - 2], *dstlist = args[lists - 1];
     Py_ssize_t held = 0, total = 0;
     PyObject *result = NULL;
-    int ok = 1;
     /* per item 3 buffers (header or nothing, record or payload, destination) and its key (held:
      * the lists may change while the GIL is let go, the keys and buffers stay) */
     Py_buffer *bufs = PyMem_Calloc(3 * (size_t)(count ? count : 1), sizeof(Py_buffer));
@@ -456,22 +425,19 @@ static PyObject *verify_batch(PyObject *const *args, Py_ssize_t nargs, int apart
         total += b[1].len;
     }
     PyThreadState *state = unlocked(total);
-    for (Py_ssize_t i = 0; i < count && ok; i++) {
+    for (Py_ssize_t i = 0; i < count; i++) {
         Py_buffer *b = &bufs[3 * i];
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
         size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]);
         if (!apart)
-            got[i] = check_copy(b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
-        else if (b[0].len != head_at + HEADER_SIZE)
+            got[i] = check_copy(b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len);
+        else if (b[0].len != head_at + L.header)
             got[i] = -1;
         else
-            got[i] = check_parts((const uint8_t *)b[0].buf + head_at, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len, &ok);
+            got[i] = check_parts((const uint8_t *)b[0].buf + head_at, b[1].buf, b[1].len, key, klen, b[2].buf, b[2].len);
     }
     relock(state);
-    if (!ok)
-        PyErr_NoMemory();
-    else
-        result = int_list(got, count);
+    result = int_list(got, count);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
         for (int j = apart ? 0 : 1; j < 3; j++) PyBuffer_Release(&bufs[3 * i + j]);
@@ -483,15 +449,18 @@ done:
     return result;
 }
 
-/* verify_many(records, keys, dsts) -> list of verify_copy's answers
- * verify_copy for each (record, key, dst) of three lists of one length (verify_batch). */
+/* verify_many(records, keys, dsts) -> list of payload lengths, -1 (not a good record for its key)
+ * or -2 (a good header, a payload longer than its destination: nothing copied)
+ * check_copy of each (record, key, dst) of three lists of one length (verify_batch): the LMDB
+ * tier's records held whole (header beside payload), read in its read transaction. */
 static PyObject *verify_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return verify_batch(args, nargs, 0);
 }
 
-/* verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_copy's answers
- * verify_many for records kept as a header and a payload apart (heads[i] holds the 64-byte
- * header of payloads[i] at head_at; verify_batch). */
+/* verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_many's answers
+ * verify_many for records kept as a header and a payload apart (heads[i] holds the header of
+ * payloads[i] at head_at; verify_batch): the LMDB tier's records, their headers at the end of
+ * their access entries. */
 static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return verify_batch(args, nargs, 1);
 }
@@ -528,131 +497,23 @@ static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+/* ---- records in record files (the LMDB tier's large batches, written by format.write_records) ---- */
 
-/* ---- record files (the LMDB tier's large batches: a file of records beside the index) ---- */
-
-#define IOV_BATCH 512 /* iovecs per pwritev (IOV_MAX is 1024 on Linux) */
-
-/* Writes all of iov[0..cnt) at offset *off of fd (short writes resumed; *off advanced): 0, or -1
- * with errno set. */
-static int write_all(int fd, struct iovec *iov, int cnt, off_t *off) {
-    while (cnt > 0) {
-        ssize_t w = pwritev(fd, iov, cnt, *off);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        *off += w;
-        while (cnt > 0 && (size_t)w >= iov->iov_len) {
-            w -= (ssize_t)iov->iov_len;
-            iov++;
-            cnt--;
-        }
-        if (cnt > 0) {
-            iov->iov_base = (uint8_t *)iov->iov_base + w;
-            iov->iov_len -= (size_t)w;
-        }
-    }
-    return 0;
-}
-
-/* One record file: created (never an existing one), or with ``reuse`` an existing file
- * overwritten from its start (never made shorter: a reader may have it mapped, and a map past
- * the end of its file faults); each header then its payload, synced when asked; on a failure
- * the file is removed (never a partial file under its name). */
-static int write_records(const char *path, const uint8_t *heads, Py_buffer *bufs, Py_ssize_t count, int sync,
-                         int reuse) {
-    int fd = open(path, reuse ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) return -1;
-    struct iovec iov[2 * IOV_BATCH];
-    off_t off = 0;
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < count && rc == 0;) {
-        int cnt = 0;
-        for (; i < count && cnt < 2 * IOV_BATCH; i++) {
-            iov[cnt].iov_base = (void *)(heads + HEADER_SIZE * i);
-            iov[cnt++].iov_len = HEADER_SIZE;
-            iov[cnt].iov_base = bufs[i].buf;
-            iov[cnt++].iov_len = (size_t)bufs[i].len;
-        }
-        rc = write_all(fd, iov, cnt, &off);
-    }
-    if (rc == 0 && sync) rc = fdatasync(fd);
-    int saved = errno;
-    if (close(fd) < 0 && rc == 0) {
-        rc = -1;
-        saved = errno;
-    }
-    if (rc < 0) unlink(path);
-    errno = saved;
-    return rc;
-}
-
-/* write_records(path, heads, payloads, sync, reuse=False) -> None
- * Creates the file ``path`` (str or bytes; must not exist; with ``reuse``, an existing file
- * overwritten from its start, never shortened) holding, one after another, each record: heads' i-th 64 bytes,
- * then payloads[i]; fdatasync'd when ``sync``. The GIL is let go for the whole write. On a
- * failure the file is removed and OSError, naming it, raised. */
-static PyObject *write_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if ((nargs != 4 && nargs != 5) || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "write_records(path, heads, payloads: list, sync, reuse=False)");
-        return NULL;
-    }
-    int sync = PyObject_IsTrue(args[3]);
-    if (sync < 0) return NULL;
-    int reuse = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
-    if (reuse < 0) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(args[2]), held = 0;
-    PyObject *result = NULL, *name = NULL;
-    Py_buffer heads, *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
-    int have_heads = 0, rc = 0;
-    if (bufs == NULL) return PyErr_NoMemory();
-    if (!PyUnicode_FSConverter(args[0], &name)) goto done;
-    if (PyObject_GetBuffer(args[1], &heads, PyBUF_SIMPLE) < 0) goto done;
-    have_heads = 1;
-    if (heads.len < HEADER_SIZE * count) {
-        PyErr_Format(PyExc_ValueError, "heads of %zd bytes is short of %zd headers", heads.len, count);
-        goto done;
-    }
-    for (; held < count; held++)
-        if (PyObject_GetBuffer(PyList_GET_ITEM(args[2], held), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    rc = write_records(PyBytes_AS_STRING(name), heads.buf, bufs, count, sync, reuse);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, args[0]);
-    else
-        result = Py_NewRef(Py_None);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&bufs[i]);
-    if (have_heads) PyBuffer_Release(&heads);
-    Py_XDECREF(name);
-    PyMem_Free(bufs);
-    return result;
-}
-
-/* read_records(paths, offsets, sizes, keys, dsts) -> list
- * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] (as
- * write_records wrote it) into dsts[i], checked for keys[i], as verify_copy does (the header
- * checked, the payload hashed where it is and streamed out); per item the payload length, -1
- * (not a good record for its key, or the file ends before it), -2 (does not fit) or an OSError
- * naming the path (FileNotFoundError: removed meanwhile). Each run of items in one file maps the
- * part of the file they span once (read-only, populated in one go: page-cache pages, no copy into
- * a bounce buffer). The GIL is let go once for all of them. The files must not shrink meanwhile
- * (tieredkv never truncates one; blocks given back read as zeros: a record that fails).
- * A file another writer changes during the call (a dead record's blocks punched, a spare written
- * over) can change a piece between its hash and its copy: what is delivered then verified without
- * being what was hashed. The caller rules that out after the call (the LMDB tier checks that each
- * record is still where it was read from: a writer changes a file only after the records there
- * have left it). Hashing what landed instead cost a third of the read's speed (measured). */
 /* The reads of read_records and read_placed, the GIL let go by the caller: item i is the record of
  * lens[i] bytes at offs[i] of file paths[i] (a run of items in one file, next to each other, maps
- * the part of it they span once), delivered into bufs[i] checked for keys[i]; got[i] as
- * read_records returns it, -3 for an OSError of errno errs[i]. */
+ * the part of it they span once: read-only, populated in one go, page-cache pages and no bounce
+ * buffer), delivered into bufs[i] checked for keys[i] as check_copy checks one; got[i] as
+ * read_records returns it, -3 for an OSError of errno errs[i]. The files must not shrink meanwhile
+ * (tieredkv never truncates one; blocks given back read as zeros: a record that fails). A file
+ * another writer changes during the call (a dead record's blocks punched, a spare written over)
+ * can change a piece between its hash and its copy: what is delivered then verified without being
+ * what was hashed. The caller rules that out after the call (the LMDB tier checks that each record
+ * is still where it was read from: a writer changes a file only after the records there have left
+ * it). Hashing what landed instead cost a third of the read's speed (measured). */
 static void read_core(Py_ssize_t count, char *const *paths, const uint64_t *offs, const uint64_t *lens,
-                      PyObject *const *keys, Py_buffer *bufs, Py_ssize_t *got, int *errs, int *ok) {
-    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
-    for (Py_ssize_t i = 0; i < count && *ok;) {
+                      PyObject *const *keys, Py_buffer *bufs, Py_ssize_t *got, int *errs) {
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), header = (uint64_t)L.header;
+    for (Py_ssize_t i = 0; i < count;) {
         const char *path = paths[i];
         Py_ssize_t end = i + 1;
         while (end < count && strcmp(paths[end], path) == 0) end++;
@@ -661,7 +522,7 @@ static void read_core(Py_ssize_t count, char *const *paths, const uint64_t *offs
         int err = fd < 0 ? errno : (fstat(fd, &st) < 0 ? errno : 0);
         uint64_t lo = UINT64_MAX, hi = 0, fsize = err ? 0 : (uint64_t)st.st_size;
         for (Py_ssize_t j = i; j < end && !err; j++) {
-            if (lens[j] < HEADER_SIZE || offs[j] > fsize || lens[j] > fsize - offs[j]) continue; /* ends early */
+            if (lens[j] < header || offs[j] > fsize || lens[j] > fsize - offs[j]) continue; /* ends early */
             if (offs[j] < lo) lo = offs[j];
             if (offs[j] + lens[j] > hi) hi = offs[j] + lens[j];
         }
@@ -675,16 +536,16 @@ static void read_core(Py_ssize_t count, char *const *paths, const uint64_t *offs
             else
                 map = m;
         }
-        for (Py_ssize_t j = i; j < end && *ok; j++) {
+        for (Py_ssize_t j = i; j < end; j++) {
             if (err) {
                 got[j] = -3;
                 errs[j] = err;
-            } else if (lens[j] < HEADER_SIZE || offs[j] > fsize || lens[j] > fsize - offs[j]) {
+            } else if (lens[j] < header || offs[j] > fsize || lens[j] > fsize - offs[j]) {
                 got[j] = -1;
             } else {
                 const uint8_t *rec = map + (offs[j] - base);
                 got[j] = check_copy(rec, (Py_ssize_t)lens[j], (const uint8_t *)PyBytes_AS_STRING(keys[j]),
-                                    (size_t)PyBytes_GET_SIZE(keys[j]), bufs[j].buf, bufs[j].len, ok);
+                                    (size_t)PyBytes_GET_SIZE(keys[j]), bufs[j].buf, bufs[j].len);
             }
         }
         if (map != NULL) munmap(map, (size_t)(hi - base));
@@ -741,33 +602,18 @@ static void read_arrays_free(read_arrays *a, Py_ssize_t held) {
     PyMem_Free(a->errs);
 }
 
-/* read_core over the first n items of a, the GIL let go; 0, or -1 with MemoryError. */
-static int read_arrays_run(read_arrays *a, Py_ssize_t n) {
-    int ok = 1;
+/* read_core over the first n items of a, the GIL let go. */
+static void read_arrays_run(read_arrays *a, Py_ssize_t n) {
     Py_BEGIN_ALLOW_THREADS
-    read_core(n, a->paths, a->offs, a->lens, a->keys, a->bufs, a->got, a->errs, &ok);
+    read_core(n, a->paths, a->offs, a->lens, a->keys, a->bufs, a->got, a->errs);
     Py_END_ALLOW_THREADS
-    if (!ok) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
 }
 
 /* read_records(paths, offsets, sizes, keys, dsts) -> list
- * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] (as
- * write_records wrote it) into dsts[i], checked for keys[i], as verify_copy does (the header
- * checked, the payload hashed where it is and streamed out); per item the payload length, -1
- * (not a good record for its key, or the file ends before it), -2 (does not fit) or an OSError
- * naming the path (FileNotFoundError: removed meanwhile). Each run of items in one file maps the
- * part of the file they span once (read-only, populated in one go: page-cache pages, no copy into
- * a bounce buffer). The GIL is let go once for all of them. The files must not shrink meanwhile
- * (tieredkv never truncates one; blocks given back read as zeros: a record that fails).
- * A file another writer changes during the call (a dead record's blocks punched, a spare written
- * over) can change a piece between its hash and its copy: what is delivered then verified without
- * being what was hashed. The caller rules that out after the call (the LMDB tier checks that each
- * record is still where it was read from: a writer changes a file only after the records there
- * have left it). Hashing what landed instead cost a third of the read's speed (measured). */
+ * Delivers the record of sizes[i] bytes (header and payload) at offsets[i] of file paths[i] into
+ * dsts[i], checked for keys[i] (read_core); per item the payload length, -1 (not a good record
+ * for its key, or the file ends before it), -2 (does not fit) or an OSError naming the path
+ * (FileNotFoundError: removed meanwhile). The GIL is let go once for all of them. */
 static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int good = nargs == 5;
     for (Py_ssize_t j = 0; good && j < 5; j++)
@@ -777,6 +623,7 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
                         "read_records(paths: list, offsets: list, sizes: list, keys: list, dsts: list), of one length");
         return NULL;
     }
+    if (need_layout() < 0) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(args[0]), held = 0;
     PyObject *result = NULL, **names = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
     read_arrays a;
@@ -802,7 +649,7 @@ static PyObject *read_records_py(PyObject *self, PyObject *const *args, Py_ssize
         a.paths[held] = PyBytes_AS_STRING(names[held]);
         a.keys[held] = Py_NewRef(PyList_GET_ITEM(args[3], held));
     }
-    if (read_arrays_run(&a, count) < 0) goto done;
+    read_arrays_run(&a, count);
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
         PyObject *item = read_result(a.got[i], a.errs[i], PyList_GET_ITEM(args[0], i));
@@ -842,6 +689,7 @@ static PyObject *read_placed_py(PyObject *self, PyObject *const *args, Py_ssize_
                                              "layout: (entry_size, size_at, token_at, offset_at)), lists of one length");
         return NULL;
     }
+    if (need_layout() < 0) return NULL;
     static const char hex[] = "0123456789abcdef";
     Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, dlen = PyBytes_GET_SIZE(args[0]);
     size_t plen = (size_t)dlen + 1 + 32 + 1;
@@ -882,7 +730,7 @@ static PyObject *read_placed_py(PyObject *self, PyObject *const *args, Py_ssize_
         a.keys[held] = Py_NewRef(PyList_GET_ITEM(args[2], i));
         which[held++] = i;
     }
-    if (read_arrays_run(&a, held) < 0) goto done;
+    read_arrays_run(&a, held);
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) PyList_SET_ITEM(result, i, Py_NewRef(Py_None));
     for (Py_ssize_t j = 0; result != NULL && j < held; j++) {
@@ -905,22 +753,16 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"encode_into", (PyCFunction)(void (*)(void))encode_into, METH_FASTCALL,
-     "encode_into(dst, key, payload, flags, tenant=0) -> record length"},
-    {"encode_many", (PyCFunction)(void (*)(void))encode_many, METH_FASTCALL,
-     "encode_many(dst, items) -> list of record ends"},
-    {"heads_many", (PyCFunction)(void (*)(void))heads_many, METH_FASTCALL,
-     "heads_many(dst, items) -> list of payload lengths (headers only, payloads left in place)"},
-    {"verify_copy", (PyCFunction)(void (*)(void))verify_copy, METH_FASTCALL,
-     "verify_copy(record, key, dst) -> payload length, -1 (bad record) or -2 (does not fit)"},
+    {"set_layout", (PyCFunction)(void (*)(void))set_layout, METH_VARARGS | METH_KEYWORDS,
+     "set_layout(*, header, magic, magic_at, version, header_size, fingerprint, group, flags, length, checksum, "
+     "versions) -> None: the record layout (tieredkv.format.native_layout())"},
+    {"layout", layout, METH_NOARGS, "layout() -> dict of set_layout's arguments as held here, or None"},
     {"verify_many", (PyCFunction)(void (*)(void))verify_many, METH_FASTCALL,
-     "verify_many(records, keys, dsts) -> list of verify_copy's answers"},
+     "verify_many(records, keys, dsts) -> list of payload lengths, -1 (bad record) or -2 (does not fit)"},
     {"verify_parts_many", (PyCFunction)(void (*)(void))verify_parts_many, METH_FASTCALL,
-     "verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_copy's answers"},
+     "verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_many's answers"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
-    {"write_records", (PyCFunction)(void (*)(void))write_records_py, METH_FASTCALL,
-     "write_records(path, heads, payloads, sync, reuse=False) -> None (one file of records)"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,
      "read_placed(directory, entries, keys, dsts, layout) -> list: read_records of records placed by index entries"},
     {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,

@@ -8,15 +8,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), RESULTS / "HISTORY.md"]
 
 #: Link targets written on another branch of the same issue; while one is missing its links are
 #: left to ``test_pending_link_targets_exist`` (an expected failure). Remove an entry once it lands.
-PENDING = {"docs/native.md": "issue 43: the native helper's page, written on its own branch"}
+#: Pages linked before they are written (target -> why): none now.
+PENDING: dict[str, str] = {}
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _RESULT_FILE = re.compile(r"\b([a-z][a-z-]*-(?:\d{8}(?:T\d{4,6}Z)?[a-z-]*|10min))\.(json|md|png)\b")
@@ -90,7 +89,6 @@ def test_every_relative_link_resolves() -> None:
     assert not broken, "links in README.md / docs/ that lead nowhere:\n" + "\n".join(broken)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 43: docs/native.md is written on another branch")
 def test_pending_link_targets_exist() -> None:
     missing = sorted({_rel(dest) for _, _, _, dest, _ in links() if _pending(dest)})
     assert not missing, f"linked, not there yet: {missing} ({[PENDING[m] for m in missing]})"

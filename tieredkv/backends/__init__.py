@@ -1,15 +1,40 @@
-"""Tier backends: the Tier ABC, the registry and the built-in CPU, LMDB and Redis tiers."""
+"""Tier backends: the Tier ABC, the registry and the built-in CPU, LMDB and Redis tiers.
 
-from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
-from tieredkv.backends.registry import (
-    TierEntry,
-    build_tier,
-    get_tier_class,
-    known_kinds,
-    register_tier,
-    tier_capabilities,
-    tier_entry,
-)
+Every name is imported on first use, so importing a tier's config model
+(``tieredkv.backends.<kind>.config``, which loading a config does) imports neither the Tier
+contract nor any backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
+    from tieredkv.backends.registry import (
+        TierEntry,
+        build_tier,
+        get_tier_class,
+        known_kinds,
+        register_tier,
+        tier_capabilities,
+        tier_entry,
+    )
+
+_HOMES = {
+    "RecordInfo": "base",
+    "Tier": "base",
+    "TierCapabilities": "base",
+    "TierStats": "base",
+    "TierEntry": "registry",
+    "build_tier": "registry",
+    "get_tier_class": "registry",
+    "known_kinds": "registry",
+    "register_tier": "registry",
+    "tier_capabilities": "registry",
+    "tier_entry": "registry",
+}
 
 __all__ = [
     "RecordInfo",
@@ -24,3 +49,10 @@ __all__ = [
     "tier_capabilities",
     "tier_entry",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tieredkv.backends.{home}"), name)

@@ -20,36 +20,24 @@ A request's life:
   also for aborts), :meth:`~OffloadScheduler.plan_finished` (the next final plans, see below),
   :meth:`~OffloadScheduler.remove_request`, :meth:`~OffloadScheduler.reset`.
 
-Rules the scheduler guarantees by construction:
+Rules (the core's, see :mod:`tieredkv.planner.store` and :mod:`tieredkv.planner.lookup`): a chunk
+is planned for store only when its key exists and every one of its GPU blocks is non-null; a
+group's cursor passes a chunk only when the store accepted it, already had it, or it can never
+become whole (a null block, out of the group's window for good or the request over), so a
+refused chunk is offered again, never skipped; a lookup answers 0 or a boundary that is whole
+chunks in every group and backed by stored chunks (the last known token is recomputed), and its
+misses are fed back (an evicted chunk -- in a full-attention group with every later one -- is
+storable again).
 
-1. A chunk is planned for store only when every one of its GPU blocks is non-null
-   and its key exists (hashes may lag blocks).
-2. A group's cursor passes a chunk only when the store accepted it, already had
-   it, or it can never become whole (it has a null block and has left the
-   group's window for good, or the request is over). A refused chunk stays
-   below the cursor and is offered again on the next plan.
-3. A lookup answers 0 or a boundary that is whole chunks in every group and
-   backed by stored chunks; the last known token is always recomputed.
-4. A lookup's misses are fed back: a chunk the request had stored that the
-   lookup finds missing (evicted) is storable again -- in a full-attention
-   group with every later chunk, which the lookup did not confirm -- so a
-   preempted request stores what it recomputes instead of trusting stale marks.
-
-Bounded plans. A store plan visits (so offers) at most ``max_chunks_per_plan``
-chunks of a request (default 256; None: no bound), the oldest waiting (refused)
-chunks of each group first; a run of chunks that can never be stored (null
-blocks out of the window, e.g. before a loaded hit) is passed without counting.
-The bound is shared out over the groups by water-filling: a group gets at most
-what it can use (its waiting chunks plus the chunks past its scan position), the
-rest is split evenly, and a remainder smaller than the number of groups goes one
-chunk each starting at a group that rotates every plan -- so every group
-progresses, even with a bound smaller than the number of groups. A plan refused
-whole halves the request's bound (down to 1 chunk) and a plan with anything
-accepted or present doubles it back, so an all-or-nothing store with room for
-fewer chunks than the backlog drains it instead of refusing it forever. A bound
-below the chunks a step makes delays stores; in a sliding-window group a chunk
-that leaves the window before it is offered is lost, so size the bound above a
-step's chunks.
+Bounded plans. A store plan visits (so offers) at most ``max_chunks_per_plan`` chunks of a
+request (default 256; None: no bound), the oldest waiting (refused) chunks of each group first;
+a run of chunks that can never be stored (null blocks out of the window, e.g. before a loaded
+hit) is passed without counting. The bound is water-filled over the groups (a group gets at most
+what it can use, a remainder goes one chunk each from a group that rotates every plan), halved
+after a plan refused whole (down to 1) and doubled back after progress, so an all-or-nothing
+store with room for fewer chunks than the backlog drains it. A bound below the chunks a step
+makes delays stores; in a sliding-window group a chunk that leaves the window before it is
+offered is lost, so size the bound above a step's chunks.
 
 Finished requests. :meth:`~OffloadScheduler.finish_request` returns the first
 final plan; each whole chunk of a finished request is offered once (a refused
@@ -164,6 +152,11 @@ class OffloadScheduler:
         self.offload_prompt_only = offload_prompt_only
         self.max_chunks_per_plan = max_chunks_per_plan
         self._hpc = tuple(layout.hashes_per_chunk(i) for i in range(len(layout)))
+        # per group: tokens and blocks per chunk, reach (tokens), not full attention, index
+        self._geometry = tuple(
+            (g.tokens_per_chunk, g.blocks_per_chunk, g.reach_tokens, g.kind is not GroupKind.FULL, g.index)
+            for g in layout.groups
+        )
         self._reqs: dict[str, _Request] = {}
         #: The store-planning rules, shared with the vLLM connector (whole chunks, water-filled
         #: budget that halves after a plan refused whole).
@@ -372,23 +365,18 @@ class OffloadScheduler:
     def _plan(self, req: _Request, frontier: int, *, final: bool) -> StorePlan:
         offloadable = self._offloadable(req, frontier)
         facts = []
-        for spec, gs in zip(self.layout.groups, req.groups):
-            tpc, bpc = spec.tokens_per_chunk, spec.blocks_per_chunk
+        for (tpc, bpc, reach, windowed, _), gs in zip(self._geometry, req.groups):
             limit = min(offloadable // tpc, len(gs.block_ids) // bpc, len(gs.keys))
             if final:
                 final_below = limit  # the request is over: a chunk not whole now never will be
-            elif spec.reach_tokens is None:
+            elif reach is None:
                 final_below = 0
             else:  # chunk k left the window for good once (k + 1) * tpc + reach <= frontier
-                final_below = max(0, (frontier - spec.reach_tokens) // tpc)
-            facts.append(
-                GroupFacts(
-                    gs.keys, gs.block_ids, bpc, limit, final_below, None, final or spec.kind is not GroupKind.FULL
-                )
-            )
+                final_below = max(0, (frontier - reach) // tpc)
+            facts.append(GroupFacts(gs.keys, gs.block_ids, bpc, limit, final_below, None, final or windowed))
         offers = self.store_planner.plan(req.store, facts)
-        plans = tuple(GroupStorePlan(spec.index, tuple(chunks)) for spec, chunks in zip(self.layout.groups, offers))
-        return StorePlan(req.req_id, offloadable, plans)
+        plans = [GroupStorePlan(geo[4], tuple(chunks)) for geo, chunks in zip(self._geometry, offers)]
+        return StorePlan(req.req_id, offloadable, tuple(plans))
 
     @staticmethod
     def _limit(spec: GroupSpec, gs: _GroupState, offloadable: int) -> int:

@@ -136,7 +136,7 @@ class StorePlanner:
             if facts is None:
                 demand.append(0)
                 continue
-            if facts.skip_dead_run:
+            if facts.skip_dead_run and facts.final_below > led.scan:
                 _pass_dead_run(led, facts)
             if shared:
                 waiting = led.waiting  # at least as many chunks as candidates() would visit:
@@ -167,7 +167,8 @@ class StorePlanner:
     ) -> list[ChunkToStore]:
         """Visit the waiting chunks, then new ones from the scan position, at most ``budget``."""
         limit = facts.limit
-        if limit <= led.cursor:
+        waiting = led.waiting
+        if led.scan >= limit and (not waiting or waiting[0] >= limit):  # nothing below the cursor
             led.settle_scan()
             return []
         cands = led.candidates(limit, budget)
@@ -188,6 +189,7 @@ class StorePlanner:
         mask = facts.reach(lo, facts.limit) if facts.reach is not None else None
         partial = self.partial_chunks
         status = led.status
+        new_chunk = tuple.__new__  # ChunkToStore(...) without its Python-level __new__
         out: list[ChunkToStore] = []
         for k in cands:
             blocks = tuple(ids[k * bpc : (k + 1) * bpc])
@@ -216,7 +218,7 @@ class StorePlanner:
             if tally is not None and k < len(status) and status[k] == WAITING:
                 tally.keys_retried += 1  # offered before
             led.mark_waiting(k)
-            out.append(ChunkToStore(keys[k], k, blocks))
+            out.append(new_chunk(ChunkToStore, (keys[k], k, blocks)))
         return out
 
     # ---------------------------------------------------------------- settle

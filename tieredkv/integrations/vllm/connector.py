@@ -74,7 +74,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     GroupOffloadConfig,
     OffloadingConnectorScheduler,
     RequestOffloadState,
-    TransferJobStatus,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
@@ -83,7 +82,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
-    GPULoadStoreSpec,
     LookupResult,
     OffloadingManager,
     OffloadingSpec,
@@ -94,6 +92,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.request import Request, RequestStatus
 
 from tieredkv.groups import _check_int
+from tieredkv.integrations.vllm.connector_jobs import boundary_job, chunks_job, drop_unsent_jobs
 from tieredkv.integrations.vllm.tenants import set_request_tenant
 from tieredkv.planner import (
     ChunkToStore,
@@ -404,7 +403,6 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     ) -> None:
         """Offer the planned chunks to the manager; the core settles its answer; a store job
         carries what it accepted."""
-        req = status.req
         ctx = status.req_context
         keys = [c.key for chunks in offers for c in chunks]
         self.counters.store_passes += 1
@@ -422,59 +420,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         if answer.refused:
             self.counters.partial_accepts += 1  # refused for now: they stay waiting
         self.store_planner.settle(store, itertools.chain(accepted, answer.present))
-        if not accepted:
-            return
-        src: list[int] = []
-        group_sizes: list[int] = []
-        block_indices: list[int] = []
-        fenced: list[int] = []
-        deferred: list[int] = []
-        bpc = self.config.blocks_per_chunk
-        tracker = self._events_tracker
-        record = tracker.record_store if tracker.self_describing_enabled else None  # else a no-op
-        for cfg, chunks in zip(self._groups, offers):
-            windowed = cfg.sliding_window_size_in_chunks is not None
-            start: int | None = None
-            n = 0
-            for c in chunks:
-                if c.key not in accepted:
-                    continue
-                if record is not None:
-                    record(req, cfg, c.chunk_index, c.key)
-                for i, bid in enumerate(c.block_ids):
-                    if bid == 0:
-                        continue
-                    if start is None:
-                        start = c.chunk_index * bpc + i
-                    src.append(bid)
-                    n += 1
-                    (fenced if windowed else deferred).append(bid)
-            group_sizes.append(n)
-            block_indices.append(start or 0)
-        job_id = self._generate_job_id()
-        status.transfer_jobs.add(job_id)
-        if req.request_id not in self._req_status:  # a held request whose status vLLM dropped
-            self._req_status[req.request_id] = status
-        for bid in fenced:
-            self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
-        self._jobs[job_id] = TransferJobStatus(
-            req_id=req.request_id,
-            pending_count=self.config.num_workers,
-            keys=set(accepted),
-            is_store=True,
-            deferred_fence_block_ids=deferred,
-            fenced_block_ids=fenced or None,
-        )
-        store_jobs[job_id] = TransferJob(
-            req_id=req.request_id,
-            src_spec=GPULoadStoreSpec(src, group_sizes=group_sizes, block_indices=block_indices),
-            dst_spec=out.store_spec,
-        )
-        if req.is_finished():
-            for bid in deferred:
-                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
-                if bid in self._current_batch_allocated_block_ids:
-                    self._current_batch_jobs_to_flush.add(job_id)
+        if accepted:
+            job_id, store_jobs[job_id] = chunks_job(self, status, offers, accepted, out.store_spec)
 
     def _present(self, ctx: ReqContext, key: OffloadKey) -> bool:
         """Whether the manager holds ``key`` (a key it left out of ``keys_to_store``)."""
@@ -565,7 +512,6 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self.counters.handoffs_blocks_gone += gone
         self.counters.handoffs_given_up += given_up
         store_jobs: dict[int, TransferJob] = {}
-        num_groups = len(self.config.kv_group_configs)
         for h in pending:
             status = self._status(h.req_id)
             pos = self._pos_of_group.get(h.group_idx)
@@ -592,28 +538,9 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 self.counters.keys_present += 1
                 continue
             self.counters.keys_accepted += 1
-            job_id = self._generate_job_id()
-            status.transfer_jobs.add(job_id)
-            if req.request_id not in self._req_status:
-                self._req_status[req.request_id] = status
-            self._block_id_to_pending_jobs.setdefault(h.block_id, set()).add(job_id)
-            self._jobs[job_id] = TransferJobStatus(
-                req_id=h.req_id,
-                pending_count=self.config.num_workers,
-                keys={key},
-                is_store=True,
-                fenced_block_ids=[h.block_id],
+            job_id, store_jobs[job_id] = boundary_job(
+                self, status, pos, cfg, h.block_id, h.boundary, key, out.store_spec
             )
-            sizes = [0] * num_groups
-            sizes[pos] = 1
-            indices = [0] * num_groups
-            indices[pos] = h.boundary // cfg.tokens_per_block - 1
-            store_jobs[job_id] = TransferJob(
-                req_id=h.req_id,
-                src_spec=GPULoadStoreSpec([h.block_id], group_sizes=sizes, block_indices=indices),
-                dst_spec=out.store_spec,
-            )
-            self._events_tracker.record_store(req, cfg, h.boundary // cfg.tokens_per_chunk - 1, key)
         return store_jobs
 
     def _status(self, req_id: str) -> RequestOffloadState | None:
@@ -625,15 +552,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     # ------------------------------------------------------------------ reset
 
     def _reset_cache(self) -> None:
-        for job_id in self._early_store_jobs:  # never reached a worker: nothing to fence
-            job = self._jobs.pop(job_id, None)
-            if job is not None:
-                st = self._req_status.get(job.req_id)
-                if st is not None:
-                    st.transfer_jobs.discard(job_id)
-                # early jobs are of finished requests: both kinds of fence were registered
-                self._remove_pending_job(job_id, job.fenced_block_ids)
-                self._remove_pending_job(job_id, job.deferred_fence_block_ids)
+        drop_unsent_jobs(self, self._early_store_jobs)  # never reached a worker: nothing to fence
         self._early_store_jobs = {}
         for req_id in self._holds:
             self._unhold(req_id)

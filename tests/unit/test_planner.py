@@ -62,9 +62,9 @@ def test_library_planner_is_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append("plan")
         return plan(self, req, groups, tally)
 
-    def spy_settle(self: StorePlanner, req: RequestStore, done: Any, *, final: bool = False) -> bool:
+    def spy_settle(self: StorePlanner, req: RequestStore, done: Any, final: bool = False) -> bool:
         seen.append("settle")
-        return settle(self, req, done, final=final)
+        return settle(self, req, done, final)
 
     monkeypatch.setattr(StorePlanner, "plan", spy_plan)
     monkeypatch.setattr(StorePlanner, "settle", spy_settle)

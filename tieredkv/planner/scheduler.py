@@ -64,7 +64,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Sequence
 
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
-from tieredkv.keys import make_chunk_key
+from tieredkv.keys import group_suffix
 from tieredkv.planner.ledger import RequestStore
 from tieredkv.planner.load import check_load, plan_group_load
 from tieredkv.planner.lookup import plan_lookup
@@ -152,6 +152,7 @@ class OffloadScheduler:
         self.offload_prompt_only = offload_prompt_only
         self.max_chunks_per_plan = max_chunks_per_plan
         self._hpc = tuple(layout.hashes_per_chunk(i) for i in range(len(layout)))
+        self._suffixes = tuple(group_suffix(g.index) for g in layout.groups)  # what make_chunk_key appends
         # per group: tokens and blocks per chunk, reach (tokens), not full attention, index
         self._geometry = tuple(
             (g.tokens_per_chunk, g.blocks_per_chunk, g.reach_tokens, g.kind is not GroupKind.FULL, g.index)
@@ -350,7 +351,7 @@ class OffloadScheduler:
         req = self._reqs.get(req_id)
         if req is None:
             return
-        self.store_planner.settle(req.store, outcome.accepted | outcome.present, final=req.finished)
+        self.store_planner.settle(req.store, outcome.accepted | outcome.present, req.finished)
         if req.finished and not self._has_more(req):
             del self._reqs[req_id]
 
@@ -365,6 +366,7 @@ class OffloadScheduler:
     def _plan(self, req: _Request, frontier: int, *, final: bool) -> StorePlan:
         offloadable = self._offloadable(req, frontier)
         facts = []
+        new_facts = tuple.__new__  # GroupFacts(...) without its Python-level __new__
         for (tpc, bpc, reach, windowed, _), gs in zip(self._geometry, req.groups):
             limit = min(offloadable // tpc, len(gs.block_ids) // bpc, len(gs.keys))
             if final:
@@ -373,9 +375,13 @@ class OffloadScheduler:
                 final_below = 0
             else:  # chunk k left the window for good once (k + 1) * tpc + reach <= frontier
                 final_below = max(0, (frontier - reach) // tpc)
-            facts.append(GroupFacts(gs.keys, gs.block_ids, bpc, limit, final_below, None, final or windowed))
+            facts.append(
+                new_facts(GroupFacts, (gs.keys, gs.block_ids, bpc, limit, final_below, None, final or windowed))
+            )
         offers = self.store_planner.plan(req.store, facts)
-        plans = [GroupStorePlan(geo[4], tuple(chunks)) for geo, chunks in zip(self._geometry, offers)]
+        plans = []
+        for geo, chunks in zip(self._geometry, offers):
+            plans.append(GroupStorePlan(geo[4], tuple(chunks)))
         return StorePlan(req.req_id, offloadable, tuple(plans))
 
     @staticmethod
@@ -487,14 +493,18 @@ class OffloadScheduler:
             raise KeyError(f"unknown request {req_id!r}") from None
 
     def _append_hashes(self, req: _Request, block_hashes: Sequence[bytes]) -> None:
+        if len(block_hashes) == 0:
+            return  # no new hash: no new key, and the token count already covers the hashes
         for h in block_hashes:
             if not isinstance(h, bytes):
                 raise TypeError(f"block hashes must be bytes, got {type(h).__name__}")
         req.hashes.extend(block_hashes)
         req.num_tokens = max(req.num_tokens, len(req.hashes) * self.layout.tokens_per_hash)
-        n = len(req.hashes)
-        for spec, gs, hpc in zip(self.layout.groups, req.groups, self._hpc):
-            k = len(gs.keys)
-            while (k + 1) * hpc <= n:
-                gs.keys.append(make_chunk_key(req.hashes[(k + 1) * hpc - 1], spec.index))
+        hashes = req.hashes
+        n = len(hashes)
+        for suffix, gs, hpc in zip(self._suffixes, req.groups, self._hpc):
+            keys = gs.keys
+            k = len(keys)
+            while (k + 1) * hpc <= n:  # make_chunk_key: hash + group index, 4 bytes big-endian
+                keys.append(hashes[(k + 1) * hpc - 1] + suffix)
                 k += 1

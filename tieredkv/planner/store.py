@@ -155,42 +155,34 @@ class StorePlanner:
         offers: list[list[ChunkToStore]] = []
         pending: dict[bytes, tuple[int, int]] = {}
         for pos, (facts, led) in enumerate(zip(groups, req.ledgers)):
-            chunks = [] if facts is None else self._plan_group(led, facts, shares[pos], tally)
-            for chunk in chunks:
-                pending[chunk.key] = (pos, chunk.chunk_index)
-            offers.append(chunks)
+            out: list[ChunkToStore] = []
+            offers.append(out)
+            if facts is None:
+                continue
+            limit = facts.limit
+            waiting = led.waiting
+            if led.scan < limit or (waiting and waiting[0] < limit):  # else nothing below the cursor
+                # the oldest waiting chunks, then new ones from the scan position, at most the share
+                cands = led.candidates(limit, shares[pos])
+                if cands:
+                    cands.sort()  # waiting chunks past a forgotten one come first: offers ascend
+                    self._classify(led, facts, cands, tally, out)
+                    for c in out:
+                        pending[c[0]] = (pos, c[1])
+            led.settle_scan()  # e.g. loaded chunks, or stored before a rewind
         req.pending = pending
         return offers
 
-    def _plan_group(
-        self, led: ChunkLedger, facts: GroupFacts, budget: int | None, tally: StoreTally | None
-    ) -> list[ChunkToStore]:
-        """Visit the waiting chunks, then new ones from the scan position, at most ``budget``."""
-        limit = facts.limit
-        waiting = led.waiting
-        if led.scan >= limit and (not waiting or waiting[0] >= limit):  # nothing below the cursor
-            led.settle_scan()
-            return []
-        cands = led.candidates(limit, budget)
-        out: list[ChunkToStore] = []
-        if cands:
-            cands.sort()  # waiting chunks past a forgotten one come first: offers ascend
-            out = self._classify(led, facts, cands, tally)
-        led.settle_scan()  # e.g. loaded chunks, or stored before a rewind
-        return out
-
     def _classify(
-        self, led: ChunkLedger, facts: GroupFacts, cands: list[int], tally: StoreTally | None
-    ) -> list[ChunkToStore]:
-        """Sort candidates into offers, waiting and dead chunks (rules 1 and 2)."""
-        bpc, keys, ids = facts.blocks_per_chunk, facts.keys, facts.block_ids
-        final_below = facts.final_below
+        self, led: ChunkLedger, facts: GroupFacts, cands: list[int], tally: StoreTally | None, out: list[ChunkToStore]
+    ) -> None:
+        """Sort candidates into offers (appended to ``out``), waiting and dead chunks (rules 1, 2)."""
+        keys, ids, bpc, limit, final_below, reach, _ = facts
         lo = cands[0]
-        mask = facts.reach(lo, facts.limit) if facts.reach is not None else None
+        mask = reach(lo, limit) if reach is not None else None
         partial = self.partial_chunks
         status = led.status
         new_chunk = tuple.__new__  # ChunkToStore(...) without its Python-level __new__
-        out: list[ChunkToStore] = []
         for k in cands:
             blocks = tuple(ids[k * bpc : (k + 1) * bpc])
             sub = mask[(k - lo) * bpc : (k - lo + 1) * bpc] if mask is not None else None
@@ -219,11 +211,10 @@ class StorePlanner:
                 tally.keys_retried += 1  # offered before
             led.mark_waiting(k)
             out.append(new_chunk(ChunkToStore, (keys[k], k, blocks)))
-        return out
 
     # ---------------------------------------------------------------- settle
 
-    def settle(self, req: RequestStore, done: Iterable[bytes], *, final: bool = False) -> bool:
+    def settle(self, req: RequestStore, done: Iterable[bytes], final: bool = False) -> bool:
         """Apply the store's answer to the request's latest plan.
 
         ``done``: the planned keys the store accepted or already holds; they are done. Every other
@@ -233,14 +224,18 @@ class StorePlanner:
         Returns whether anything was done.
         """
         pending = req.pending
+        if not pending:
+            return False
+        ledgers = req.ledgers
         progressed = False
         for key in done:
             where = pending.get(key)
             if where is not None:
-                req.ledgers[where[0]].mark_done(where[1])
+                ledgers[where[0]].mark_done(where[1])
                 progressed = True
-        if pending and self.adaptive and req.budget is not None and self.max_chunks is not None:
-            req.budget = min(self.max_chunks, 2 * req.budget) if progressed else max(1, req.budget // 2)
+        budget = req.budget
+        if self.adaptive and budget is not None and self.max_chunks is not None:
+            req.budget = min(self.max_chunks, 2 * budget) if progressed else max(1, budget // 2)
         if final:
             for pos, k in pending.values():
                 led = req.ledgers[pos]

@@ -5,7 +5,7 @@ Primitives:
 - :class:`ChunkLedger` -- one group of one request: a status byte per chunk (unseen, waiting,
   done, dead), the scan position, the sorted waiting list and the store cursor.
 - :class:`RequestStore` -- one request: a ledger per group, the chunks of its latest store
-  plan (``pending``), the bound on the chunks its next plan may visit, and the group planned first.
+  plan (``offers``), the bound on the chunks its next plan may visit, and the group planned first.
 
 No vLLM import, no I/O: :mod:`tieredkv.planner.store` decides with these what to offer,
 :mod:`tieredkv.planner.lookup` feeds lookup misses back into them.
@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tieredkv.planner.plans import ChunkToStore
 
 __all__ = ["DEAD", "DONE", "UNSEEN", "WAITING", "ChunkLedger", "RequestStore"]
 
@@ -211,16 +215,16 @@ class RequestStore:
 
     Attributes:
         ledgers: One ledger per group, in the layout's (or the connector's group) order.
-        pending: Key -> (group position, chunk index) of the latest plan's chunks.
+        offers: The latest plan's chunks, per group (None: none since the last answer).
         budget: Chunks the next plan may visit (None: no bound).
         rotation: The group the next bounded plan starts its remainder at.
     """
 
-    __slots__ = ("budget", "ledgers", "pending", "rotation")
+    __slots__ = ("budget", "ledgers", "offers", "rotation")
 
     def __init__(self, num_groups: int, budget: int | None) -> None:
         self.ledgers = tuple(ChunkLedger() for _ in range(num_groups))
-        self.pending: dict[bytes, tuple[int, int]] = {}
+        self.offers: list[list[ChunkToStore]] | None = None
         self.budget = budget
         self.rotation = 0
 
@@ -247,7 +251,7 @@ class RequestStore:
 
     def reset(self, budget: int | None) -> None:
         """The store was emptied: every chunk is unseen again; outcomes of earlier plans are ignored."""
-        self.pending = {}
+        self.offers = None
         self.budget = budget
         for led in self.ledgers:
             led.reset()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple, Protocol
 
 from tieredkv.planner.ledger import WAITING, ChunkLedger, RequestStore
@@ -126,8 +126,8 @@ class StorePlanner:
     ) -> list[list[ChunkToStore]]:
         """The chunks to offer now, per group (None: a group this planner does not store).
 
-        Each group's chunks ascend. The plan replaces the request's earlier one (its ``pending``
-        keys): :meth:`settle` applies the store's answer to this one.
+        Each group's chunks ascend. The plan replaces the request's earlier one (its ``offers``):
+        :meth:`settle` applies the store's answer to this one.
         """
         budget = req.budget
         shared = budget is not None and self.shared
@@ -153,7 +153,7 @@ class StorePlanner:
             shares = share_out(budget, demand, req.rotation)
             req.rotation = (req.rotation + 1) % len(groups)
         offers: list[list[ChunkToStore]] = []
-        pending: dict[bytes, tuple[int, int]] = {}
+        offered = 0
         for pos, (facts, led) in enumerate(zip(groups, req.ledgers)):
             out: list[ChunkToStore] = []
             offers.append(out)
@@ -167,10 +167,9 @@ class StorePlanner:
                 if cands:
                     cands.sort()  # waiting chunks past a forgotten one come first: offers ascend
                     self._classify(led, facts, cands, tally, out)
-                    for c in out:
-                        pending[c[0]] = (pos, c[1])
+                    offered += len(out)
             led.settle_scan()  # e.g. loaded chunks, or stored before a rewind
-        req.pending = pending
+        req.offers = offers if offered else None
         return offers
 
     def _classify(
@@ -214,7 +213,7 @@ class StorePlanner:
 
     # ---------------------------------------------------------------- settle
 
-    def settle(self, req: RequestStore, done: Iterable[bytes], final: bool = False) -> bool:
+    def settle(self, req: RequestStore, done: Collection[bytes], final: bool = False) -> bool:
         """Apply the store's answer to the request's latest plan.
 
         ``done``: the planned keys the store accepted or already holds; they are done. Every other
@@ -223,25 +222,25 @@ class StorePlanner:
         the budget and one with progress doubles it back. Keys not in the latest plan are ignored.
         Returns whether anything was done.
         """
-        pending = req.pending
-        if not pending:
+        offers = req.offers
+        if offers is None:
             return False
-        ledgers = req.ledgers
+        req.offers = None
         progressed = False
-        for key in done:
-            where = pending.get(key)
-            if where is not None:
-                ledgers[where[0]].mark_done(where[1])
-                progressed = True
+        if done:
+            for led, chunks in zip(req.ledgers, offers):
+                for c in chunks:
+                    if c[0] in done:
+                        led.mark_done(c[1])
+                        progressed = True
         budget = req.budget
         if self.adaptive and budget is not None and self.max_chunks is not None:
             req.budget = min(self.max_chunks, 2 * budget) if progressed else max(1, budget // 2)
         if final:
-            for pos, k in pending.values():
-                led = req.ledgers[pos]
-                if not led.is_done(k):
-                    led.mark_dead(k)  # offered once: the engine frees the blocks
-        req.pending = {}
+            for led, chunks in zip(req.ledgers, offers):
+                for c in chunks:
+                    if not led.is_done(c[1]):
+                        led.mark_dead(c[1])  # offered once: the engine frees the blocks
         return progressed
 
 

@@ -53,7 +53,6 @@ Loaded by vLLM as ``"kv_connector": "TieredKVConnector", "kv_connector_module_pa
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -358,26 +357,30 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         else:
             frontier = req.num_computed_tokens + num_scheduled_tokens
         offloadable = self._calc_num_offloadable_tokens(status, frontier)
-        prompt_offloadable = self._calc_num_offloadable_tokens(status, req.num_prompt_tokens)
-        reachable: tuple[int, ...] = ()
-        if self.config.retention_interval is not None:
-            reachable = (req.num_prompt_tokens - 1,)
-            if req.shared_prefix_boundary:
-                reachable += (req.shared_prefix_boundary,)
         store = self._store_of(req.request_id)
         bpc = self.config.blocks_per_chunk
+        new_facts = tuple.__new__  # GroupFacts(...) without its Python-level __new__
         facts: list[GroupFacts | None] = []
-        for cfg, gs in zip(self._groups, status.group_states):
-            if cfg.requires_cow_source:
-                facts.append(None)  # Mamba "align" states come as boundary hand-offs
+        prompt_offloadable: int | None = None
+        reachable: tuple[int, ...] = ()
+        for cfg, gs, led in zip(self._groups, status.group_states, store.ledgers):
+            limit = 0 if cfg.requires_cow_source else status.storable_chunks(cfg, gs, offloadable)
+            if limit <= led.cursor:  # Mamba "align" states come as boundary hand-offs; or nothing to plan
+                facts.append(None)
                 continue
+            if prompt_offloadable is None:
+                prompt_offloadable = self._calc_num_offloadable_tokens(status, req.num_prompt_tokens)
+                if self.config.retention_interval is not None:
+                    reachable = (req.num_prompt_tokens - 1,)
+                    if req.shared_prefix_boundary:
+                        reachable += (req.shared_prefix_boundary,)
             reach = partial(self._reach, cfg, prompt_offloadable // cfg.tokens_per_chunk, finished, reachable)
-            limit = status.storable_chunks(cfg, gs, offloadable)
             # vLLM never hands a freed block back: a chunk not whole enough now never will be
-            facts.append(GroupFacts(gs.offload_keys, gs.block_ids, bpc, limit, sys.maxsize, reach))
-        offers = self.store_planner.plan(store, facts, self.counters)
-        if any(offers):
-            self._offer(status, store, offers, store_jobs)  # reads no cursor: synced once, after it
+            facts.append(new_facts(GroupFacts, (gs.offload_keys, gs.block_ids, bpc, limit, sys.maxsize, reach, False)))
+        if prompt_offloadable is not None:  # a group has chunks to plan
+            offers = self.store_planner.plan(store, facts, self.counters)
+            if any(offers):
+                self._offer(status, store, offers, store_jobs)  # reads no cursor: synced once, after it
         self._sync_cursors(status, store)
 
     def _reach(
@@ -419,7 +422,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self.counters.keys_present += len(answer.present)
         if answer.refused:
             self.counters.partial_accepts += 1  # refused for now: they stay waiting
-        self.store_planner.settle(store, itertools.chain(accepted, answer.present))
+        self.store_planner.settle(store, accepted.union(answer.present) if answer.present else accepted)
         if accepted:
             job_id, store_jobs[job_id] = chunks_job(self, status, offers, accepted, out.store_spec)
 
@@ -528,13 +531,13 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             self.counters.keys_offered += 1
             ctx = status.req_context
             out = self.manager.prepare_store([key], ctx)
-            answer = split_answer([key], None if out is None else out.keys_to_store, partial(self._present, ctx))
-            if out is None or answer.refused:
+            # split_answer's rule for one key: left out of keys_to_store, it is present or refused
+            if out is None or (not out.keys_to_store and not self._present(ctx, key)):
                 self.counters.refusals += out is None
                 self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
                 self._handoffs.refuse(h)  # offered again next step
                 continue
-            if answer.present:
+            if not out.keys_to_store:
                 self.counters.keys_present += 1
                 continue
             self.counters.keys_accepted += 1

@@ -593,7 +593,7 @@ def profile(sched_name: str, variant: str, cfg_path: Path, top: int = 25) -> str
     pr.disable()
     buf = io.StringIO()
     st = pstats.Stats(pr, stream=buf).sort_stats("tottime")
-    st.print_stats(r"tieredkv/(integrations|scheduler|keys|store|pipeline)", top)
+    st.print_stats(r"tieredkv/(integrations|planner|keys|store|pipeline)", top)
     return f"{variant} on {sched_name}: {r['steps']} steps\n" + buf.getvalue()
 
 

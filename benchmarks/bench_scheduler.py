@@ -23,7 +23,7 @@ import gc
 import time
 
 from tieredkv.groups import GroupLayout, GroupSpec
-from tieredkv.scheduler import OffloadScheduler, StoreOutcome
+from tieredkv.planner import OffloadScheduler, StoreOutcome
 
 TPH = 16
 LAYOUT = GroupLayout(

@@ -5,8 +5,9 @@ prompt is the previous prompt, the model's answer and a new user message, so lat
 and other conversations hit cached prefixes. The "model" has a full-attention group and a
 sliding-window group (optionally a mamba group) with different block sizes per chunk.
 
-A small engine loop stands in for vLLM: it admits requests, asks the adapter
-(:class:`~tieredkv.scheduler.OffloadScheduler`) for the longest hit that is whole chunks in
+A small engine loop stands in for vLLM: it admits requests, asks the planner
+(:class:`~tieredkv.planner.OffloadScheduler`, over the planner core the vLLM connector
+``TieredKVConnector`` plans with too) for the longest hit that is whole chunks in
 every group, loads it through the pipeline into "GPU" blocks (CPU tensors here; CUDA tensors
 when present), computes the rest in prefill steps, and stores whole chunks after every step.
 A block's bytes are a function of the token prefix it ends (as real KV is), so every loaded
@@ -32,7 +33,7 @@ import xxhash
 from tieredkv.config import TieredKVConfig
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 from tieredkv.pipeline import JobResult, KeyState
-from tieredkv.scheduler import DEFAULT_MAX_CHUNKS_PER_PLAN, LoadPlan, StoreOutcome, StorePlan
+from tieredkv.planner import DEFAULT_MAX_CHUNKS_PER_PLAN, LoadPlan, StoreOutcome, StorePlan
 from tieredkv.store import TieredStore
 
 __all__ = ["DEFAULT_PREFILL_TOKENS_PER_S", "SAVED_S_FORMULA", "DemoOptions", "busy_seconds", "run_demo"]

@@ -18,8 +18,8 @@ customer; see :mod:`tieredkv.tenants`): the records it writes are that tenant's,
 quota in each tier that keeps tenants, and :meth:`TieredStore.tenant_usage` reports each
 tenant's bytes per tier.
 Request-level planning (which chunks of which request to store or load, across several KV
-groups) is :class:`tieredkv.scheduler.OffloadScheduler`; ``tieredkv demo`` shows the two
-used together.
+groups) is :class:`tieredkv.planner.OffloadScheduler` (:meth:`TieredStore.planner`), over the
+planner core the vLLM connector plans with too; ``tieredkv demo`` shows the two used together.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from tieredkv.pipeline import (
     PipelineStats,
     StoreJob,
 )
+from tieredkv.planner import OffloadScheduler
 from tieredkv.policy import GroupRoute, TierPolicy
-from tieredkv.scheduler import OffloadScheduler
 from tieredkv.staging import KVGroupTensors
 from tieredkv.tenants import TenantQuotas
 from tieredkv.weights import namespace_weights
@@ -248,7 +248,7 @@ class TieredStore:
         return {g: spec for g, (spec, _) in sorted(self._specs.items())}
 
     def planner(self, tokens_per_hash: int, **options: Any) -> OffloadScheduler:
-        """An :class:`~tieredkv.scheduler.OffloadScheduler` over the registered groups, in
+        """An :class:`~tieredkv.planner.OffloadScheduler` over the registered groups, in
         registration order (``options``: its keyword arguments). Every group must have been
         registered with a whole :class:`~tieredkv.groups.GroupSpec` (tokens per block known)."""
         partial = [g for g, (_, exact) in self._specs.items() if not exact]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from tieredkv.groups import GroupLayout, GroupSpec
-from tieredkv.scheduler import OffloadScheduler, StoreOutcome, StorePlan
+from tieredkv.planner import OffloadScheduler, StoreOutcome, StorePlan
 
 TPH = 4  # tokens per hash
 
@@ -363,7 +363,7 @@ def test_a_chunk_passed_as_dead_again_after_a_preemption_is_reconsidered_after_t
 
 def test_ledger_rewinds_to_every_chunk_passed_as_dead_since_the_last_rewind() -> None:
     """The rule both planners share (OffloadScheduler and the vLLM connector's ledgers)."""
-    from tieredkv.scheduler import ChunkLedger
+    from tieredkv.planner import ChunkLedger
 
     led = ChunkLedger()
     for k in range(3):
@@ -389,7 +389,7 @@ def test_ledger_marks_a_range_done_as_marking_each_chunk_would() -> None:
     ledgers holding every mix of unseen, waiting, done and dead chunks."""
     import random
 
-    from tieredkv.scheduler import ChunkLedger
+    from tieredkv.planner import ChunkLedger
 
     rng = random.Random(7)
     for _ in range(400):
@@ -423,7 +423,8 @@ def test_ledger_scan_moves_over_exactly_the_run_of_done_chunks() -> None:
     import itertools
     import random
 
-    from tieredkv.scheduler import _DONE, ChunkLedger
+    from tieredkv.planner.ledger import DONE as _DONE
+    from tieredkv.planner.ledger import ChunkLedger
 
     rng = random.Random(11)
     cases = [bytes(c) for n in range(6) for c in itertools.product(range(4), repeat=n)]

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
-from tieredkv.scheduler import OffloadScheduler, StoreOutcome, StorePlan
+from tieredkv.planner import OffloadScheduler, StoreOutcome, StorePlan
 
 TPH = 4
 BASE = list(range(1000, 1200))  # shared prefix material, so requests share keys

@@ -19,7 +19,7 @@ from tests.vllm.harness import BLOCK_SIZE, Runner
 from tests.vllm.test_vllm_roundtrip import extra_config, write_tiers
 from tieredkv.groups import GroupLayout, GroupSpec
 from tieredkv.keys import key_group
-from tieredkv.scheduler import OffloadScheduler, StoreOutcome
+from tieredkv.planner import OffloadScheduler, StoreOutcome
 
 pytestmark = pytest.mark.vllm
 

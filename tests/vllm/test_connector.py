@@ -163,6 +163,68 @@ def test_case_reoffers() -> None:
     assert tkc.keys_offered < ref.keys_offered
 
 
+def test_connector_and_library_plan_with_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One planner core (``tieredkv.planner``) behind the connector and the library: the
+    connector's scheduler side plans and settles with the same ``StorePlanner`` class as the
+    library's ``OffloadScheduler`` (``store.planner()``, the demo), each in its configuration
+    (the connector's stores partial sliding-window chunks), holds finished requests with the core's
+    ``HoldBook`` and retries Mamba states with its ``HandoffQueue``. Spied on the core's classes, a
+    refused chunk is offered again through it by both, and the connector loses nothing."""
+    from tieredkv.groups import GroupLayout, GroupSpec
+    from tieredkv.planner import HandoffQueue, HoldBook, OffloadScheduler, StoreOutcome, StorePlanner
+
+    offers: dict[str, list[list[bytes]]] = {"connector": [], "library": []}
+    used: set[str] = set()
+    plan, refuse, hold = StorePlanner.plan, HandoffQueue.refuse, HoldBook.hold
+
+    def spy_plan(self: StorePlanner, req: Any, groups: Any, tally: Any = None) -> Any:
+        out = plan(self, req, groups, tally)
+        offers["connector" if self.partial_chunks else "library"].append([c.key for g in out for c in g])
+        return out
+
+    def spy_refuse(self: HandoffQueue, h: Any) -> None:
+        used.add("handoff queue")
+        refuse(self, h)
+
+    def spy_hold(self: HoldBook[Any], req_id: str, state: Any, num_blocks: int) -> bool:
+        held = hold(self, req_id, state, num_blocks)
+        if held:
+            used.add("hold book")
+        return held
+
+    monkeypatch.setattr(StorePlanner, "plan", spy_plan)
+    monkeypatch.setattr(HandoffQueue, "refuse", spy_refuse)
+    monkeypatch.setattr(HoldBook, "hold", spy_hold)
+    for fault, bpc, extra in (
+        ("last_pass", 1, {"hold_max_blocks": 4 * DEFAULT_GPU_BLOCKS[HYBRID]}),
+        ("mamba_once", 2, {}),
+    ):
+        r = run_engine(
+            dict(reference_extra_config(bpc), **extra),
+            store_fault=StoreFault(fault),
+            groups=HYBRID,
+            blocks_per_chunk=bpc,
+            async_scheduling=False,
+            **TKC,
+        )
+        assert_healthy(fault, r)
+        assert lost(r) == 0, (fault, r.lost_keys)
+    assert used == {"hold book", "handoff queue"}
+
+    layout = GroupLayout(
+        (GroupSpec(0, "full", 16, 1), GroupSpec(1, "sliding_window", 16, 1, window_tokens=32)), tokens_per_hash=16
+    )
+    s = OffloadScheduler(layout)
+    s.add_request("r", 64, block_hashes=[bytes([i]) * 8 for i in range(4)])
+    s.update_request("r", block_ids=[[1, 2, 3, 4], [5, 6, 7, 8]])
+    first = s.plan_store("r", num_computed_tokens=0, num_scheduled_tokens=64)
+    s.complete_store("r", StoreOutcome(refused=frozenset(first.keys)))
+    assert s.plan_store("r", num_computed_tokens=64).keys == first.keys
+    for engine, plans in offers.items():
+        again = {k for i, keys in enumerate(plans) for k in keys if any(k in earlier for earlier in plans[:i])}
+        assert again, f"{engine}: no refused chunk offered again through the core"
+
+
 def test_any_spec_behind_the_connector(tmp_path: Path) -> None:
     """tieredkv's own spec and vLLM's tiering spec with a tieredkv secondary tier work behind the
     connector: idle, 0 wrong bytes, hits on the Mamba grid in every group."""

@@ -4,7 +4,10 @@ vLLM's worker side, wire format (``OffloadingConnectorMetadata``, ``TransferJob`
 ``GPULoadStoreSpec``) and request/job bookkeeping (``_req_status``, ``_jobs``, fences, events,
 stats) are kept; any ``OffloadingSpec`` works behind it (tieredkv's, vLLM's ``CPUOffloadingSpec``,
 ``TieringOffloadingSpec`` with tieredkv secondary tiers). What changes is what the scheduler
-side decides, with the rules of :class:`tieredkv.scheduler.ChunkLedger` (the planner's ledger):
+side decides. It decides nothing itself: :class:`TieredKVConnectorScheduler` is an adapter from
+vLLM's scheduler hooks to tieredkv's planner core (:mod:`tieredkv.planner`: the ledgers, store
+planner, hold book, hand-off queue and hit alignment the library's ``OffloadScheduler``, the demo
+and ``store.planner()`` plan with too). The rules, as vLLM users see them:
 
 * **Per-group ledgers instead of one cursor.** A chunk is done only when the manager accepted it
   or already holds it; refused chunks (``prepare_store`` → ``None``) and keys a manager left out
@@ -26,7 +29,8 @@ side decides, with the rules of :class:`tieredkv.scheduler.ChunkLedger` (the pla
   chunk once and another group can then shrink the hit off it (a state from a later boundary
   would be loaded); the lookup is repeated with the bound on the grid until it agrees.
 * **Misses are fed back**: a full-attention lookup that misses a chunk the ledger counted as
-  stored (evicted since) makes it storable again.
+  stored (evicted since) makes it storable again, with every later chunk counted as stored (the
+  lookup stops at its first miss, so it confirmed none of them), as the library planner does.
 * **The request's ``cache_salt`` is its tenant.** vLLM hands a manager only a ``ReqContext``,
   without the salt; this connector records it there when vLLM adds the request
   (:mod:`tieredkv.integrations.vllm.tenants`), so tieredkv's spec and secondary tiers bound each
@@ -49,10 +53,11 @@ Loaded by vLLM as ``"kv_connector": "TieredKVConnector", "kv_connector_module_pa
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -68,7 +73,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     GroupOffloadConfig,
     OffloadingConnectorScheduler,
     RequestOffloadState,
-    TransferJobStatus,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
@@ -77,7 +81,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
-    GPULoadStoreSpec,
     LookupResult,
     OffloadingManager,
     OffloadingSpec,
@@ -88,8 +91,21 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.request import Request, RequestStatus
 
 from tieredkv.groups import _check_int
+from tieredkv.integrations.vllm.connector_jobs import boundary_job, chunks_job, drop_unsent_jobs
 from tieredkv.integrations.vllm.tenants import set_request_tenant
-from tieredkv.scheduler import _WAITING, ChunkLedger
+from tieredkv.planner import (
+    ChunkToStore,
+    GroupFacts,
+    Handoff,
+    HandoffQueue,
+    HoldBook,
+    RequestStore,
+    StorePlanner,
+    align_hit,
+    drop_reused_blocks,
+    split_answer,
+)
+from tieredkv.planner.store import final_segment
 
 __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
 
@@ -129,32 +145,12 @@ class TieredKVConnectorMetadata(OffloadingConnectorMetadata):
     finished_holds: set[str] = field(default_factory=set)
 
 
-@dataclass
-class _Offer:
-    pos: int  # group position in the connector's group configs
-    chunk: int
-    key: OffloadKey
-    blocks: tuple[int, ...]  # the chunk's GPU block ids (0 = null; only leading nulls)
-
-
-@dataclass
-class _Held:
-    status: RequestOffloadState
-    num_blocks: int
-    steps: int = 0
-
-
-@dataclass
-class _Handoff:
-    req_id: str
-    group_idx: int
-    block_id: int
-    boundary: int
-    attempts: int = 0
-
-
 class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
-    """The scheduler side: vLLM's bookkeeping, tieredkv's store planning and hit alignment."""
+    """The scheduler side: vLLM's bookkeeping; store planning and hit alignment by the planner core.
+
+    Each hook hands the core what vLLM knows (keys, block ids, storable chunks, the blocks a later
+    lookup reads) and turns its answers into vLLM's jobs, fences and events.
+    """
 
     _step_region: contextlib.ExitStack | None  # vLLM's: the step's region, open from its first lookup
 
@@ -168,19 +164,23 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             self.config = config._replace(alignment_tokens=math.lcm(grid, config.alignment_tokens))
         extra = spec.extra_config or {}
         self.max_store_keys_per_step = _positive(extra, "max_store_keys_per_step", 256)
-        # a store pass's budget per group (a request's groups share the step's budget)
-        self._store_share = math.ceil(self.max_store_keys_per_step / len(self.config.kv_group_configs))
         self.hold_finished_steps = _positive(extra, "hold_finished_steps", 16, allow_zero=True)
         self.hold_max_blocks = _positive(
             extra, "hold_max_blocks", max(1, kv_cache_config.num_blocks // 2), allow_zero=True
         )
         self.counters = ConnectorCounters()
-        self._pos_of_group = {c.group_idx: pos for pos, c in enumerate(self.config.kv_group_configs)}
-        self._ledgers: dict[str, tuple[ChunkLedger, ...]] = {}
-        self._held: dict[str, _Held] = {}
-        self._held_blocks = 0
+        #: The planner core's store rules: each group of a request gets an even share of the step's
+        #: key budget; sliding-window chunks whose leading blocks left the window are stored.
+        self.store_planner = StorePlanner(
+            max_chunks=self.max_store_keys_per_step, shared=False, adaptive=False, partial_chunks=True
+        )
+        self._groups = self.config.kv_group_configs
+        self._tpc = tuple(c.tokens_per_chunk for c in self._groups)
+        self._pos_of_group = {c.group_idx: pos for pos, c in enumerate(self._groups)}
+        self._stores: dict[str, RequestStore] = {}  # per request: its ledgers
+        self._holds: HoldBook[RequestOffloadState] = HoldBook(self.hold_finished_steps, self.hold_max_blocks)
         self._release: set[str] = set()
-        self._handoffs: list[_Handoff] = []
+        self._handoffs = HandoffQueue(self.hold_finished_steps)
         # store jobs made outside schedule() (a finished request's last pass), sent with the next
         # step's metadata
         self._early_store_jobs: dict[int, TransferJob] = {}
@@ -218,16 +218,17 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
 
     # ------------------------------------------------------------------ ledgers
 
-    def _ledgers_of(self, req_id: str) -> tuple[ChunkLedger, ...]:
-        led = self._ledgers.get(req_id)
-        if led is None:
-            led = self._ledgers[req_id] = tuple(ChunkLedger() for _ in self.config.kv_group_configs)
-        return led
+    def _store_of(self, req_id: str) -> RequestStore:
+        store = self._stores.get(req_id)
+        if store is None:
+            store = self._stores[req_id] = self.store_planner.new_request(len(self._groups))
+        return store
 
-    def _sync_cursors(self, status: RequestOffloadState, ledgers: tuple[ChunkLedger, ...]) -> None:
+    @staticmethod
+    def _sync_cursors(status: RequestOffloadState, store: RequestStore) -> None:
         # vLLM zeroes re-allocated sliding-window block ids from next_stored_chunk_idx on: keep it
         # at the lowest chunk not done, so waiting chunks are covered.
-        for gs, led in zip(status.group_states, ledgers):
+        for gs, led in zip(status.group_states, store.ledgers):
             gs.next_stored_chunk_idx = led.cursor
 
     # ------------------------------------------------------------------ lookup
@@ -235,28 +236,28 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
     ) -> tuple[int | None, bool]:
-        ledgers = self._ledgers.get(request.request_id)
-        if ledgers is not None:  # a resume: chunks passed as never storable may become whole
-            for led in ledgers:
-                led.rewind_dead()
+        store = self._stores.get(request.request_id)
+        if store is not None:  # a resume: chunks passed as never storable may become whole
+            store.resume()
         return super().get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens)
 
     def _lookup_complete_chunks(
         self, req_status: RequestOffloadState, max_num_new_tokens: int | None = None
     ) -> int | None:
         grid = self._mamba_align_size
-        computed = req_status.num_locally_computed_tokens
-        while True:
-            hit = super()._lookup_complete_chunks(req_status, max_num_new_tokens)
-            if not hit or grid is None or (computed + hit) % grid == 0:
-                return hit
-            # Off the Mamba grid: bound the lookup to the grid point below (+1: the last token
-            # before a sliding-window boundary is taken off by the lookup itself) and ask again.
-            self.counters.hits_realigned += 1
-            aligned = (computed + hit) // grid * grid
-            if aligned <= computed:
-                return 0
-            max_num_new_tokens = aligned + 1 - computed
+        lookup = super()._lookup_complete_chunks
+        if grid is None:
+            return lookup(req_status, max_num_new_tokens)
+        return align_hit(
+            partial(lookup, req_status),
+            req_status.num_locally_computed_tokens,
+            grid,
+            max_num_new_tokens,
+            on_shrink=self._realigned,
+        )
+
+    def _realigned(self) -> None:
+        self.counters.hits_realigned += 1
 
     def _maximal_prefix_lookup(
         self,
@@ -278,7 +279,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                     for i in range(hit_count):
                         record(req, group_config, start_chunk_idx + i, keys[i])
                 if hit_count < len(results):
-                    self._forget(req.request_id, group_config.group_idx, start_chunk_idx + hit_count)
+                    self._missed(req.request_id, group_config.group_idx, start_chunk_idx + hit_count)
                 return hit_count
         else:
             results = _prefix_results(self.manager, keys, req_context)
@@ -293,19 +294,17 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             elif result is LookupResult.RETRY:
                 deferred = True  # keep scanning: the manager starts its lookups
             else:
-                self._forget(req.request_id, group_config.group_idx, start_chunk_idx + i)
+                self._missed(req.request_id, group_config.group_idx, start_chunk_idx + i)
                 break
         return None if deferred else hit_count
 
-    def _forget(self, req_id: str, group_idx: int, chunk: int) -> None:
-        ledgers = self._ledgers.get(req_id)
+    def _missed(self, req_id: str, group_idx: int, chunk: int) -> None:
+        """A full-attention lookup missed ``chunk``: the core forgets it if it counted it stored
+        (evicted since), and every later chunk counted stored, which the lookup did not confirm."""
+        store = self._stores.get(req_id)
         pos = self._pos_of_group.get(group_idx)
-        if ledgers is None or pos is None:
-            return
-        led = ledgers[pos]
-        if led.is_done(chunk):
-            self.counters.ledger_forgets += 1
-            led.forget(chunk)
+        if store is not None and pos is not None:
+            self.counters.ledger_forgets += store.ledgers[pos].missed(chunk, full=True)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -315,12 +314,9 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         # prefix before them counts as held too (vLLM moves its cursor past both).
         status = self._req_status[request.request_id]
         boundary = status.num_locally_computed_tokens + num_external_tokens
-        ledgers = self._ledgers_of(request.request_id)
         chunk_level = status.offloading_context.policy == OffloadPolicy.CHUNK_LEVEL
         first = 0 if chunk_level else status.num_locally_computed_tokens
-        for cfg, led in zip(self.config.kv_group_configs, ledgers):
-            tpc = cfg.tokens_per_chunk
-            led.mark_done_range(first // tpc, boundary // tpc)
+        self._store_of(request.request_id).loaded(first, boundary, self._tpc)
 
     # ------------------------------------------------------------------ store planning
 
@@ -333,191 +329,111 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             status = self._req_status.get(req_id)
             if status is not None:
                 self._store_pass(status, scheduler_output.num_scheduled_tokens[req_id], store_jobs)
-        for req_id in list(self._held):
+        for req_id in self._holds:
             if req_id in seen:
                 continue
-            held = self._held[req_id]
-            held.steps += 1
+            held = self._holds.step(req_id)
             self.counters.held_steps += 1
-            self._store_pass(held.status, 0, store_jobs)
-            if self._outstanding(req_id) == 0 or held.steps >= self.hold_finished_steps:
+            self._store_pass(held.state, 0, store_jobs)
+            if self._holds.expired(req_id, self._outstanding(req_id)):
                 self._unhold(req_id)
         for req_id in scheduler_output.finished_req_ids or ():
-            if req_id not in self._held:
-                self._ledgers.pop(req_id, None)
+            if req_id not in self._holds:
+                self._stores.pop(req_id, None)
         return store_jobs
 
     def _store_pass(
         self, status: RequestOffloadState, num_scheduled_tokens: int, store_jobs: dict[int, TransferJob]
     ) -> None:
-        """One store pass over a request: offer its storable chunks not done yet."""
+        """One store pass over a request: the core plans, the manager is offered its chunks."""
         req = status.req
         if any(not self._jobs[j].is_store and not self._jobs[j].is_sync_load for j in status.transfer_jobs):
             return  # an async load is in flight (vLLM never stores next to one)
+        finished = req.is_finished()
         if req.status is RequestStatus.FINISHED_ABORTED:
             frontier = req.num_computed_tokens
-        elif req.is_finished():
+        elif finished:
             frontier = max(req.num_prompt_tokens, req.num_tokens - 1)
         else:
             frontier = req.num_computed_tokens + num_scheduled_tokens
         offloadable = self._calc_num_offloadable_tokens(status, frontier)
-        prompt_offloadable = self._calc_num_offloadable_tokens(status, req.num_prompt_tokens)
+        store = self._store_of(req.request_id)
+        bpc = self.config.blocks_per_chunk
+        new_facts = tuple.__new__  # GroupFacts(...) without its Python-level __new__
+        facts: list[GroupFacts | None] = []
+        prompt_offloadable: int | None = None
         reachable: tuple[int, ...] = ()
-        if self.config.retention_interval is not None:
-            reachable = (req.num_prompt_tokens - 1,)
-            if req.shared_prefix_boundary:
-                reachable += (req.shared_prefix_boundary,)
-        ledgers = self._ledgers_of(req.request_id)
-        share = self._store_share
-        offers: list[_Offer] = []
-        for pos, (cfg, gs) in enumerate(zip(self.config.kv_group_configs, status.group_states)):
-            if cfg.requires_cow_source:
-                continue  # Mamba "align" states come as boundary hand-offs
-            led = ledgers[pos]
-            num_chunks = status.storable_chunks(cfg, gs, offloadable)
-            if num_chunks <= led.cursor:
+        for cfg, gs, led in zip(self._groups, status.group_states, store.ledgers):
+            limit = 0 if cfg.requires_cow_source else status.storable_chunks(cfg, gs, offloadable)
+            if limit <= led.cursor:  # Mamba "align" states come as boundary hand-offs; or nothing to plan
+                facts.append(None)
                 continue
-            cands = led.candidates(num_chunks, share)
-            if cands:
-                offers.extend(self._classify(status, pos, cfg, led, cands, num_chunks, prompt_offloadable, reachable))
-            led.settle_scan()
-        if offers:
-            self._offer(status, offers, store_jobs)  # reads no cursor: synced once, after it
-        self._sync_cursors(status, ledgers)
+            if prompt_offloadable is None:
+                prompt_offloadable = self._calc_num_offloadable_tokens(status, req.num_prompt_tokens)
+                if self.config.retention_interval is not None:
+                    reachable = (req.num_prompt_tokens - 1,)
+                    if req.shared_prefix_boundary:
+                        reachable += (req.shared_prefix_boundary,)
+            reach = partial(self._reach, cfg, prompt_offloadable // cfg.tokens_per_chunk, finished, reachable)
+            # vLLM never hands a freed block back: a chunk not whole enough now never will be
+            facts.append(new_facts(GroupFacts, (gs.offload_keys, gs.block_ids, bpc, limit, sys.maxsize, reach, False)))
+        if prompt_offloadable is not None:  # a group has chunks to plan
+            offers = self.store_planner.plan(store, facts, self.counters)
+            if any(offers):
+                self._offer(status, store, offers, store_jobs)  # reads no cursor: synced once, after it
+        self._sync_cursors(status, store)
 
-    def _classify(
+    def _reach(
+        self,
+        cfg: GroupOffloadConfig,
+        prompt_chunks: int,
+        finished: bool,
+        reachable: tuple[int, ...],
+        lo: int,
+        limit: int,
+    ) -> list[bool] | None:
+        """vLLM's mask of the blocks of chunks ``lo .. limit - 1`` a later lookup may read."""
+        open_ended = self.config.retention_interval is not None or cfg.is_eagle_group
+        horizon = final_segment(limit, prompt_chunks, finished=finished, open_ended=open_ended)
+        return self._reachable_store_block_mask(cfg, lo, limit, horizon, reachable)
+
+    def _offer(
         self,
         status: RequestOffloadState,
-        pos: int,
-        cfg: GroupOffloadConfig,
-        led: ChunkLedger,
-        cands: list[int],
-        num_chunks: int,
-        prompt_offloadable: int,
-        reachable: tuple[int, ...],
-    ) -> list[_Offer]:
-        """Sort candidates into offers, waiting and never-storable chunks."""
-        req = status.req
-        gs = status.group_states[pos]
-        bpc = self.config.blocks_per_chunk
-        lo = cands[0]
-        if self.config.retention_interval is not None or cfg.is_eagle_group:
-            horizon = None
-        elif req.is_finished():
-            horizon = num_chunks
-        elif num_chunks <= prompt_offloadable // cfg.tokens_per_chunk:
-            horizon = prompt_offloadable // cfg.tokens_per_chunk
-        else:
-            horizon = None
-        mask = self._reachable_store_block_mask(cfg, lo, num_chunks, horizon, reachable)
-        out: list[_Offer] = []
-        for k in cands:
-            blocks = tuple(gs.block_ids[k * bpc : (k + 1) * bpc])
-            sub = mask[(k - lo) * bpc : (k - lo + 1) * bpc] if mask is not None else None
-            if sub is not None and not any(sub):
-                led.mark_dead(k)  # unreachable now; reconsidered on a resume
-                continue
-            nulls = _leading_nulls(blocks)
-            if nulls == bpc or 0 in blocks[nulls:] or (sub is not None and any(sub[b] for b in range(nulls))):
-                if led.status_of(k) == _WAITING:
-                    self.counters.chunks_blocks_gone += 1
-                led.mark_dead(k)  # part of the chunk is gone (left the window, reused)
-                continue
-            if nulls and any(o.pos == pos for o in out):
-                led.mark_waiting(k)  # only a group's first chunk may start mid-chunk (wire format)
-                continue
-            if led.status_of(k) == _WAITING:  # offered before
-                self.counters.keys_retried += 1
-            led.mark_waiting(k)
-            out.append(_Offer(pos, k, gs.offload_keys[k], blocks))
-        return out
-
-    def _offer(self, status: RequestOffloadState, offers: list[_Offer], store_jobs: dict[int, TransferJob]) -> None:
-        req = status.req
+        store: RequestStore,
+        offers: list[list[ChunkToStore]],
+        store_jobs: dict[int, TransferJob],
+    ) -> None:
+        """Offer the planned chunks to the manager; the core settles its answer; a store job
+        carries what it accepted."""
         ctx = status.req_context
-        ledgers = self._ledgers_of(req.request_id)
-        keys = [o.key for o in offers]
+        keys = [c.key for chunks in offers for c in chunks]
         self.counters.store_passes += 1
         self.counters.keys_offered += len(keys)
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
             self.counters.refusals += 1
             self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
-            return  # every offer stays waiting
-        accepted = set(out.keys_to_store)
-        self.counters.keys_accepted += len(accepted)
-        left_out = [o for o in offers if o.key not in accepted]
-        partial = False
-        for o in left_out:
-            if self.manager.lookup(o.key, ctx) in _PRESENT:
-                self.counters.keys_present += 1
-                ledgers[o.pos].mark_done(o.chunk)
-            else:
-                partial = True  # refused for now: stays waiting
-        if partial:
-            self.counters.partial_accepts += 1
-        if not accepted:
+            self.store_planner.settle(store, ())  # every offer stays waiting
             return
-        n_groups = len(self.config.kv_group_configs)
-        by_pos: list[list[_Offer]] = [[] for _ in range(n_groups)]
-        for o in offers:
-            if o.key in accepted:
-                by_pos[o.pos].append(o)
-        src: list[int] = []
-        group_sizes: list[int] = []
-        block_indices: list[int] = []
-        fenced: list[int] = []
-        deferred: list[int] = []
-        bpc = self.config.blocks_per_chunk
-        tracker = self._events_tracker
-        record = tracker.record_store if tracker.self_describing_enabled else None  # else a no-op
-        for pos, (cfg, group_offers) in enumerate(zip(self.config.kv_group_configs, by_pos)):
-            windowed = cfg.sliding_window_size_in_chunks is not None
-            start: int | None = None
-            n = 0
-            for o in group_offers:
-                if record is not None:
-                    record(req, cfg, o.chunk, o.key)
-                for i, bid in enumerate(o.blocks):
-                    if bid == 0:
-                        continue
-                    if start is None:
-                        start = o.chunk * bpc + i
-                    src.append(bid)
-                    n += 1
-                    (fenced if windowed else deferred).append(bid)
-                ledgers[pos].mark_done(o.chunk)
-            group_sizes.append(n)
-            block_indices.append(start or 0)
-        job_id = self._generate_job_id()
-        status.transfer_jobs.add(job_id)
-        if req.request_id not in self._req_status:  # a held request whose status vLLM dropped
-            self._req_status[req.request_id] = status
-        for bid in fenced:
-            self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
-        self._jobs[job_id] = TransferJobStatus(
-            req_id=req.request_id,
-            pending_count=self.config.num_workers,
-            keys=set(accepted),
-            is_store=True,
-            deferred_fence_block_ids=deferred,
-            fenced_block_ids=fenced or None,
-        )
-        store_jobs[job_id] = TransferJob(
-            req_id=req.request_id,
-            src_spec=GPULoadStoreSpec(src, group_sizes=group_sizes, block_indices=block_indices),
-            dst_spec=out.store_spec,
-        )
-        if req.is_finished():
-            for bid in deferred:
-                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
-                if bid in self._current_batch_allocated_block_ids:
-                    self._current_batch_jobs_to_flush.add(job_id)
+        answer = split_answer(keys, out.keys_to_store, partial(self._present, ctx))
+        accepted = answer.accepted
+        self.counters.keys_accepted += len(accepted)
+        self.counters.keys_present += len(answer.present)
+        if answer.refused:
+            self.counters.partial_accepts += 1  # refused for now: they stay waiting
+        self.store_planner.settle(store, accepted.union(answer.present) if answer.present else accepted)
+        if accepted:
+            job_id, store_jobs[job_id] = chunks_job(self, status, offers, accepted, out.store_spec)
+
+    def _present(self, ctx: ReqContext, key: OffloadKey) -> bool:
+        """Whether the manager holds ``key`` (a key it left out of ``keys_to_store``)."""
+        return self.manager.lookup(key, ctx) in _PRESENT
 
     def _outstanding(self, req_id: str) -> int:
-        ledgers = self._ledgers.get(req_id, ())
-        n = sum(led.num_waiting for led in ledgers)
-        return n + sum(1 for h in self._handoffs if h.req_id == req_id)
+        """Chunks and boundary states of the request the store has not taken yet."""
+        store = self._stores.get(req_id)
+        return (0 if store is None else store.num_waiting) + self._handoffs.count(req_id)
 
     # ------------------------------------------------------------------ finished requests
 
@@ -531,9 +447,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         if self._outstanding(request.request_id) == 0:
             return delay, params
         num_blocks = len({b for gs in status.group_states for b in gs.block_ids if b})
-        if self.hold_finished_steps and self._held_blocks + num_blocks <= self.hold_max_blocks:
-            self._held[request.request_id] = _Held(status, num_blocks)
-            self._held_blocks += num_blocks
+        if self._holds.hold(request.request_id, status, num_blocks):  # its blocks wait for the retries
             self.counters.held_requests += 1
             return True, params
         self._give_up(request.request_id, held=False)
@@ -541,36 +455,31 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
 
     def _unhold(self, req_id: str) -> None:
         self._give_up(req_id)
-        held = self._held.pop(req_id)
-        self._held_blocks -= held.num_blocks
+        self._holds.release(req_id)
         self._release.add(req_id)
 
     def _give_up(self, req_id: str, held: bool = True) -> None:
         """The request's blocks go back: its waiting chunks are lost (counted)."""
-        lost = sum(led.num_waiting for led in self._ledgers.pop(req_id, ()))
+        store = self._stores.pop(req_id, None)
+        lost = 0 if store is None else store.num_waiting
         if held:
             self.counters.chunks_given_up += lost
         else:
             self.counters.chunks_unheld += lost
 
     def _drop_reused_held_blocks(self) -> None:
-        """A held request's freed sliding-window blocks may be reallocated: never store them.
-        Only the chunks that may still be offered are looked at: waiting ones and those past
-        the scan position (a bounded pass may not have reached them yet)."""
+        """A held request's freed sliding-window blocks may be reallocated: never store them."""
         allocated = self._current_batch_allocated_block_ids
-        if not allocated or not self._held:
+        if not allocated or not self._holds:
             return
         bpc = self.config.blocks_per_chunk
-        for req_id, held in self._held.items():
-            groups = zip(self.config.kv_group_configs, held.status.group_states, self._ledgers.get(req_id, ()))
-            for cfg, gs, led in groups:
-                if cfg.sliding_window_size_in_chunks is None:
-                    continue
-                ids = gs.block_ids
-                for k in itertools.chain(led.waiting, range(led.scan, len(ids) // bpc)):
-                    for j in range(k * bpc, (k + 1) * bpc):
-                        if ids[j] in allocated:
-                            ids[j] = 0
+        for req_id, held in self._holds.held.items():
+            store = self._stores.get(req_id)
+            if store is None:
+                continue
+            for cfg, gs, led in zip(self._groups, held.state.group_states, store.ledgers):
+                if cfg.sliding_window_size_in_chunks is not None:
+                    drop_reused_blocks(led, gs.block_ids, bpc, allocated)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -584,7 +493,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         )
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._release or self._early_store_jobs) or super().has_pending_push_work()
+        return bool(self._holds or self._release or self._early_store_jobs) or super().has_pending_push_work()
 
     # ------------------------------------------------------------------ Mamba hand-offs
 
@@ -599,20 +508,13 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     def _build_aligned_boundary_store_jobs(
         self, handoffs: dict[str, list[tuple[int, int, int]]]
     ) -> dict[int, TransferJob]:
-        allocated = self._current_batch_allocated_block_ids
-        pending: list[_Handoff] = []
-        for h in self._handoffs:  # earlier refusals: gone if the block was reallocated
-            if h.block_id in allocated:
-                self.counters.handoffs_blocks_gone += 1
-            elif h.attempts >= max(1, self.hold_finished_steps) or self._status(h.req_id) is None:
-                self.counters.handoffs_given_up += 1
-            else:
-                pending.append(h)
-        for req_id, entries in handoffs.items():
-            pending.extend(_Handoff(req_id, g, b, n) for g, b, n in entries)
-        self._handoffs = []
+        new = (Handoff(req_id, g, b, n) for req_id, entries in handoffs.items() for g, b, n in entries)
+        pending, gone, given_up = self._handoffs.due(
+            new, self._current_batch_allocated_block_ids, lambda req_id: self._status(req_id) is not None
+        )
+        self.counters.handoffs_blocks_gone += gone
+        self.counters.handoffs_given_up += given_up
         store_jobs: dict[int, TransferJob] = {}
-        num_groups = len(self.config.kv_group_configs)
         for h in pending:
             status = self._status(h.req_id)
             pos = self._pos_of_group.get(h.group_idx)
@@ -627,85 +529,49 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             if h.attempts:
                 self.counters.handoffs_retried += 1
             self.counters.keys_offered += 1
-            out = self.manager.prepare_store([key], status.req_context)
-            if out is None or (not out.keys_to_store and self.manager.lookup(key, status.req_context) not in _PRESENT):
+            ctx = status.req_context
+            out = self.manager.prepare_store([key], ctx)
+            # split_answer's rule for one key: left out of keys_to_store, it is present or refused
+            if out is None or (not out.keys_to_store and not self._present(ctx, key)):
                 self.counters.refusals += out is None
                 self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
-                h.attempts += 1
-                self._handoffs.append(h)
+                self._handoffs.refuse(h)  # offered again next step
                 continue
             if not out.keys_to_store:
                 self.counters.keys_present += 1
                 continue
             self.counters.keys_accepted += 1
-            job_id = self._generate_job_id()
-            status.transfer_jobs.add(job_id)
-            if req.request_id not in self._req_status:
-                self._req_status[req.request_id] = status
-            self._block_id_to_pending_jobs.setdefault(h.block_id, set()).add(job_id)
-            self._jobs[job_id] = TransferJobStatus(
-                req_id=h.req_id,
-                pending_count=self.config.num_workers,
-                keys={key},
-                is_store=True,
-                fenced_block_ids=[h.block_id],
+            job_id, store_jobs[job_id] = boundary_job(
+                self, status, pos, cfg, h.block_id, h.boundary, key, out.store_spec
             )
-            sizes = [0] * num_groups
-            sizes[pos] = 1
-            indices = [0] * num_groups
-            indices[pos] = h.boundary // cfg.tokens_per_block - 1
-            store_jobs[job_id] = TransferJob(
-                req_id=h.req_id,
-                src_spec=GPULoadStoreSpec([h.block_id], group_sizes=sizes, block_indices=indices),
-                dst_spec=out.store_spec,
-            )
-            self._events_tracker.record_store(req, cfg, h.boundary // cfg.tokens_per_chunk - 1, key)
         return store_jobs
 
     def _status(self, req_id: str) -> RequestOffloadState | None:
         status = self._req_status.get(req_id)
-        if status is None and req_id in self._held:
-            status = self._held[req_id].status
+        if status is None:
+            status = self._holds.get(req_id)
         return status
 
     # ------------------------------------------------------------------ reset
 
     def _reset_cache(self) -> None:
-        for job_id in self._early_store_jobs:  # never reached a worker: nothing to fence
-            job = self._jobs.pop(job_id, None)
-            if job is not None:
-                st = self._req_status.get(job.req_id)
-                if st is not None:
-                    st.transfer_jobs.discard(job_id)
-                # early jobs are of finished requests: both kinds of fence were registered
-                self._remove_pending_job(job_id, job.fenced_block_ids)
-                self._remove_pending_job(job_id, job.deferred_fence_block_ids)
+        drop_unsent_jobs(self, self._early_store_jobs)  # never reached a worker: nothing to fence
         self._early_store_jobs = {}
-        for req_id in list(self._held):
+        for req_id in self._holds:
             self._unhold(req_id)
-        self._handoffs = []
+        self._handoffs.clear()
         super()._reset_cache()
-        for req_id in list(self._ledgers):
+        for req_id in list(self._stores):
             if req_id in self._req_status:
-                for led in self._ledgers[req_id]:
-                    led.reset()
+                self._stores[req_id].reset(self.store_planner.max_chunks)
             else:
-                del self._ledgers[req_id]
+                del self._stores[req_id]
 
 
 def _prefix_results(manager: Any, keys: Sequence[OffloadKey], ctx: ReqContext) -> Iterator[LookupResult]:
     """``manager.lookup`` of each key in order, lazily: the caller stops at the first miss."""
     for key in keys:
         yield manager.lookup(key, ctx)
-
-
-def _leading_nulls(blocks: tuple[int, ...]) -> int:
-    n = 0
-    for b in blocks:
-        if b:
-            break
-        n += 1
-    return n
 
 
 def _positive(extra: dict[str, Any], name: str, default: int, *, allow_zero: bool = False) -> int:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[2] / "tieredkv"
 MAX_LINES = 800
 
@@ -24,7 +22,6 @@ def test_modules_are_counted() -> None:
     assert "tieredkv/store.py" in lines and lines["tieredkv/store.py"] > 100
 
 
-@pytest.mark.xfail(strict=False, reason="issue 43: modules being split")
 def test_no_module_over_800_lines() -> None:
     over = sorted(((n, p) for p, n in module_lines().items() if n > MAX_LINES), reverse=True)
     assert not over, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(

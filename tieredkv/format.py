@@ -327,8 +327,36 @@ def encode_heads_into(dst: memoryview, items: list[Any]) -> None:
     if len(dst) < HEADER_SIZE * len(items):
         raise ValueError(f"destination of {len(dst)} bytes is smaller than the headers ({HEADER_SIZE * len(items)})")
     dv = memoryview(dst)
+    if _fastrec is None or len(items) < 2:
+        for i, (key, payload, *tenant) in enumerate(items):
+            _header_into(dv[i * HEADER_SIZE :], key, payload, 0, tenant[0] if tenant else 0)
+        return
+    # The helper hashes the whole batch with the GIL let go once (the xxhash package holds it up
+    # to 64 KiB), by the layout above: the default tenant's headers it writes whole, headers with a
+    # tenant are packed here and summed there.
+    if all(len(item) == 2 or not item[2] for item in items):
+        _fastrec.heads_many(dv, [item[0] for item in items], [item[1] for item in items], FORMAT_VERSION)
+        return
+    keys = []
+    payloads = []
     for i, (key, payload, *tenant) in enumerate(items):
-        _header_into(dv[i * HEADER_SIZE :], key, payload, 0, tenant[0] if tenant else 0)
+        t = tenant[0] if tenant else 0
+        _HEADER2.pack_into(
+            dv,
+            i * HEADER_SIZE,
+            MAGIC,
+            TENANT_VERSION if t else FORMAT_VERSION,
+            HEADER_SIZE,
+            key[:FINGERPRINT_BYTES],
+            int.from_bytes(key[-GROUP_BYTES:], "big"),
+            0,
+            len(payload),
+            0,
+            t,
+        )
+        keys.append(key)
+        payloads.append(payload)
+    _fastrec.sum_heads(dv, keys, payloads)
 
 
 def encode_record(key: bytes, payload: Any, *, flags: int = 0, tenant: int = 0) -> bytearray:

@@ -465,6 +465,129 @@ static PyObject *verify_parts_many(PyObject *self, PyObject *const *args, Py_ssi
     return verify_batch(args, nargs, 1);
 }
 
+/* ---- checksums of headers written apart from their payloads ---- */
+
+/* The rule of the version a header names, or NULL. */
+static const version_rule *version_of(const uint8_t *h) {
+    uint64_t version = get_le(h + L.version.at, L.version.width);
+    for (Py_ssize_t i = 0; i < L.nversions; i++)
+        if (L.versions[i].version == version) return &L.versions[i];
+    return NULL;
+}
+
+static void put_le(uint8_t *p, Py_ssize_t n, uint64_t v) {
+    for (Py_ssize_t b = 0; b < n; b++) p[b] = (uint8_t)(v >> (8 * b));
+}
+
+/* The work of sum_heads (version == 0: the headers are written, their checksums are summed here)
+ * and heads_many (version != 0: the whole header of that version written here, as
+ * format._header_into writes it for the default tenant, then summed): per item, the key, the
+ * header ranges its version's rule hashes and the payload where it is; the GIL let go once for
+ * the batch (the LMDB tier's put: py-lmdb then writes each payload once, from where it is). Every
+ * offset is format.py's (set_layout). */
+static PyObject *heads_batch(PyObject *const *args, Py_ssize_t nargs, int write) {
+    uint64_t version = 0;
+    int good = nargs == 3 + write && PyList_Check(args[1]) && PyList_Check(args[2]) &&
+               PyList_GET_SIZE(args[1]) == PyList_GET_SIZE(args[2]);
+    if (!good) {
+        PyErr_SetString(PyExc_TypeError, write ? "heads_many(heads: buffer, keys: list, payloads: list, version: int), "
+                                                 "lists of one length"
+                                               : "sum_heads(heads: buffer, keys: list, payloads: list), lists of one length");
+        return NULL;
+    }
+    if (need_layout() < 0) return NULL;
+    if (write) {
+        version = PyLong_AsUnsignedLongLong(args[3]);
+        if (version == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), held = 0, total = 0;
+    Py_buffer heads;
+    if (PyObject_GetBuffer(args[0], &heads, PyBUF_WRITABLE) < 0) return NULL;
+    PyObject *result = NULL;
+    Py_buffer *bufs = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    PyObject **keys = PyMem_Calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    const version_rule **rules = PyMem_Calloc(count ? (size_t)count : 1, sizeof(version_rule *));
+    const version_rule *wrote = NULL;
+    if (bufs == NULL || keys == NULL || rules == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (heads.len < count * L.header) {
+        PyErr_Format(PyExc_ValueError, "heads of %zd bytes is smaller than %zd headers", heads.len, count);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; write && i < L.nversions; i++)
+        if (L.versions[i].version == version) wrote = &L.versions[i];
+    if (write && wrote == NULL) {
+        PyErr_Format(PyExc_ValueError, "version %llu is not one of this layout's", (unsigned long long)version);
+        goto done;
+    }
+    for (; held < count; held++) {
+        const uint8_t *key;
+        Py_ssize_t klen;
+        const uint8_t *h = (const uint8_t *)heads.buf + held * L.header;
+        if (key_arg(PyList_GET_ITEM(args[1], held), &key, &klen) < 0) goto done;
+        rules[held] = write ? wrote : version_of(h);
+        if (rules[held] == NULL) {
+            PyErr_Format(PyExc_ValueError, "header %zd names a version this layout does not have", held);
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyList_GET_ITEM(args[2], held), &bufs[held], PyBUF_SIMPLE) < 0) goto done;
+        keys[held] = Py_NewRef(PyList_GET_ITEM(args[1], held));
+        total += bufs[held].len;
+    }
+    PyThreadState *state = unlocked(total);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint8_t *h = (uint8_t *)heads.buf + i * L.header;
+        const version_rule *v = rules[i];
+        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
+        size_t klen = (size_t)PyBytes_GET_SIZE(keys[i]);
+        if (write) {
+            Py_ssize_t fp = L.fingerprint.b - L.fingerprint.a, group = L.group.b - L.group.a;
+            memset(h, 0, (size_t)L.header);
+            memcpy(h + L.magic_at, L.magic, (size_t)L.magic_len);
+            put_le(h + L.version.at, L.version.width, version);
+            put_le(h + L.header_size.at, L.header_size.width, (uint64_t)L.header);
+            memcpy(h + L.fingerprint.a, key, (size_t)fp);
+            for (Py_ssize_t b = 0; b < group; b++) h[L.group.a + b] = key[klen - 1 - (size_t)b];
+            put_le(h + L.length.at, L.length.width, (uint64_t)bufs[i].len);
+        }
+        XXH3_state_t st;
+        XXH3_64bits_reset(&st);
+        XXH3_UPDATE(&st, key, klen);
+        for (Py_ssize_t r = 0; r < v->nhashed; r++)
+            XXH3_UPDATE(&st, h + v->hashed[r].a, (size_t)(v->hashed[r].b - v->hashed[r].a));
+        XXH3_UPDATE(&st, bufs[i].buf, (size_t)bufs[i].len);
+        put_le(h + L.checksum.at, L.checksum.width, XXH3_64bits_digest(&st));
+    }
+    relock(state);
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+        Py_DECREF(keys[i]);
+    }
+    PyBuffer_Release(&heads);
+    PyMem_Free(bufs);
+    PyMem_Free(keys);
+    PyMem_Free(rules);
+    return result;
+}
+
+/* sum_heads(heads, keys, payloads) -> None
+ * heads holds len(keys) headers one after another, written by format.encode_heads_into but for
+ * their checksums (records with a tenant); each gets the checksum its version's rule says. */
+static PyObject *sum_heads(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return heads_batch(args, nargs, 0);
+}
+
+/* heads_many(heads, keys, payloads, version) -> None
+ * The whole header of each payload under its key, of ``version`` (the default tenant's: no field
+ * beyond the key's, the length and the checksum), one after another in heads. */
+static PyObject *heads_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return heads_batch(args, nargs, 1);
+}
+
 /* stream_into(dst, src) -> bytes copied
  * Copies ``src`` to the start of ``dst`` with non-temporal stores where the CPU has them (see
  * stream_copy), the GIL released from RELEASE_AT bytes: for copies whose destination is not read
@@ -761,6 +884,10 @@ static PyMethodDef methods[] = {
      "verify_many(records, keys, dsts) -> list of payload lengths, -1 (bad record) or -2 (does not fit)"},
     {"verify_parts_many", (PyCFunction)(void (*)(void))verify_parts_many, METH_FASTCALL,
      "verify_parts_many(heads, payloads, keys, dsts, head_at=0) -> list of verify_many's answers"},
+    {"heads_many", (PyCFunction)(void (*)(void))heads_many, METH_FASTCALL,
+     "heads_many(heads, keys, payloads, version) -> None: the default tenant's headers written (the LMDB put)"},
+    {"sum_heads", (PyCFunction)(void (*)(void))sum_heads, METH_FASTCALL,
+     "sum_heads(heads, keys, payloads) -> None: each header's checksum written in (the LMDB put)"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,

@@ -7,8 +7,9 @@ contract nor any backend.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tieredkv._lazy import lazy_names
 
 if TYPE_CHECKING:
     from tieredkv.backends.base import RecordInfo, Tier, TierCapabilities, TierStats
@@ -51,8 +52,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"tieredkv.backends.{home}"), name)
+__getattr__ = lazy_names(__name__, _HOMES)

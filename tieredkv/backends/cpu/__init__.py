@@ -14,8 +14,9 @@ importing the package, or its ``config``, does not import the tier's client libr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tieredkv._lazy import lazy_names
 from tieredkv.backends.cpu.config import CPUTierConfig
 
 if TYPE_CHECKING:
@@ -24,9 +25,4 @@ if TYPE_CHECKING:
 __all__ = ["CPUTier", "CPUTierConfig"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "CPUTier":
-        from tieredkv.backends.cpu.tier import CPUTier
-
-        return CPUTier
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"CPUTier": "tier"})

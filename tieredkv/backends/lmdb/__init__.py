@@ -23,8 +23,9 @@ importing the package, or its ``config``, does not import the tier's client libr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tieredkv._lazy import lazy_names
 from tieredkv.backends.lmdb.config import LMDBTierConfig
 
 if TYPE_CHECKING:
@@ -33,9 +34,4 @@ if TYPE_CHECKING:
 __all__ = ["LMDBTier", "LMDBTierConfig"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "LMDBTier":
-        from tieredkv.backends.lmdb.tier import LMDBTier
-
-        return LMDBTier
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"LMDBTier": "tier"})

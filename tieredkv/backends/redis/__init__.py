@@ -18,8 +18,9 @@ importing the package, or its ``config``, does not import the tier's client libr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tieredkv._lazy import lazy_names
 from tieredkv.backends.redis.config import RedisTierConfig
 
 if TYPE_CHECKING:
@@ -28,9 +29,4 @@ if TYPE_CHECKING:
 __all__ = ["RedisTier", "RedisTierConfig"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "RedisTier":
-        from tieredkv.backends.redis.tier import RedisTier
-
-        return RedisTier
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"RedisTier": "tier"})

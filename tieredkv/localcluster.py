@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from tieredkv.localredis import HOST, RedisServer, _log_tail, _which, free_port, redis_command
+from tieredkv.localredis import HOST, RedisServer, free_port, log_tail, redis_command, which_or_fail
 
 __all__ = [
     "CLUSTER_STATE_FILE",
@@ -89,8 +89,8 @@ class RedisCluster:
         """
         if self.servers:
             return self
-        cli = _which("redis-cli")
-        _which("redis-server")
+        cli = which_or_fail("redis-cli")
+        which_or_fail("redis-server")
         try:
             for _ in range(self.masters):
                 self.servers.append(self._node().start())
@@ -147,7 +147,7 @@ class RedisCluster:
             srv = pending[0]
             raise RuntimeError(
                 f"Redis Cluster node {srv.port} not ok within {self.startup_timeout}s:\n{info}\n"
-                f"log tail:\n{_log_tail(srv.log_path)}"
+                f"log tail:\n{log_tail(srv.log_path)}"
             )
 
     def stop(self) -> None:
@@ -247,8 +247,8 @@ def start_detached_cluster(
     old = detached_cluster_state(state_dir)
     if old and any(_pid_alive(n["pid"]) and _is_our_redis(n["pid"], n["port"]) for n in old.get("nodes", [])):
         raise RuntimeError(f"a cluster recorded in {state_dir} is still running ({old.get('url')}); stop it first")
-    exe = _which("redis-server")
-    cli = _which("redis-cli")
+    exe = which_or_fail("redis-server")
+    cli = which_or_fail("redis-cli")
     ports: list[int] = []
     for i in range(masters):
         if base_port:
@@ -299,7 +299,7 @@ def _start_daemon(
     ]  # fmt: skip
     res = subprocess.run(argv, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)
     if res.returncode != 0:
-        raise RuntimeError(f"redis-server on port {port} failed to start:\n{_log_tail(log_path)}")
+        raise RuntimeError(f"redis-server on port {port} failed to start:\n{log_tail(log_path)}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -309,7 +309,7 @@ def _start_daemon(
         except (OSError, ValueError):
             pass
         time.sleep(0.02)
-    raise RuntimeError(f"redis-server on port {port} did not answer PING within {timeout}s:\n{_log_tail(log_path)}")
+    raise RuntimeError(f"redis-server on port {port} did not answer PING within {timeout}s:\n{log_tail(log_path)}")
 
 
 def _wait_cluster_ok(host: str, ports: list[int], masters: int, timeout: float) -> None:

@@ -45,7 +45,7 @@ HOST = "127.0.0.1"
 _MIN_PORT = 10000
 
 
-def _which(name: str) -> str:
+def which_or_fail(name: str) -> str:
     path = shutil.which(name)
     if path is None:
         raise RuntimeError(f"{name!r} is not on PATH; install it with: {INSTALL_HINT}")
@@ -143,7 +143,7 @@ def redis_command(
         return _read_reply(sock)
 
 
-def _log_tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -255,7 +255,7 @@ class RedisServer:
         """
         if self.running:
             return self
-        exe = _which("redis-server")
+        exe = which_or_fail("redis-server")
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="tieredkv-redis-"))
         attempts = 1 if self._fixed_port else 5
@@ -268,7 +268,7 @@ class RedisServer:
             except _PortTaken:
                 if attempt == attempts - 1:
                     raise RuntimeError(
-                        f"redis-server could not bind port {self._port}:\n{_log_tail(self.log_path)}"
+                        f"redis-server could not bind port {self._port}:\n{log_tail(self.log_path)}"
                     ) from None
                 self._port = None
         return self  # pragma: no cover - loop always returns or raises
@@ -310,7 +310,7 @@ class RedisServer:
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                log = _log_tail(self.log_path)
+                log = log_tail(self.log_path)
                 if "Address already in use" in log and not self._fixed_port:
                     raise _PortTaken
                 raise RuntimeError(f"redis-server exited with code {self._proc.returncode}:\n{log}")
@@ -325,7 +325,7 @@ class RedisServer:
         _stop_process(self._proc, self.stop_timeout)
         raise RuntimeError(
             f"redis-server on port {self._port} did not answer PING within {self.startup_timeout}s"
-            f" (last: {last}):\n{_log_tail(self.log_path)}"
+            f" (last: {last}):\n{log_tail(self.log_path)}"
         )
 
     def stop(self) -> None:

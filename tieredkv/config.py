@@ -5,7 +5,7 @@ Primitives:
 * :class:`TierConfigBase` — base of every tier's model. A ``tiers`` item is validated with
   the model the tier registry gives for its ``kind`` (built in, or a third-party tier
   installed under the ``tieredkv.backends`` entry point): no kind is special here.
-* :class:`CPUTierConfig`, :class:`LMDBTierConfig`, :class:`RedisTierConfig` — the built-in
+* :class:`CPUTierConfig`, :class:`LMDBTierConfig`, :class:`FSTierConfig`, :class:`RedisTierConfig` — the built-in
   tiers' models, ``extra="forbid"``, every field documented; :class:`EncryptionConfig` — the
   ``encryption`` of an LMDB or Redis tier (sealed records, :mod:`tieredkv.sealing`).
 * :class:`NamespaceConfig` — what the namespace fingerprint is built from.
@@ -44,6 +44,7 @@ from pydantic_core import PydanticCustomError
 
 from tieredkv.backends import registry
 from tieredkv.backends.cpu.config import CPUTierConfig
+from tieredkv.backends.fs.config import FSTierConfig
 from tieredkv.backends.lmdb.config import LMDBTierConfig
 from tieredkv.backends.redis.config import RedisTierConfig
 from tieredkv.configfile import (
@@ -67,6 +68,7 @@ __all__ = [
     "CPUTierConfig",
     "EncryptionConfig",
     "EvictionPolicyName",
+    "FSTierConfig",
     "LMDBTierConfig",
     "MetricsConfig",
     "NamespaceConfig",

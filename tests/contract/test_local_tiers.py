@@ -9,7 +9,7 @@ import pytest
 from tieredkv.backends.base import Tier
 from tieredkv.backends.cpu import CPUTier
 from tieredkv.backends.registry import build_tier
-from tieredkv.config import CPUTierConfig, LMDBTierConfig
+from tieredkv.config import CPUTierConfig, FSTierConfig, LMDBTierConfig
 from tieredkv.format import SEAL_TAG
 from tieredkv.testing.contract import TierContract, made_tiers
 
@@ -51,4 +51,27 @@ class TestSealedLMDBTier(TierContract):
     async def make_tier(self, tmp_path: Any, sealed_keys_file: str) -> Any:
         sealed = {"encryption": {"keys_file": sealed_keys_file}}
         async with made_tiers(lambda cap, n: _lmdb(tmp_path / f"lmdb{n}", cap, **sealed)) as make:
+            yield make
+
+
+def _fs(path: Any, capacity_bytes: int | None, **extra: Any) -> Tier:
+    return build_tier(FSTierConfig(path=str(path), size_cap_bytes=capacity_bytes or 256 << 20, **extra))
+
+
+class TestFSTier(TierContract):
+    @pytest.fixture(params=["fast", "durable"])
+    async def make_tier(self, tmp_path: Any, request: pytest.FixtureRequest) -> Any:
+        async with made_tiers(lambda cap, n: _fs(tmp_path / f"fs{n}", cap, sync_mode=request.param)) as make:
+            yield make
+
+
+class TestSealedFSTier(TierContract):
+    """fs with encryption (SealedTier around it; records stored whole)."""
+
+    record_tail = SEAL_TAG
+
+    @pytest.fixture
+    async def make_tier(self, tmp_path: Any, sealed_keys_file: str) -> Any:
+        sealed = {"encryption": {"keys_file": sealed_keys_file}}
+        async with made_tiers(lambda cap, n: _fs(tmp_path / f"fs{n}", cap, **sealed)) as make:
             yield make

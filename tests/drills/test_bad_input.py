@@ -63,7 +63,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str, str | None, str]] = [
     ("readers-zero", {"tiers": [{"kind": "lmdb", "max_readers": 0}]}, "tiers.0.max_readers", "0", "greater than 0"),
     ("int-word", {"pipeline": {"breaker_failures": "three"}}, "pipeline.breaker_failures", "'three'", "integer"),
     ("port-range", {"metrics": {"port": 70000}}, "metrics.port", "70000", "65535"),
-    ("unknown-kind", {"tiers": [{"kind": "tape"}]}, "tiers.0", "'tape'", "allowed kinds: 'cpu', 'lmdb', 'redis'"),
+    ("unknown-kind", {"tiers": [{"kind": "tape"}]}, "tiers.0", "'tape'", "allowed kinds: 'cpu', 'fs', 'lmdb', 'redis'"),
     ("missing-kind", {"tiers": [{"capacity_bytes": 5}]}, "tiers.0", None, "allowed kinds"),
     (
         "enum",

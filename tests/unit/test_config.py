@@ -58,7 +58,7 @@ def test_unknown_field_names_path_value_and_suggestion() -> None:
 
 
 def test_unknown_kind_lists_known_kinds() -> None:
-    with pytest.raises(ConfigError, match=r"tiers\.0.*'foo'.*'cpu', 'lmdb', 'redis'"):
+    with pytest.raises(ConfigError, match=r"tiers\.0.*'foo'.*'cpu', 'fs', 'lmdb', 'redis'"):
         load_config({"tiers": [{"kind": "foo"}]}, env={})
 
 
@@ -291,7 +291,7 @@ def test_a_tier_without_kind_or_of_a_bad_type_says_what_kinds_exist() -> None:
     with pytest.raises(ConfigError) as ei:
         load_config({"tiers": [{"capacity_bytes": 5}, {"kind": 7}, "cpu"]}, env={})
     lines = str(ei.value).splitlines()[1:]
-    assert lines[0].strip().startswith("tiers.0: a tier needs a 'kind'; allowed kinds: 'cpu', 'lmdb', 'redis'")
+    assert lines[0].strip().startswith("tiers.0: a tier needs a 'kind'; allowed kinds: 'cpu', 'fs', 'lmdb', 'redis'")
     assert lines[1].strip().startswith("tiers.1: unknown tier kind 7; allowed kinds:")
     assert lines[2].strip().startswith("tiers.2: got 'cpu' — Input should be a valid dictionary")
 

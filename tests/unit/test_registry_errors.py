@@ -121,7 +121,7 @@ def test_a_registered_kind_is_one_entry_for_config_build_and_capabilities() -> N
         load_config({"tiers": [{"kind": "mine", "slot": 2}, {"kind": "nope"}]}, env={})
     msg = str(ei.value)
     assert "tiers.0.slot: got 2 — Extra inputs are not permitted; did you mean 'slots'?" in msg
-    assert "tiers.1: unknown tier kind 'nope'; allowed kinds: 'cpu', 'lmdb', 'mine', 'redis'" in msg
+    assert "tiers.1: unknown tier kind 'nope'; allowed kinds: 'cpu', 'fs', 'lmdb', 'mine', 'redis'" in msg
     with pytest.raises(ConfigError, match=r"tiers\.0\.slots: got 0 — .*greater than 0; expected: How many slots"):
         load_config({"tiers": [{"kind": "mine", "slots": 0}]}, env={})
 
@@ -145,7 +145,7 @@ def test_a_kind_whose_class_has_no_config_model_is_a_clear_config_error() -> Non
 def test_unknown_kind_lists_known_and_entry_point_group() -> None:
     with pytest.raises(
         errors.BackendNotFoundError,
-        match=r"unknown tier kind 'nope'; known: \['cpu', 'lmdb', 'redis'\].*tieredkv.backends",
+        match=r"unknown tier kind 'nope'; known: \['cpu', 'fs', 'lmdb', 'redis'\].*tieredkv.backends",
     ):
         reg.get_tier_class("nope")
 

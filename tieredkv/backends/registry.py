@@ -2,7 +2,7 @@
 
 A tier kind is one registry entry, whatever its origin:
 
-* **built in** (:data:`known_tiers`): ``cpu``, ``lmdb``, ``redis``, imported on first use;
+* **built in** (:data:`known_tiers`): ``cpu``, ``fs``, ``lmdb``, ``redis``, imported on first use;
 * **entry point**: a package that declares ``[project.entry-points."tieredkv.backends"]
   mykind = "pkg.mod:MyTier"``;
 * **register_tier**: ``register_tier("mykind", MyTier)`` at run time.
@@ -66,6 +66,11 @@ _BUILTINS: dict[str, _Builtin] = {
         "tieredkv.backends.cpu.tier:CPUTier",
         "tieredkv.backends.cpu.config:CPUTierConfig",
         "pip install 'tieredkv[engine]' (torch)",
+    ),
+    "fs": _Builtin(
+        "tieredkv.backends.fs.tier:FSTier",
+        "tieredkv.backends.fs.config:FSTierConfig",
+        "pip install 'tieredkv[fs]' (aiofiles)",
     ),
     "lmdb": _Builtin(
         "tieredkv.backends.lmdb.tier:LMDBTier",

@@ -1,0 +1,258 @@
+"""Room in the ``fs`` tier's directory: reservations against the shared usage ledger, eviction,
+recounts, and the sweep of crashed writers' temporary files.
+
+:class:`FSSpace` holds the tier's state (layout, ledger, this process's eviction index) and runs
+everything here synchronously on one of the tier's I/O threads, under the ledger's lock where
+the ledger is read or written.
+
+**Which records go** (any node can evict, and does, when its own store needs room): the oldest by
+access time. Each process keeps an index of the records it knows (what its open or last recount
+listed, what it wrote and read since) in its :mod:`~tieredkv.eviction` policy (``lru``: last
+access). The access time itself lives in the file system, where every node sees it: a read sets
+it (explicitly, at most every ``touch_interval_s``; so ``noatime`` mounts work). Before a
+process deletes its index's oldest record it looks at that atime: a record another node read
+since is moved to the back instead. So the order is the directory's LRU, at the touch interval's
+resolution, without a shared access log: a log every node appends to on every read is a write
+per hit and a second thing that can tear, where the atime is one ``utime`` per record per
+interval and cannot disagree with the file it describes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from tieredkv.backends.base import Tier
+from tieredkv.backends.fs.layout import Layout, owner_alive, owner_token
+from tieredkv.backends.fs.ledger import LedgerState, SharedLedger
+from tieredkv.errors import TierFullError
+from tieredkv.eviction import EvictionPolicy, make_policy
+
+__all__ = ["FSSpace"]
+
+log = logging.getLogger(__name__)
+
+
+class FSSpace(Tier):
+    """The ``fs`` tier's state and its room-making (see the module doc)."""
+
+    def __init__(self, config: Any, *, name: str | None = None) -> None:
+        super().__init__(config, name=name)
+        self.layout = Layout(config.path)
+        self._cap = int(config.size_cap_bytes)
+        self._durable = config.sync_mode == "durable"
+        self._owner = owner_token()
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._ledger: SharedLedger | None = None
+        #: Why stores are refused here (a read-only mount, no permission), else None.
+        self._read_only: str | None = None
+        self._index_lock = threading.Lock()
+        self._policy: EvictionPolicy = make_policy(config.eviction_policy)
+        self._stamps: dict[bytes, float] = {}
+        #: Bytes and records this process changed outside the ledger's lock (overwrites), added
+        #: to it the next time it holds the lock.
+        self._pending = [0, 0]
+        self._last_sweep = 0.0
+
+    # ---- the index ---------------------------------------------------------------------
+
+    def _known(self, key: bytes, size: int, stamp: float) -> None:
+        with self._index_lock:
+            self._policy.insert(key, size)
+            self._stamps[key] = stamp
+
+    def _seen(self, key: bytes, stamp: float) -> None:
+        with self._index_lock:
+            self._policy.touch(key)
+            self._stamps[key] = stamp
+
+    def _forget(self, key: bytes) -> None:
+        with self._index_lock:
+            self._policy.remove(key)
+            self._stamps.pop(key, None)
+
+    def _next_temp(self, size: int) -> str:
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        return self.layout.temp_path(self._owner, seq, size)
+
+    @property
+    def _led(self) -> SharedLedger:
+        assert self._ledger is not None, "tier is not open"
+        return self._ledger
+
+    def _held(self) -> LedgerState:
+        """The ledger (lock held) with this process's pending changes applied; a missing or
+        damaged one, or one due, recounted."""
+        st = self._led.read()
+        if st is None or time.time() - st.reconciled_at > self.config.reconcile_interval_s:
+            if st is None:
+                log.info("tier %s: usage ledger %s missing or damaged: recounting", self.name, self._led.path)
+            return self._recount_locked()
+        with self._index_lock:
+            dbytes, drecs = self._pending
+            self._pending = [0, 0]
+        return LedgerState(max(0, st.used + dbytes), max(0, st.records + drecs), st.reconciled_at)
+
+    # ---- reservations ------------------------------------------------------------------
+
+    def _reserve(self, nbytes: int, nrecords: int) -> None:
+        """Make room for ``nbytes`` more (evicting) and count them in the ledger, or raise
+        :class:`TierFullError` having reserved nothing."""
+        with self._led.locked(self.config.lock_timeout_s):
+            st = self._held()
+            used, records = st.used, st.records
+            if used + nbytes > self._cap:
+                freed, gone = self._evict_locked(used + nbytes - self._cap)
+                used, records = used - freed, records - gone
+            if used + nbytes > self._cap:
+                st = self._recount_locked()  # the ledger may be wrong; the index may be stale
+                used, records = st.used, st.records
+                if used + nbytes > self._cap:
+                    freed, gone = self._evict_locked(used + nbytes - self._cap)
+                    used, records = used - freed, records - gone
+            if used + nbytes > self._cap:
+                self._led.write(LedgerState(used, records, st.reconciled_at))
+                raise TierFullError(
+                    f"tier {self.name!r} (fs at {self.layout.root}): {nbytes} bytes do not fit its"
+                    f" {self._cap}-byte cap ({used} used, the rest pinned or being written)"
+                )
+            self._led.write(LedgerState(used + nbytes, records + nrecords, st.reconciled_at))
+
+    def _unreserve(self, nbytes: int, nrecords: int) -> None:
+        """Give back a reservation whose records were not written (next time the lock is held)."""
+        with self._index_lock:
+            self._pending[0] -= nbytes
+            self._pending[1] -= nrecords
+
+    def _replaced(self, old_size: int) -> None:
+        """A record overwrote one of ``old_size`` bytes: counted twice until the next lock."""
+        with self._index_lock:
+            self._pending[0] -= old_size
+            self._pending[1] -= 1
+
+    def _flush_pending(self) -> None:
+        if self._read_only is not None or self._pending == [0, 0]:
+            return
+        with self._led.locked(self.config.lock_timeout_s):
+            st = self._held()
+            self._led.write(st)
+
+    # ---- eviction ----------------------------------------------------------------------
+
+    def _evict_locked(self, need: int) -> tuple[int, int]:
+        """Delete records, the index's oldest first, until ``need`` bytes are free; (bytes, records)
+        freed. Pinned keys stay; a record read on another node since this index saw it goes to
+        the back (its atime says so)."""
+        freed = gone = 0
+        slack = max(self.config.touch_interval_s, 1.0)
+        with self._index_lock:
+            order = list(self._policy.victims())
+        requeued: list[tuple[bytes, float]] = []
+        for key in order:
+            if freed >= need:
+                break
+            if self.is_pinned(key):
+                continue
+            path = self.layout.record_path(key)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                self._forget(key)
+                continue
+            if st.st_atime > self._stamps.get(key, 0.0) + slack:
+                requeued.append((key, st.st_atime))
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # another node took it first: it counted it
+                self._forget(key)
+                continue
+            self._forget(key)
+            freed += st.st_size
+            gone += 1
+            self._count("evictions")
+            self._count("evicted_bytes", st.st_size)
+        for key, at in requeued:
+            self._seen(key, at)
+        if freed < need and requeued:  # what other nodes read is still older than nothing
+            f2, g2 = self._evict_requeued(need - freed, [k for k, _ in requeued])
+            freed, gone = freed + f2, gone + g2
+        return freed, gone
+
+    def _evict_requeued(self, need: int, keys: list[bytes]) -> tuple[int, int]:
+        freed = gone = 0
+        for key in keys:
+            if freed >= need:
+                break
+            if self.is_pinned(key):
+                continue
+            path = self.layout.record_path(key)
+            try:
+                size = os.lstat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                self._forget(key)
+                continue
+            self._forget(key)
+            freed += size
+            gone += 1
+            self._count("evictions")
+            self._count("evicted_bytes", size)
+        return freed, gone
+
+    # ---- recounts and the sweep ----------------------------------------------------------
+
+    def _recount_locked(self) -> LedgerState:
+        """Set the ledger (lock held) to what the directory holds: every record, and every live
+        writer's record in the making (by the size in its name); rebuild this process's index from
+        the listing, oldest access first. Sweeps crashed writers' temporary files."""
+        found = self.layout.walk()
+        used = sum(st.st_size for _, _, st in found)
+        records = len(found)
+        used += self._sweep_sync()
+        found.sort(key=lambda r: r[2].st_atime)
+        policy = make_policy(self.config.eviction_policy)
+        stamps: dict[bytes, float] = {}
+        for key, _, st in found:
+            policy.insert(key, st.st_size)
+            stamps[key] = st.st_atime
+        with self._index_lock:
+            self._policy, self._stamps = policy, stamps
+            self._pending = [0, 0]
+        state = LedgerState(used, records, time.time())
+        if self._read_only is None:
+            self._led.write(state)
+        self._count("recounts")
+        return state
+
+    def _sweep_sync(self) -> int:
+        """Remove temporary files of writers that are gone: of a dead process of this host at once,
+        any other older than ``temp_max_age_s``. Returns the bytes the live ones will hold."""
+        now = time.time()
+        live = 0
+        for path, name, st in self.layout.temps():
+            if name is not None:
+                alive = owner_alive(name.host, name.pid, name.start)
+                if alive or (alive is None and now - st.st_mtime <= self.config.temp_max_age_s):
+                    live += name.size
+                    continue
+            elif now - st.st_mtime <= self.config.temp_max_age_s:
+                continue
+            if self._read_only is not None:
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("tier %s: cannot sweep temporary file %s: %s", self.name, path, e)
+                continue
+            self._count("temps_swept")
+        self._last_sweep = now
+        return live

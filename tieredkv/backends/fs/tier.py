@@ -1,0 +1,541 @@
+"""FSTier: a directory that every node mounts, one checksummed record per file, capped for the
+directory whoever writes.
+
+Built in layers, each using only those before it:
+
+* :mod:`~tieredkv.backends.fs.layout` — where records, temporary files, the marker and the
+  ledger live; fan-out; who owns a temporary file.
+* :mod:`~tieredkv.backends.fs.ledger` — the shared usage ledger and its lock.
+* :mod:`~tieredkv.backends.fs.records` — one record file written (temporary name, rename) and
+  read, through aiofiles.
+* :mod:`~tieredkv.backends.fs.space` — reservations, eviction, recounts, the sweep.
+* this module — :class:`FSTier`: capabilities, lifecycle, the contract's operations, admin reads
+  and repairs, stats, and the bench's raw limits.
+
+Failures of the medium: a full filesystem (``ENOSPC``/``EDQUOT``) refuses the store with
+:class:`~tieredkv.errors.TierFullError` (counted ``disk_full``), a read-only mount or missing
+permission refuses every store (counted ``refused_stores``; found at open, or when a write
+meets it), a stale NFS handle on a read is a miss (counted ``stale_handles``); in every case
+reads keep working and no partial record is ever visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import aiofiles.os
+
+from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats
+from tieredkv.backends.fs.config import FSTierConfig
+from tieredkv.backends.fs.layout import Layout
+from tieredkv.backends.fs.ledger import LedgerBusyError, acquire, release
+from tieredkv.backends.fs.records import GONE, publish, read_into, read_whole
+from tieredkv.backends.fs.space import FSSpace
+from tieredkv.errors import (
+    ConfigError,
+    CorruptRecordError,
+    TieredKVError,
+    TierFullError,
+    TierTimeoutError,
+    TierUnavailableError,
+)
+from tieredkv.format import HEADER_SIZE, decode_header, encode_heads_into, verify_parts
+
+__all__ = ["FSTier"]
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
+#: Records of one batch written at once, per I/O thread (bounds the descriptors open at a time).
+_PER_THREAD = 2
+
+
+class FSTier(FSSpace):
+    """``FSTier(FSTierConfig(path="/mnt/shared/tieredkv", size_cap_bytes="500GiB"))``."""
+
+    kind = "fs"
+    capabilities = TierCapabilities(
+        access_stamps=True,
+        local_eviction=True,
+        shared=True,
+        medium="disk",
+    )
+    config_model = FSTierConfig
+
+    def __init__(self, config: Any, *, name: str | None = None) -> None:
+        super().__init__(config, name=name)
+        self._pool: ThreadPoolExecutor | None = None
+        self._gate: asyncio.Semaphore | None = None
+        self._upkeep: asyncio.Task[None] | None = None
+
+    @property
+    def path(self) -> str:
+        return self.layout.root
+
+    # ---- what the registry, admin tools and the bench ask of the class ------------------
+
+    @classmethod
+    def missing(cls, config: Any) -> str | None:
+        layout = Layout(config.path)
+        return None if os.path.exists(layout.marker) else f"no fs tier at {layout.root}"
+
+    @classmethod
+    def raw_limits(cls, config: Any, src: Any, dst: Any, *, workdir: str) -> RawLimits:
+        """The filesystem under ``workdir``, one file per record as this tier keeps them: ``pwrite``
+        of each record's bytes into a new file (page cache; then ``fdatasync``'d) and ``pread``
+        back, the baseline; the same with a temporary name and ``rename``; and this tier's own
+        sequence of calls (header, checksum, temporary file, rename, the check on load) made
+        directly on one thread, without aiofiles: what aiofiles costs is the tier against it."""
+        from tieredkv.backends._rawbench import gbps, raw_record_files
+
+        nbytes = src.numel()
+        figures: dict[str, float] = {}
+        for label, how in (
+            ("pwrite", {}),
+            ("pwrite_durable", {"durable": True}),
+            ("pwrite_rename", {"rename": True}),
+            ("tier_calls_no_aiofiles", {"rename": True, "checked": True}),
+        ):
+            w, r = raw_record_files(src, dst, workdir, **how)
+            figures[f"{label}.store"] = gbps(nbytes, w)
+            if label in ("pwrite", "tier_calls_no_aiofiles"):
+                figures[f"{label.replace('pwrite', 'pread')}.load"] = gbps(nbytes, r)
+        store = "pwrite_durable.store" if config.sync_mode == "durable" else "pwrite.store"
+        return RawLimits(
+            figures,
+            baseline={"store": store, "load": "pread.load"},
+            floor={"store": "tier_calls_no_aiofiles.store", "load": "tier_calls_no_aiofiles.load"},
+            notes=("fs: one file per record in fanned-out directories, as the tier writes them",),
+        )
+
+    def _translate(self, exc: BaseException, op: str) -> TieredKVError:
+        where = f"tier {self.name!r} (fs at {self.layout.root})"
+        if isinstance(exc, LedgerBusyError):
+            self._count("ledger_busy")
+            return TierTimeoutError(f"{where}: {op}: {exc}; another node holds the usage ledger")
+        if isinstance(exc, OSError):
+            if exc.errno in _FULL:
+                self._count("disk_full")
+                return TierFullError(
+                    f"{where}: {op}: the filesystem is full ({exc.strerror}); stores refused, reads go on"
+                )
+            if exc.errno in _REFUSED:
+                self._count("refused_stores")
+                return TierUnavailableError(
+                    f"{where}: {op}: {exc.strerror} ({exc.filename}); stores refused, reads go on"
+                )
+            if exc.errno == errno.ESTALE:
+                self._count("stale_handles")
+            return TierUnavailableError(f"{where}: {op} failed: {exc}")
+        return super()._translate(exc, op)
+
+    # ---- threads -----------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` on one of the tier's I/O threads (aiofiles' ``wrap``)."""
+        result: _R = await aiofiles.os.wrap(fn)(*args, executor=self._pool)
+        return result
+
+    async def _each(self, todo: list[Awaitable[_R]]) -> list[_R]:
+        """Await ``todo`` with at most ``_PER_THREAD`` per I/O thread in flight, in order."""
+        assert self._gate is not None
+        gate = self._gate
+
+        async def one(aw: Awaitable[_R]) -> _R:
+            async with gate:
+                return await aw
+
+        return list(await asyncio.gather(*(one(a) for a in todo)))
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        n = self.config.io_threads
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"tieredkv-fs-{self.name}")
+        self._gate = asyncio.Semaphore(n * _PER_THREAD)
+        try:
+            await self._run(self._open_sync)
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            raise
+        self._upkeep = asyncio.get_running_loop().create_task(self._upkeep_loop())
+
+    def _open_sync(self) -> None:
+        lay = self.layout
+        wrong = lay.check_marker()
+        if wrong is not None:
+            raise ConfigError(f"tiers.{self.name}.path: {wrong}; point it at an fs tier's directory or an empty one")
+        try:
+            lay.ensure()
+            self._probe_write()
+        except OSError as e:
+            if e.errno not in _REFUSED or not os.path.isdir(lay.ns):
+                raise ConfigError(
+                    f"tiers.{self.name}.path: {lay.root!r} cannot hold an fs tier ({e.strerror});"
+                    " point it at a directory every node can write"
+                ) from e
+            self._read_only = f"{e.strerror} ({e.filename})"
+        self._ledger = acquire(lay.ledger)
+        if self._ledger.read_only is not None:
+            self._read_only = self._read_only or self._ledger.read_only
+        if self._read_only is not None:
+            log.warning(
+                "tier %s: %s is read-only here (%s): stores refused, reads go on", self.name, lay.root, self._read_only
+            )
+            st = self._ledger.read()
+            if st is None or not self._policy:
+                self._recount_unlocked()
+            return
+        with self._led.locked(self.config.lock_timeout_s):
+            self._recount_locked()
+
+    def _probe_write(self) -> None:
+        """Create and remove a temporary file: a read-only mount or a missing permission shows here."""
+        probe = self._next_temp(0)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        os.close(fd)
+        os.unlink(probe)
+
+    def _recount_unlocked(self) -> None:
+        """A read-only process's index (nothing written)."""
+        found = sorted(self.layout.walk(), key=lambda r: r[2].st_atime)
+        for key, _, st in found:
+            self._known(key, st.st_size, st.st_atime)
+
+    async def _upkeep_loop(self) -> None:
+        """Every so often: give the ledger this process's pending changes, sweep temporary files,
+        recount when due."""
+        period = min(60.0, self.config.temp_max_age_s / 2, self.config.reconcile_interval_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self._run(self._upkeep_sync)
+            except Exception as e:  # noqa: BLE001 - upkeep must outlive a bad moment of the medium
+                log.warning("tier %s: upkeep failed: %s", self.name, e)
+
+    def _upkeep_sync(self) -> None:
+        if self._read_only is not None:
+            return
+        with self._led.locked(self.config.lock_timeout_s):
+            st = self._held()  # recounts when due
+            self._led.write(st)
+        if time.time() - self._last_sweep > self.config.temp_max_age_s / 4:
+            self._sweep_sync()
+
+    async def _close(self) -> None:
+        upkeep, self._upkeep = self._upkeep, None
+        if upkeep is not None and not upkeep.done():
+            loop = upkeep.get_loop()
+            if loop is asyncio.get_running_loop():
+                upkeep.cancel()
+                await asyncio.gather(upkeep, return_exceptions=True)
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(upkeep.cancel)
+        if self._pool is None:
+            return
+        try:
+            if self._ledger is not None:
+                try:
+                    await self._run(self._flush_pending)
+                except (OSError, LedgerBusyError) as e:
+                    log.warning("tier %s: usage ledger not updated at close: %s", self.name, e)
+        finally:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+            if self._ledger is not None:
+                release(self._ledger)
+                self._ledger = None
+
+    # ---- stores ------------------------------------------------------------------------
+
+    def _writable(self, op: str) -> None:
+        if self._read_only is not None:
+            self._count("refused_stores")
+            raise TierUnavailableError(
+                f"tier {self.name!r} (fs at {self.layout.root}): {op} refused: the directory is read-only"
+                f" here ({self._read_only}); reads go on"
+            )
+
+    async def _put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        heads = memoryview(bytearray(HEADER_SIZE * len(items)))
+        encode_heads_into(heads, items)
+        await self._store([(k, (heads[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], p)) for i, (k, p) in enumerate(items)])
+
+    async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
+        await self._store([(k, (raw,)) for k, raw in items])
+
+    async def _store(self, records: list[tuple[bytes, tuple[memoryview, ...]]]) -> None:
+        """Reserve room for ``records`` (key, parts), then publish each; all-or-nothing on room."""
+        self._writable("put")
+        for k, _ in records:
+            if not Layout.fits(k):
+                raise ValueError(f"tier {self.name!r}: a key of {len(k)} bytes is too long for a file name")
+        sizes = [sum(map(len, parts)) for _, parts in records]
+        total = sum(sizes)
+        if total > self._cap:
+            raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes is larger than its {self._cap}-byte cap")
+        await self._run(self._reserve, total, len(records))
+        pool = self._pool
+        assert pool is not None
+        outcomes = await self._each(
+            [
+                _settled(
+                    publish(
+                        self._next_temp(size),
+                        self.layout.record_path(k),
+                        parts,
+                        durable=self._durable,
+                        executor=pool,
+                    )
+                )
+                for (k, parts), size in zip(records, sizes, strict=True)
+            ]
+        )
+        now = time.time()
+        failed: BaseException | None = None
+        lost = lost_n = 0
+        for (k, _), size, got in zip(records, sizes, outcomes, strict=True):
+            if isinstance(got, BaseException):
+                failed = failed or got
+                lost += size
+                lost_n += 1
+                continue
+            if got is not None:
+                self._replaced(got)
+            self._known(k, size, now)
+        if lost:
+            self._unreserve(lost, lost_n)
+        if self._durable:
+            dirs = sorted({os.path.dirname(self.layout.record_path(k)) for k, _ in records})
+            await self._run(_sync_dirs, dirs)
+        if failed is not None:
+            raise failed
+
+    # ---- loads -------------------------------------------------------------------------
+
+    async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
+        pool = self._pool
+        assert pool is not None
+        got = await self._each([_settled(read_into(self.layout.record_path(k), d, pool)) for k, d in zip(keys, into)])
+        out: list[int | bytes | None] = []
+        bad: list[bytes] = []
+        touch: list[str] = []
+        now = time.time()
+        for key, dst, res in zip(keys, into, got, strict=True):
+            if isinstance(res, BaseException):
+                if isinstance(res, OSError) and res.errno == errno.ESTALE:
+                    self._count("stale_handles")
+                    out.append(None)
+                    continue
+                raise res
+            if res is None:
+                out.append(None)
+                continue
+            try:
+                if res.short:
+                    raise CorruptRecordError("record file is shorter than its header says")
+                if res.payload is None:  # longer than its destination: a good header is a miss
+                    decode_header(memoryview(res.head), res.size)
+                    assert dst is not None
+                    self._oversize(key, res.size, dst)
+                    out.append(None)
+                    continue
+                verify_parts(memoryview(res.head), res.payload, key)
+            except CorruptRecordError as e:
+                if res.payload is not None:
+                    res.payload[:] = bytes(len(res.payload))
+                self._on_corrupt(key, e)
+                bad.append(key)
+                out.append(None)
+                continue
+            out.append(res.size if dst is not None else bytes(res.payload))
+            if now - res.atime > self.config.touch_interval_s:
+                touch.append(self.layout.record_path(key))
+            self._seen(key, now)
+        if bad:
+            await self._drop_corrupt(bad)
+        if touch and self._read_only is None:
+            await self._run(_touch, touch, now)
+        return out
+
+    async def _drop_corrupt(self, keys: list[bytes]) -> None:
+        """Delete the corrupt records of ``keys``, each only while it still is the one read."""
+        raws = await self._raw_get_many(keys)
+        bad = [(k, r) for k, r in zip(keys, raws, strict=True) if r is not None and self.check_record(r, k)]
+        if bad and self._read_only is None:
+            try:
+                await self._delete_if_same(bad)
+            except (OSError, LedgerBusyError) as e:
+                log.warning("tier %s: corrupt records not deleted: %s", self.name, e)
+
+    async def _contains_many(self, keys: list[bytes]) -> list[bool]:
+        return await self._run(_exist, [self.layout.record_path(k) for k in keys])
+
+    # ---- deletions ---------------------------------------------------------------------
+
+    async def _delete_many(self, keys: list[bytes]) -> int:
+        self._writable("delete")
+        return await self._run(self._delete_sync, keys)
+
+    def _delete_sync(self, keys: list[bytes]) -> int:
+        with self._led.locked(self.config.lock_timeout_s):
+            st = self._held()
+            used, records, n = st.used, st.records, 0
+            for k in keys:
+                path = self.layout.record_path(k)
+                try:
+                    size = os.lstat(path).st_size
+                    os.unlink(path)
+                except FileNotFoundError:
+                    self._forget(k)
+                    continue
+                self._forget(k)
+                used, records, n = used - size, records - 1, n + 1
+            self._led.write(type(st)(max(used, 0), max(records, 0), st.reconciled_at))
+        return n
+
+    async def _delete_if_same(self, items: list[tuple[bytes, bytes]]) -> int:
+        self._writable("delete")
+        return await self._run(self._delete_if_same_sync, items)
+
+    def _delete_if_same_sync(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Move each record aside (``rename``: atomic), compare what was moved, and delete it when
+        it is the same; else put it back unless a newer record took its place meanwhile (``link``
+        fails on an existing name: it never replaces one)."""
+        n = freed = 0
+        for key, raw in items:
+            path = self.layout.record_path(key)
+            aside = self._next_temp(0)
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                continue
+            try:
+                with open(aside, "rb") as f:
+                    held = f.read()
+                if held == raw:
+                    self._forget(key)
+                    n += 1
+                    freed += len(held)
+                else:
+                    try:
+                        os.link(aside, path)
+                    except FileExistsError:
+                        pass
+            finally:
+                os.unlink(aside)
+        if n:
+            with self._led.locked(self.config.lock_timeout_s):
+                st = self._held()
+                self._led.write(type(st)(max(st.used - freed, 0), max(st.records - n, 0), st.reconciled_at))
+        return n
+
+    # ---- admin reads -------------------------------------------------------------------
+
+    async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        pool = self._pool
+        assert pool is not None
+        got = await self._each([_settled(read_whole(self.layout.record_path(k), pool)) for k in keys])
+        out: list[bytes | None] = []
+        for r in got:
+            if isinstance(r, OSError) and r.errno == errno.ESTALE:
+                out.append(None)
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                out.append(r)
+        return out
+
+    async def _scan(self, fingerprint: bytes | None) -> AsyncIterator[RecordInfo]:
+        found = await self._run(self.layout.walk, fingerprint)
+        for key, _, st in found:
+            yield RecordInfo(key, st.st_size - HEADER_SIZE, st.st_atime)
+
+    async def _stats(self) -> TierStats:
+        return await self._run(self._stats_sync)
+
+    def _stats_sync(self) -> TierStats:
+        st = self._led.read()
+        temps = self.layout.temps()
+        with self._index_lock:
+            dbytes, drecs = self._pending
+            known = len(self._policy)
+        used = max(0, (st.used if st else 0) + dbytes)
+        return TierStats(
+            name=self.name,
+            kind=self.kind,
+            capacity_bytes=self._cap,
+            used_bytes=used,
+            records=max(0, (st.records if st else 0) + drecs),
+            extra={
+                "path": self.layout.root,
+                "sync_mode": self.config.sync_mode,
+                "read_only": self._read_only,
+                "temp_files": len(temps),
+                "ledger_recounted_at": st.reconciled_at if st else None,
+                "records_known_here": known,
+            },
+        )
+
+    async def reconcile(self) -> int:
+        """Recount the directory now (``tieredkv status --recount``): set the shared ledger to what
+        it holds. Returns the bytes counted."""
+        await self._ensure_open()
+        self._writable("recount")
+
+        def run() -> int:
+            with self._led.locked(self.config.lock_timeout_s):
+                return self._recount_locked().used
+
+        return int(await self._guard("reconcile", 0, self._run(run)))
+
+
+async def _settled(aw: Awaitable[_R]) -> _R | BaseException:
+    """``aw``'s result, or the exception it raised (one failed record does not cancel the others)."""
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - handed back to the caller, which raises it
+        return e
+
+
+def _exist(paths: list[str]) -> list[bool]:
+    out = []
+    for p in paths:
+        try:
+            os.lstat(p)
+            out.append(True)
+        except OSError as e:
+            if e.errno not in GONE:
+                raise
+            out.append(False)
+    return out
+
+
+def _touch(paths: list[str], now: float) -> None:
+    """Set each file's access time to ``now`` (its change time kept); a file gone is skipped."""
+    for p in paths:
+        try:
+            os.utime(p, (now, os.lstat(p).st_mtime), follow_symlinks=False)
+        except OSError:
+            pass
+
+
+def _sync_dirs(dirs: list[str]) -> None:
+    for d in dirs:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

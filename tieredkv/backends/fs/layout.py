@@ -158,8 +158,8 @@ class Layout:
         try:
             with open(self.marker) as f:
                 got = json.load(f)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # (not a directory: creating the tree says so)
         except (OSError, ValueError) as e:
             return f"unreadable marker {self.marker}: {e}"
         if not isinstance(got, dict) or got.get("format") != FORMAT["format"]:

@@ -48,7 +48,7 @@ SIZE = _BODY.size + _SUM.size
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-class LedgerBusyError(TimeoutError):
+class LedgerBusyError(Exception):
     """The ledger's lock was not had within the timeout."""
 
 

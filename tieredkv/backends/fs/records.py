@@ -107,13 +107,11 @@ class ReadResult:
 
 async def read_into(path: str, dst: memoryview | None, executor: Executor) -> ReadResult | None:
     """Read the record file ``path``: its payload into ``dst`` (into new memory when None).
-    None when the file is not there (see :data:`GONE`)."""
+    None when the file is not there; other errors (``ESTALE`` among them) raise."""
     try:
         f = await aiofiles.open(path, "rb", buffering=0, opener=_nofollow, executor=executor)
-    except OSError as e:
-        if e.errno in GONE:
-            return None
-        raise
+    except FileNotFoundError:
+        return None  # (a stale handle raises: the tier counts it)
     try:
         st = os.fstat(f.fileno())
         n = st.st_size - HEADER_SIZE
@@ -139,7 +137,5 @@ async def read_whole(path: str, executor: Executor) -> bytes | None:
         async with aiofiles.open(path, "rb", opener=_nofollow, executor=executor) as f:
             data: bytes = await f.read()
             return data
-    except OSError as e:
-        if e.errno in GONE:
-            return None
-        raise
+    except FileNotFoundError:
+        return None

@@ -25,6 +25,7 @@ import asyncio
 import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -192,12 +193,28 @@ class FSTier(FSSpace):
             log.warning(
                 "tier %s: %s is read-only here (%s): stores refused, reads go on", self.name, lay.root, self._read_only
             )
-            st = self._ledger.read()
-            if st is None or not self._policy:
-                self._recount_unlocked()
-            return
-        with self._led.locked(self.config.lock_timeout_s):
-            self._recount_locked()
+        else:
+            self._sweep_sync()
+
+    def _load_index(self) -> None:
+        """This process's eviction index from a listing of the directory (after open, on an I/O
+        thread: a large directory on a network filesystem takes a while), and a recount when the
+        ledger is missing, damaged or due, if no other node holds it."""
+        if self._read_only is None:
+            try:
+                with self._led.locked(self.config.lock_timeout_s):
+                    st = self._led.read()
+                    if st is None or time.time() - st.reconciled_at > self.config.reconcile_interval_s:
+                        self._recount_locked()
+                        return
+            except LedgerBusyError as e:
+                log.info("tier %s: %s; listing without a recount", self.name, e)
+        found = sorted(self.layout.walk(), key=lambda r: r[2].st_atime)
+        with self._index_lock:
+            for key, _, fst in found:
+                if key not in self._policy:  # (what this process wrote since open is newer)
+                    self._policy.insert(key, fst.st_size)
+                    self._stamps[key] = fst.st_atime
 
     def _probe_write(self) -> None:
         """Create and remove a temporary file: a read-only mount or a missing permission shows here."""
@@ -206,16 +223,14 @@ class FSTier(FSSpace):
         os.close(fd)
         os.unlink(probe)
 
-    def _recount_unlocked(self) -> None:
-        """A read-only process's index (nothing written)."""
-        found = sorted(self.layout.walk(), key=lambda r: r[2].st_atime)
-        for key, _, st in found:
-            self._known(key, st.st_size, st.st_atime)
-
     async def _upkeep_loop(self) -> None:
         """Every so often: give the ledger this process's pending changes, sweep temporary files,
         recount when due."""
         period = min(60.0, self.config.temp_max_age_s / 2, self.config.reconcile_interval_s / 2)
+        try:
+            await self._run(self._load_index)
+        except Exception as e:  # noqa: BLE001 - a store that needs room recounts anyway
+            log.warning("tier %s: listing the directory failed: %s", self.name, e)
         while True:
             await asyncio.sleep(period)
             try:
@@ -333,8 +348,7 @@ class FSTier(FSSpace):
         now = time.time()
         for key, dst, res in zip(keys, into, got, strict=True):
             if isinstance(res, BaseException):
-                if isinstance(res, OSError) and res.errno == errno.ESTALE:
-                    self._count("stale_handles")
+                if self._unreadable(res):
                     out.append(None)
                     continue
                 raise res
@@ -367,6 +381,22 @@ class FSTier(FSSpace):
         if touch and self._read_only is None:
             await self._run(_touch, touch, now)
         return out
+
+    def _unreadable(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised reading one record file, makes that record a miss (counted)
+        rather than a failure of the tier: a stale NFS handle (the file was removed on another
+        node while this one held it), or something other than a regular file at the record's
+        name (a symlink: never followed)."""
+        if not isinstance(exc, OSError):
+            return False
+        if exc.errno == errno.ESTALE:
+            self._count("stale_handles")
+            return True
+        if exc.errno == errno.ELOOP:
+            self._count("not_a_record")
+            log.warning("tier %s: %s is a symlink, not a record: a miss", self.name, exc.filename)
+            return True
+        return False
 
     async def _drop_corrupt(self, keys: list[bytes]) -> None:
         """Delete the corrupt records of ``keys``, each only while it still is the one read."""
@@ -448,7 +478,7 @@ class FSTier(FSSpace):
         got = await self._each([_settled(read_whole(self.layout.record_path(k), pool)) for k in keys])
         out: list[bytes | None] = []
         for r in got:
-            if isinstance(r, OSError) and r.errno == errno.ESTALE:
+            if isinstance(r, BaseException) and self._unreadable(r):
                 out.append(None)
             elif isinstance(r, BaseException):
                 raise r
@@ -514,8 +544,7 @@ def _exist(paths: list[str]) -> list[bool]:
     out = []
     for p in paths:
         try:
-            os.lstat(p)
-            out.append(True)
+            out.append(stat.S_ISREG(os.lstat(p).st_mode))  # a symlink at a record's name is none
         except OSError as e:
             if e.errno not in GONE:
                 raise

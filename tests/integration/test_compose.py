@@ -126,13 +126,13 @@ def test_vllm_service_runs_tieredkv_with_a_gpu_and_the_cluster_config() -> None:
     assert ktc["kv_connector_module_path"] == "tieredkv.integrations.vllm"
     extra = ktc["kv_connector_extra_config"]
     assert extra["spec_name"] == "TieredKVOffloadingSpec" and extra["spec_module_path"] == "tieredkv.integrations.vllm"
-    assert tieredkv_config_path() == ROOT / "config" / "tieredkv-redis-cluster.yaml"
+    assert tieredkv_config_path() == ROOT / "config" / "tieredkv-shared.yaml"
     assert vllm["environment"]["TIEREDKV_CONFIG"] == extra["tieredkv_config"]
     (dev,) = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert "gpu" in dev["capabilities"] and dev["count"] == 1
     assert "redis-cluster-init" in vllm["depends_on"]
     dockerfile = (ROOT / "Dockerfile.vllm").read_text()
-    assert "FROM vllm/vllm-openai" in dockerfile and "[redis]" in dockerfile
+    assert "FROM vllm/vllm-openai" in dockerfile and "[redis,fs]" in dockerfile
     cfg = load_config(tieredkv_config_path())
     cmd = [str(c) for c in vllm["command"]]
     assert cmd[0] == cfg.namespace.model  # the namespace names the model vLLM serves
@@ -256,3 +256,28 @@ def test_docs_name_the_compose_file_and_the_loopback_cluster() -> None:
     page = (ROOT / "docs" / "operating.md").read_text()  # its "Local cluster" section
     assert "docker compose up" in page or "docker-compose up" in page
     assert "tieredkv cluster up" in page and "tieredkv cluster down" in page
+
+
+def test_the_services_share_one_volume_as_the_fs_tier() -> None:
+    """The fs tier of the vLLM config is a named volume that vLLM and the admin service both
+    mount at the tier's path (across hosts, the same volume on a shared filesystem)."""
+    from tieredkv.config import FSTierConfig
+
+    cfg = load_config(tieredkv_config_path(), env={})
+    (fs,) = [t for t in cfg.tiers if isinstance(t, FSTierConfig)]
+    assert "aiofiles" in (ROOT / "Dockerfile.vllm").read_text()  # the image can open it
+    mounting = {}
+    for name, svc in services().items():
+        for v in svc.get("volumes", []):
+            if isinstance(v, dict) and v.get("type") == "volume" and v.get("target") == fs.path:
+                mounting[name] = v["source"]
+            elif isinstance(v, str) and v.split(":")[1:2] == [fs.path]:
+                mounting[name] = v.split(":")[0]
+    assert set(mounting) >= {"vllm", "tieredkv-admin"}, mounting
+    (volume,) = set(mounting.values())
+    assert volume in normalized()["volumes"], f"{volume} is not a named volume: {mounting}"
+    admin = services()["tieredkv-admin"]
+    assert admin["environment"]["TIEREDKV_CONFIG"] == services()["vllm"]["environment"]["TIEREDKV_CONFIG"]
+    # routes: full attention to the CPU tier then the shared directory, Mamba straight to it
+    routes = {tuple(r.kinds or ()): r.tiers for r in cfg.policy}
+    assert routes[("full",)] == ["cpu", fs.name] and routes[("mamba",)] == [fs.name]

@@ -44,9 +44,17 @@ import pytest
 import torch
 
 from tieredkv.backends.cpu import CPUTier
+from tieredkv.backends.fs import FSTier
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.backends.redis import RedisTier
-from tieredkv.config import CPUTierConfig, LMDBTierConfig, PipelineConfig, PolicyRule, RedisTierConfig
+from tieredkv.config import (
+    CPUTierConfig,
+    FSTierConfig,
+    LMDBTierConfig,
+    PipelineConfig,
+    PolicyRule,
+    RedisTierConfig,
+)
 from tieredkv.errors import TieredKVError
 from tieredkv.keys import Namespace
 from tieredkv.pipeline import ChunkRef, JobResult, LoadJob, Pipeline, StoreJob
@@ -322,7 +330,7 @@ async def _direct_task(cpu: CPUTier, model: Model, nops: int, rng: random.Random
 
 
 @pytest.mark.timeout(max(120, OPS // 100))  # a hang guard that grows with STRESS_OPS
-@pytest.mark.parametrize("second", ["lmdb", "redis"])
+@pytest.mark.parametrize("second", ["lmdb", "redis", "fs"])
 def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes(
     tmp_path: Path, request: pytest.FixtureRequest, second: str
 ) -> None:
@@ -337,6 +345,9 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
     tiers: list[Any] = [cpu, low]
     other = "lmdb"
     red: RedisTier | None = None
+    if second == "fs":
+        tiers.append(FSTier(FSTierConfig(path=str(tmp_path / "fs"), size_cap_bytes=32 << 20)))
+        other = "fs"
     if second == "redis":
         srv = request.getfixturevalue("redis_server")
         red = RedisTier(RedisTierConfig(url=srv.url, key_prefix=f"stress-{uuid.uuid4().hex[:8]}"))

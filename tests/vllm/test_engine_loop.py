@@ -9,8 +9,8 @@ a forward reads, every step. The same schedule runs with:
 
 * ``ref`` — vLLM's own ``CPUOffloadingSpec`` (its CUDA worker replaced by a CPU stand-in that
   copies within the step);
-* ``spec-cpu`` / ``spec-lmdb`` / ``spec-redis`` — ``TieredKVOffloadingSpec`` over one tier;
-* ``sec-lmdb`` / ``sec-redis`` — ``TieredKVSecondaryTier`` under vLLM's ``TieringOffloadingSpec``,
+* ``spec-cpu`` / ``spec-lmdb`` / ``spec-fs`` / ``spec-redis`` — ``TieredKVOffloadingSpec`` over one tier;
+* ``sec-lmdb`` / ``sec-fs`` / ``sec-redis`` — ``TieredKVSecondaryTier`` under vLLM's ``TieringOffloadingSpec``,
   vLLM's primary CPU tier reset between phases (``keep_on_reset: true`` keeps tieredkv's records),
   so every hit of a later phase is promoted from tieredkv;
 * ``cap1-lmdb`` — the spec with ``max_inflight_store_chunks: 1``: full-attention batches are
@@ -77,6 +77,7 @@ def _tiers_file(path: Path, kind: str, url: str | None = None, cluster: bool = F
             "map_size_bytes": "64MiB",
             "size_cap_bytes": "32MiB",
         },
+        "fs": {"kind": "fs", "name": "shared", "path": str(path / "fs"), "size_cap_bytes": "32MiB"},
         "redis": {
             "kind": "redis",
             "name": "redis",
@@ -175,10 +176,10 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
     groups, bpc, a = row
     kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": a}
     runs = {"ref": run_engine(reference_extra_config(bpc), **kw)}
-    for kind in ("cpu", "lmdb", "redis"):
+    for kind in ("cpu", "lmdb", "fs", "redis"):
         tiers = _tiers_file(tmp_path / f"spec-{kind}", kind, redis_server.url)
         runs[f"spec-{kind}"] = run_engine(spec_extra(bpc, tiers), settle=True, **kw)
-    for kind in ("lmdb", "redis"):
+    for kind in ("lmdb", "fs", "redis"):
         tiers = _tiers_file(tmp_path / f"sec-{kind}", kind, redis_server.url)
         runs[f"sec-{kind}"] = run_engine(
             secondary_extra(bpc, tiers), settle=True, tiering_cpu_worker=True, reset_connector=True, **kw
@@ -217,7 +218,7 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
         pytest.xfail(f"hybrid row, lookup of new prefixes answered a step later: {gaps}")
 
 
-DEFERRED_LOOKUP_PATHS = ("spec-redis", "sec-lmdb", "sec-redis")
+DEFERRED_LOOKUP_PATHS = ("spec-redis", "sec-lmdb", "sec-fs", "sec-redis")
 
 
 @contextlib.contextmanager

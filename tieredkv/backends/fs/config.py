@@ -82,6 +82,15 @@ class FSTierConfig(TierConfigBase):
         gt=0,
         description="Longest wait for the shared usage ledger's lock before a store is refused (counted).",
     )
+    probe_budget_ms: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "A lookup the engine needs answered in its step stats the record's file on the"
+            " calling thread while such stats take at most this long on average (else it is"
+            " answered asynchronously, a step later); 0: only records this process knows of."
+        ),
+    )
     encryption: EncryptionConfig | None = Field(None, description=ENCRYPTION_DOC)
 
     local_dir_field: ClassVar[str | None] = "path"

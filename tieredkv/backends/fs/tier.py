@@ -27,7 +27,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -77,6 +77,9 @@ class FSTier(FSSpace):
         self._pool: ThreadPoolExecutor | None = None
         self._gate: asyncio.Semaphore | None = None
         self._upkeep: asyncio.Task[None] | None = None
+        self._probe_budget = config.probe_budget_ms / 1000
+        self._probe_cost = 0.0
+        self._probe_paused_until = 0.0
 
     @property
     def path(self) -> str:
@@ -270,6 +273,44 @@ class FSTier(FSSpace):
             if self._ledger is not None:
                 release(self._ledger)
                 self._ledger = None
+
+    # ---- lookups without waiting ----------------------------------------------------------
+
+    def probe_key(self, key: bytes) -> bool | None:
+        """Whether ``key`` holds a record, at once, from any thread: True for a record this
+        process knows the directory holds (it wrote, read or listed it: its index); for any
+        other key one ``lstat`` on the calling thread while the filesystem answers them within
+        ``probe_budget_ms`` on average (a local disk, a near NFS server with its attribute
+        cache), else None (the asynchronous lookup asks on an I/O thread). A known record that
+        another node evicted since is a miss at its load, as any record gone between lookup and
+        load is; a record another node wrote a moment ago may be missed (a lost hit, never a
+        wrong one)."""
+        if key in self._stamps:
+            return True
+        if self._probe_paused_until > time.monotonic() or not self._probe_budget:
+            return None
+        t0 = time.perf_counter()
+        try:
+            found = stat.S_ISREG(os.lstat(self.layout.record_path(key)).st_mode)
+        except FileNotFoundError:
+            found = False
+        except OSError:
+            return None
+        dt = time.perf_counter() - t0
+        self._probe_cost = cost = 0.9 * self._probe_cost + 0.1 * dt
+        if cost > self._probe_budget:  # slow medium: ask asynchronously for a while
+            self._probe_paused_until = time.monotonic() + 1.0
+            self._probe_cost = 0.0
+        return found
+
+    def probe(self, keys: Sequence[bytes]) -> list[bool] | None:
+        out = []
+        for k in keys:
+            got = self.probe_key(k)
+            if got is None:
+                return None
+            out.append(got)
+        return out
 
     # ---- stores ------------------------------------------------------------------------
 

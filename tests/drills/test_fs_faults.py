@@ -313,3 +313,26 @@ def test_bad_config_and_foreign_directories_name_the_field(tmp_path: Path) -> No
         asyncio.run(open_at(other))
     with pytest.raises(ValueError, match="sync_mode"):
         FSTierConfig(path=str(tmp_path), sync_mode="sometimes")  # type: ignore[arg-type]
+
+
+def test_a_batch_that_meets_a_full_filesystem_stores_nothing(tmp_path: Path) -> None:
+    """All or nothing, as the tier contract says: a batch whose later records meet ENOSPC leaves
+    none of its records, and none of its bytes counted."""
+    ctx, mnt = mounted(tmp_path, "2m")
+    try:
+
+        async def run() -> None:
+            async with tier(mnt / "d") as t:
+                batch = [(skey(i), payload(i, 1, 384 * KiB)) for i in range(8)]  # 3 MiB: the 2 MiB disk fills midway
+                with pytest.raises(TierFullError, match="filesystem is full"):
+                    await t.put_many(batch)
+                assert await t.contains_many([k for k, _ in batch]) == [False] * 8
+                assert [r async for r in t.scan()] == []
+                assert (await t.stats()).used_bytes == 0
+                assert Layout(str(mnt / "d")).temps() == []
+                await t.put_many(batch[:2])  # and the disk takes a smaller one
+                assert await t.get_many([k for k, _ in batch[:2]]) == [p for _, p in batch[:2]]
+
+        asyncio.run(run())
+    finally:
+        ctx.__exit__(None, None, None)

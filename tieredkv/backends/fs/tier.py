@@ -357,25 +357,20 @@ class FSTier(FSSpace):
                 for (k, parts), size in zip(records, sizes, strict=True)
             ]
         )
+        failed = next((got for got in outcomes if isinstance(got, BaseException)), None)
+        if failed is not None:  # all or nothing: what this batch published goes too
+            done = [k for (k, _), got in zip(records, outcomes, strict=True) if not isinstance(got, BaseException)]
+            await self._run(_unlink_all, [self.layout.record_path(k) for k in done])
+            self._unreserve(total, len(records))
+            raise failed
         now = time.time()
-        failed: BaseException | None = None
-        lost = lost_n = 0
         for (k, _), size, got in zip(records, sizes, outcomes, strict=True):
-            if isinstance(got, BaseException):
-                failed = failed or got
-                lost += size
-                lost_n += 1
-                continue
-            if got is not None:
+            if isinstance(got, int):
                 self._replaced(got)
             self._known(k, size, now)
-        if lost:
-            self._unreserve(lost, lost_n)
         if self._durable:
             dirs = sorted({os.path.dirname(self.layout.record_path(k)) for k, _ in records})
             await self._run(_sync_dirs, dirs)
-        if failed is not None:
-            raise failed
 
     # ---- loads -------------------------------------------------------------------------
 
@@ -599,6 +594,14 @@ def _touch(paths: list[str], now: float) -> None:
         try:
             os.utime(p, (now, os.lstat(p).st_mtime), follow_symlinks=False)
         except OSError:
+            pass
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
             pass
 
 

@@ -168,16 +168,9 @@ class FSSpace(Tier):
             if st.st_atime > self._stamps.get(key, 0.0) + slack:
                 requeued.append((key, st.st_atime))
                 continue
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # another node took it first: it counted it
-                self._forget(key)
-                continue
-            self._forget(key)
-            freed += st.st_size
-            gone += 1
-            self._count("evictions")
-            self._count("evicted_bytes", st.st_size)
+            size = self._remove(key)
+            if size is not None:
+                freed, gone = freed + self._evicted(size), gone + 1
         for key, at in requeued:
             self._seen(key, at)
         if freed < need and requeued:  # what other nodes read is still older than nothing
@@ -190,21 +183,28 @@ class FSSpace(Tier):
         for key in keys:
             if freed >= need:
                 break
-            if self.is_pinned(key):
-                continue
-            path = self.layout.record_path(key)
-            try:
-                size = os.lstat(path).st_size
-                os.unlink(path)
-            except FileNotFoundError:
-                self._forget(key)
-                continue
-            self._forget(key)
-            freed += size
-            gone += 1
-            self._count("evictions")
-            self._count("evicted_bytes", size)
+            if not self.is_pinned(key):
+                size = self._remove(key)
+                if size is not None:
+                    freed, gone = freed + self._evicted(size), gone + 1
         return freed, gone
+
+    def _remove(self, key: bytes) -> int | None:
+        """Delete ``key``'s record file and forget it; its size, or None when it was not there
+        (another node deleted it first, and counted it)."""
+        path = self.layout.record_path(key)
+        try:
+            size: int | None = os.lstat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            size = None
+        self._forget(key)
+        return size
+
+    def _evicted(self, size: int) -> int:
+        self._count("evictions")
+        self._count("evicted_bytes", size)
+        return size
 
     # ---- recounts and the sweep ----------------------------------------------------------
 

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import aiofiles.os
 
-from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats, cancel_background
 from tieredkv.backends.fs.config import FSTierConfig
 from tieredkv.backends.fs.layout import Layout
 from tieredkv.backends.fs.ledger import LedgerBusyError, acquire, release
@@ -252,13 +252,7 @@ class FSTier(FSSpace):
 
     async def _close(self) -> None:
         upkeep, self._upkeep = self._upkeep, None
-        if upkeep is not None and not upkeep.done():
-            loop = upkeep.get_loop()
-            if loop is asyncio.get_running_loop():
-                upkeep.cancel()
-                await asyncio.gather(upkeep, return_exceptions=True)
-            elif not loop.is_closed():
-                loop.call_soon_threadsafe(upkeep.cancel)
+        await cancel_background(upkeep)
         if self._pool is None:
             return
         try:
@@ -458,15 +452,9 @@ class FSTier(FSSpace):
             st = self._held()
             used, records, n = st.used, st.records, 0
             for k in keys:
-                path = self.layout.record_path(k)
-                try:
-                    size = os.lstat(path).st_size
-                    os.unlink(path)
-                except FileNotFoundError:
-                    self._forget(k)
-                    continue
-                self._forget(k)
-                used, records, n = used - size, records - 1, n + 1
+                size = self._remove(k)
+                if size is not None:
+                    used, records, n = used - size, records - 1, n + 1
             self._led.write(type(st)(max(used, 0), max(records, 0), st.reconciled_at))
         return n
 

@@ -13,6 +13,7 @@ against) holds what the directory holds."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
@@ -438,3 +439,37 @@ def test_cli_deletions_reach_a_running_engines_view_of_the_cap(tmp_path: Path) -
     asyncio.run(engine())
     assert_ledger_holds_the_directory(root)
     assert ledger(root) == (20 * (HEADER_SIZE + 4 * KiB), 20)
+
+
+# ---- bench -----------------------------------------------------------------------------------
+
+
+def test_bench_of_the_fs_tier_prints_each_raw_figure_its_baseline_and_its_floor(tmp_path: Path) -> None:
+    """``tieredkv bench -t NAME`` benches that configured tier alone: the fs tier's row against
+    ``pwrite`` / ``pread`` of one file per record and against its own calls without aiofiles (its
+    floor), every raw figure printed with its GB/s, in a scratch directory beside the configured
+    one (which it never creates)."""
+    root = tmp_path / "fs"
+    cfg = write_config(tmp_path, "- kind: cpu\n  capacity_bytes: 4MiB\n  segment_bytes: 1MiB\n", fs_tier(root))
+    r = run(
+        "bench", "-c", str(cfg), "-t", "shared", "--sizes", "64", "--total-mib", "1", "--reps", "1",
+        "--out", str(tmp_path / "out"), timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "shared.store" in out and "cpu.store" not in out  # the cpu tier was not benched
+    for line in (
+        "baselines: shared.store vs pwrite.store, shared.load vs pread.load",
+        "floors: shared.store vs tier_calls_no_aiofiles.store, shared.load vs tier_calls_no_aiofiles.load",
+    ):
+        assert line in out
+    for figure in ("pwrite.store (baseline)", "pread.load (baseline)", "pwrite_durable.store", "pwrite_rename.store",
+                   "tier_calls_no_aiofiles.store (floor)", "tier_calls_no_aiofiles.load (floor)"):  # fmt: skip
+        assert figure in out, figure
+    (written,) = (tmp_path / "out").glob("tiers-*.json")
+    (row,) = json.loads(written.read_text())["results"]
+    assert row["baselines"] == {"shared.store": "pwrite.store", "shared.load": "pread.load"}
+    assert set(row["ratios"]) == set(row["floor_ratios"]) == {"shared.store", "shared.load"}
+    assert all(v > 0 for v in row["gbps"].values()) and len(row["gbps"]) == 2 + 6
+    assert not root.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tieredkv-bench-")] == []

@@ -293,6 +293,20 @@ def test_verify_does_not_make_old_fs_records_look_recently_used(tmp_path: Path) 
     assert run_json("evict", "-c", str(cfg), "--older-than", "1h", "--dry-run")["tiers"][0]["victims"] == 6
 
 
+@pytest.mark.xfail(
+    reason="fs tier: scan() reports a record's size as its file's size less the header, so a record file"
+    " cut short of its 64-byte header is listed by `ls` with a negative size (-24 B here)",
+    strict=True,
+)
+def test_ls_never_shows_a_negative_size_for_a_file_cut_short(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    cfg = write_config(tmp_path, fs_tier(root))
+    keys = seed(cfg, "shared", 2)
+    os.truncate(Layout(str(root)).record_path(keys[0]), 40)
+    sizes = {r["key"]: r["size"] for r in run_json("ls", "-c", str(cfg))["records"]}
+    assert sizes[keys[1].hex()] == 501 and sizes[keys[0].hex()] >= 0
+
+
 # ---- evict / flush ---------------------------------------------------------------------------
 
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -425,6 +428,50 @@ def test_migrate_fs_to_redis(tmp_path: Path, redis_server: RedisServer) -> None:
         assert mine == 30
     finally:
         run_json("flush", "-c", str(cfg), "-t", "remote", "--all", "--yes")
+
+
+@pytest.fixture
+def read_only_view(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """(a directory, a read-only bind mount of it): a node that mounts the shared tier read-only."""
+    rw, ro = tmp_path / "rw", tmp_path / "ro"
+    rw.mkdir()
+    ro.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a read-only bind mount needs root and mount(8)")
+    made = subprocess.run(["mount", "--bind", str(rw), str(ro)], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {made.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+        yield rw, ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_on_a_read_only_mount_reads_work_and_deletions_are_refused(read_only_view: tuple[Path, Path]) -> None:
+    """A node that mounts the tier read-only: status says so, ls / inspect / verify / migrate from
+    it work, evict and verify --repair are refused (exit 3) and change nothing."""
+    rw, ro = read_only_view
+    cfg = write_config(rw.parent, fs_tier(rw, "writer"), fs_tier(ro, "reader"), lmdb_tier(rw.parent / "lmdb"))
+    keys = seed(cfg, "writer", 6)
+    corrupt(cfg, "writer", keys[2])
+    before = record_files(rw)
+
+    (row,) = run_json("status", "-c", str(cfg), "-t", "reader")["tiers"]
+    assert row["reachable"] is True and row["records"] == 6 and "Read-only file system" in row["extra"]["read_only"]
+    assert len(run_json("ls", "-c", str(cfg), "-t", "reader")["records"]) == 6
+    assert run_json("inspect", keys[1].hex(), "-c", str(cfg), "-t", "reader")["tiers"][0]["verified"] is True
+    v = run_json("verify", "-c", str(cfg), "-t", "reader", code=1)
+    assert [c["key"] for c in v["corrupt"]] == [keys[2].hex()]
+    for args in (("verify", "--repair"), ("evict", "--older-than", "1s")):
+        r = run(*args, "-c", str(cfg), "-t", "reader")
+        err = " ".join(r.stderr.split())
+        assert r.returncode == 3 and "refused" in err and "read-only" in err and "Traceback" not in err, (args, err)
+    m = run_json("migrate", "--from", "reader", "--to", "nvme", "-c", str(cfg), code=1)
+    assert (m["copied"], m["corrupt"]) == (5, 1)
+    assert record_files(rw) == before and present(cfg, "writer", keys) == [True] * 6
 
 
 def test_cli_deletions_reach_a_running_engines_view_of_the_cap(tmp_path: Path) -> None:

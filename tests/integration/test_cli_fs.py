@@ -225,12 +225,6 @@ def engine_store(cfg: Path) -> tuple[bytes, tieredkv.Namespace]:
     return key, ns
 
 
-@pytest.mark.xfail(
-    reason="fs tier: stats() counts namespace catalog records among `records` and does not say how many"
-    " (the LMDB tier reports extra['catalog_records'], which `status` subtracts), so `status` shows one"
-    " record per namespace more than `ls` lists",
-    strict=True,
-)
 def test_status_counts_the_engines_records_not_the_namespace_catalog(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, fs_tier(tmp_path / "fs"))
     seed(cfg, "shared", 3)
@@ -277,13 +271,6 @@ def test_verify_finds_damage_written_or_on_disk_and_repair_deletes_only_it(tmp_p
     assert read_back(cfg, "shared", rest) == [payload(k, 500 + keys.index(k)) for k in rest]
 
 
-@pytest.mark.xfail(
-    reason="fs tier: admin reads (raw_get_many: verify, inspect, migrate's source) open and read record"
-    " files plainly, so on a relatime mount (Linux's default) the kernel sets the access time of every"
-    " record not read since it was written: one `tieredkv verify` makes the whole directory look just used"
-    " to `evict --older-than` and to every node's LRU eviction (a read without O_NOATIME, or the atime put back)",
-    strict=True,
-)
 def test_verify_does_not_make_old_fs_records_look_recently_used(tmp_path: Path) -> None:
     if not atime_on_read(tmp_path):
         pytest.skip("this filesystem does not set access times on reads (noatime): nothing to show")
@@ -296,11 +283,6 @@ def test_verify_does_not_make_old_fs_records_look_recently_used(tmp_path: Path) 
     assert run_json("evict", "-c", str(cfg), "--older-than", "1h", "--dry-run")["tiers"][0]["victims"] == 6
 
 
-@pytest.mark.xfail(
-    reason="fs tier: scan() reports a record's size as its file's size less the header, so a record file"
-    " cut short of its 64-byte header is listed by `ls` with a negative size (-24 B here)",
-    strict=True,
-)
 def test_ls_never_shows_a_negative_size_for_a_file_cut_short(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     cfg = write_config(tmp_path, fs_tier(root))

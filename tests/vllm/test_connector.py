@@ -17,8 +17,11 @@ blocks vLLM itself freed and reused first, counted by the connector), and hit to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,26 +348,58 @@ def report_table() -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("spec", ["tieredkv", "tiering"])
+class _LockedManager:
+    """tieredkv's real manager behind a wrapper that sets ``lock`` on the instance (a real lock):
+    ``type(manager).lock`` does not exist, ``manager.lock`` does, as with vLLM's own suite's mock."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _wrapped_managers() -> Iterator[None]:
+    """tieredkv's spec hands out its manager wrapped in :class:`_LockedManager`."""
+    from tests.vllm.engine import _patched
+    from tieredkv.integrations.vllm.spec import TieredKVOffloadingSpec
+
+    real_get_manager = TieredKVOffloadingSpec.get_manager
+    wrapped: dict[int, _LockedManager] = {}
+
+    def get_manager(self: TieredKVOffloadingSpec) -> Any:
+        inner = real_get_manager(self)
+        return wrapped.setdefault(id(inner), _LockedManager(inner))
+
+    with _patched(TieredKVOffloadingSpec, "get_manager", get_manager):
+        yield
+
+
+@pytest.mark.parametrize("spec", ["tieredkv", "tiering", "wrapped"])
 def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp_path: Path) -> None:
-    """vLLM enters ``manager.lock`` in every hook outside the step (a generator context manager)
-    and holds it across the step (an ``ExitStack``). Behind tieredkv's spec, whose lock is vLLM's
-    no-op, the connector enters nothing, but the step is still marked open and a hook that finds it
-    left open recovers as vLLM does (closes it). Behind a manager with a real lock (vLLM's tiering
-    spec) every hook holds that lock, and the step holds it until ``build_connector_meta``."""
+    """vLLM enters ``manager.lock`` (read from the manager each time) in every hook outside the step
+    (a generator context manager) and holds it across the step (an ``ExitStack``). Behind
+    tieredkv's spec, whose lock is vLLM's no-op, the connector enters nothing, but the step is
+    still marked open and a hook that finds it left open recovers as vLLM does (closes it). Behind
+    a manager with a real lock, a property (vLLM's tiering spec) or an attribute of the instance
+    (tieredkv's manager wrapped), the connector is built, every hook holds that lock, and the step
+    holds it until ``build_connector_meta``."""
     from tests.vllm.engine import Engine, cpu_workers
 
     tiers = _tiers_file(tmp_path, "lmdb")
-    extra = spec_extra(1, tiers) if spec == "tieredkv" else secondary_extra(1, tiers)
-    with cpu_workers(extra, spec == "tiering"):
+    extra = secondary_extra(1, tiers) if spec == "tiering" else spec_extra(1, tiers)
+    with cpu_workers(extra, spec == "tiering"), _wrapped_managers() if spec == "wrapped" else contextlib.nullcontext():
         eng = Engine(extra, **TKC)
     try:
         sched = eng.connector_scheduler
         assert sched is not None
         manager = sched.manager
+        assert isinstance(manager, _LockedManager) == (spec == "wrapped")
         lock = manager.lock
         real = hasattr(lock, "locked")
-        assert real == (spec == "tiering") and sched._lock_is_noop == (not real)
+        assert real == (spec != "tieredkv")
         seen: list[bool] = []
         get_stats = manager.get_stats
 
@@ -372,7 +407,7 @@ def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp
             seen.append(lock.locked() if real else sched._step_region is None)
             return get_stats()
 
-        manager.get_stats = observed  # type: ignore[method-assign]
+        manager.get_stats = observed
         sched.get_stats()
         assert seen == [True], "the hook ran the manager under its lock (or with no step open)"
         if real:
@@ -389,3 +424,15 @@ def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp
         assert sched._step_region is None and not (real and lock.locked())
     finally:
         eng.shutdown()
+
+
+def test_manager_with_its_lock_on_the_instance_serves_an_engine_run(tmp_path: Path) -> None:
+    """The workload of the engine loop through ``TieredKVConnector`` with tieredkv's manager behind a
+    wrapper whose ``lock`` is an instance attribute (vLLM reads ``manager.lock``; reading it from
+    the manager's class crashed the connector's construction): every byte right, hits loaded."""
+    tiers = _tiers_file(tmp_path, "lmdb")
+    with _wrapped_managers():
+        r = run_engine(spec_extra(2, tiers), blocks_per_chunk=2, **TKC)
+    print(r.summary())
+    assert_healthy("wrapped manager", r)
+    assert r.hit_tokens.get("full", 0) > 0 and r.keys_accepted

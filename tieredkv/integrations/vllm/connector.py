@@ -55,9 +55,10 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -82,7 +83,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
     LookupResult,
-    OffloadingManager,
     OffloadingSpec,
     OffloadKey,
     OffloadPolicy,
@@ -184,18 +184,21 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         # store jobs made outside schedule() (a finished request's last pass), sent with the next
         # step's metadata
         self._early_store_jobs: dict[int, TransferJob] = {}
-        # a manager that answers a prefix scan in one call (tieredkv's); else key by key
-        self._lookup_prefix = getattr(self.manager, "lookup_prefix", None)
-        # a manager whose lock is vLLM's no-op (tieredkv's: its state is the scheduler thread's)
-        self._lock_is_noop = type(self.manager).lock is OffloadingManager.lock
+
+    # vLLM's suite builds a scheduler side without ``__init__`` (``object.__new__``) and sets only
+    # what vLLM's methods read; vLLM declares ``_step_region`` on its class for that. The same here
+    # for what this class's overrides of those methods read: an empty, read-only default.
+    _stores: Mapping[str, RequestStore] = MappingProxyType({})
+    _pos_of_group: Mapping[int, int] = MappingProxyType({})
 
     def _acquire_step(self) -> None:
-        # vLLM opens the step's region (an ExitStack entering ``manager.lock``) at the step's first
-        # lookup and closes it in build_connector_meta; with vLLM's no-op lock the region holds
-        # nothing, so one empty stack marks it open on every step.
-        if self._lock_is_noop:
-            if self._step_region is None:
-                self._step_region = _EMPTY_REGION
+        # vLLM opens the step's region (an ExitStack entering ``self.manager.lock``) at the step's
+        # first lookup and closes it in build_connector_meta. The lock is read as vLLM reads it, from
+        # the manager, each time (a property or an attribute set per instance); when it is vLLM's
+        # no-op (tieredkv's manager: its state is the scheduler thread's) the region holds nothing,
+        # so one empty stack marks it open on every step.
+        if self._step_region is None and type(self.manager.lock) is contextlib.nullcontext:
+            self._step_region = _EMPTY_REGION
             return
         super()._acquire_step()
 
@@ -203,7 +206,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         # vLLM's is a generator context manager around ``manager.lock``, entered by several hooks
         # on every step (stats, worker output, events): with vLLM's no-op lock and no step region
         # left open it does nothing, at the cost of a generator and two context managers a hook.
-        if self._lock_is_noop and self._step_region is None:
+        if self._step_region is None and type(self.manager.lock) is contextlib.nullcontext:
             return _UNLOCKED
         return super()._manager_locked()
 
@@ -267,7 +270,10 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         group_config: GroupOffloadConfig,
         start_chunk_idx: int,
     ) -> int | None:
-        prefix = self._lookup_prefix
+        # Reads what vLLM's reads (the manager, the events tracker): vLLM's suite calls it on a
+        # stand-in holding only those. A manager that answers a prefix scan in one call (tieredkv's)
+        # is asked once; any other key by key.
+        prefix = getattr(self.manager, "lookup_prefix", None)
         tracker = self._events_tracker
         record = tracker.record_lookup if tracker.self_describing_enabled else None  # else a no-op
         if prefix is not None:
@@ -279,7 +285,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                     for i in range(hit_count):
                         record(req, group_config, start_chunk_idx + i, keys[i])
                 if hit_count < len(results):
-                    self._missed(req.request_id, group_config.group_idx, start_chunk_idx + hit_count)
+                    _feed_miss(self, req.request_id, group_config.group_idx, start_chunk_idx + hit_count)
                 return hit_count
         else:
             results = _prefix_results(self.manager, keys, req_context)
@@ -294,7 +300,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             elif result is LookupResult.RETRY:
                 deferred = True  # keep scanning: the manager starts its lookups
             else:
-                self._missed(req.request_id, group_config.group_idx, start_chunk_idx + i)
+                _feed_miss(self, req.request_id, group_config.group_idx, start_chunk_idx + i)
                 break
         return None if deferred else hit_count
 
@@ -566,6 +572,14 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 self._stores[req_id].reset(self.store_planner.max_chunks)
             else:
                 del self._stores[req_id]
+
+
+def _feed_miss(sched: Any, req_id: str, group_idx: int, chunk: int) -> None:
+    """A lookup's miss to the scheduler's ledgers (:meth:`TieredKVConnectorScheduler._missed`);
+    vLLM's suite runs ``_maximal_prefix_lookup`` on a stand-in that has none."""
+    missed = getattr(sched, "_missed", None)
+    if missed is not None:
+        missed(req_id, group_idx, chunk)
 
 
 def _prefix_results(manager: Any, keys: Sequence[OffloadKey], ctx: ReqContext) -> Iterator[LookupResult]:

@@ -316,13 +316,16 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if not num_external_tokens:
             return
-        # Loaded chunks are held by the store: done. Under vLLM's chunk-level policy the local
-        # prefix before them counts as held too (vLLM moves its cursor past both).
         status = self._req_status[request.request_id]
+        if status.offloading_context.policy is not OffloadPolicy.CHUNK_LEVEL:
+            # The manager's RequestOffloadingContext asks for the whole request (REQUEST_LEVEL: a
+            # tier that supplies peers needs every chunk): the loaded prefix is offered to
+            # prepare_store like any other chunk, as vLLM's connector does.
+            return
+        # Chunk level: the loaded chunks and the local prefix before them are held by the store:
+        # done (vLLM moves its cursor past both).
         boundary = status.num_locally_computed_tokens + num_external_tokens
-        chunk_level = status.offloading_context.policy == OffloadPolicy.CHUNK_LEVEL
-        first = 0 if chunk_level else status.num_locally_computed_tokens
-        self._store_of(request.request_id).loaded(first, boundary, self._tpc)
+        self._store_of(request.request_id).loaded(0, boundary, self._tpc)
 
     # ------------------------------------------------------------------ store planning
 

@@ -105,6 +105,7 @@ from tieredkv.planner import (
     drop_reused_blocks,
     split_answer,
 )
+from tieredkv.planner.ledger import DEAD
 from tieredkv.planner.store import final_segment
 
 __all__ = ["ConnectorCounters", "TieredKVConnector", "TieredKVConnectorScheduler"]
@@ -180,6 +181,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self._stores: dict[str, RequestStore] = {}  # per request: its ledgers
         self._holds: HoldBook[RequestOffloadState] = HoldBook(self.hold_finished_steps, self.hold_max_blocks)
         self._release: set[str] = set()
+        self._last_passed: set[str] = set()  # finished requests whose last pass request_finished ran
         self._handoffs = HandoffQueue(self.hold_finished_steps)
         # store jobs made outside schedule() (a finished request's last pass), sent with the next
         # step's metadata
@@ -347,6 +349,12 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             if self._holds.expired(req_id, self._outstanding(req_id)):
                 self._unhold(req_id)
         for req_id in scheduler_output.finished_req_ids or ():
+            if req_id in self._last_passed:
+                self._last_passed.discard(req_id)
+            elif req_id not in self._holds and (status := self._req_status.get(req_id)) is not None:
+                # finished without request_finished (vLLM's suite drives the scheduler side so):
+                # its last pass here, as vLLM's connector runs it
+                self._store_pass(status, 0, store_jobs)
             if req_id not in self._holds:
                 self._stores.pop(req_id, None)
         return store_jobs
@@ -367,6 +375,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             frontier = req.num_computed_tokens + num_scheduled_tokens
         offloadable = self._calc_num_offloadable_tokens(status, frontier)
         store = self._store_of(req.request_id)
+        if finished and self.config.retention_interval is None:
+            self._reconsider_final_tail(status, store, offloadable)
         bpc = self.config.blocks_per_chunk
         new_facts = tuple.__new__  # GroupFacts(...) without its Python-level __new__
         facts: list[GroupFacts | None] = []
@@ -391,6 +401,25 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             if any(offers):
                 self._offer(status, store, offers, store_jobs)  # reads no cursor: synced once, after it
         self._sync_cursors(status, store)
+
+    def _reconsider_final_tail(self, status: RequestOffloadState, store: RequestStore, offloadable: int) -> None:
+        """vLLM's final sliding-window tail: a request that ends off its prompt's end (an abort, a
+        decode) makes reachable the chunks of its last alignment segment that a lookup could not
+        reach while the prompt's end bounded it. Those passed as dead are visited again (with the
+        finished request's mask): the ledger's scan goes back to the segment's start."""
+        req, bpc = status.req, self.config.blocks_per_chunk
+        prompt_tokens = self._calc_num_offloadable_tokens(status, req.num_prompt_tokens)
+        for cfg, gs, led in zip(self._groups, status.group_states, store.ledgers):
+            if cfg.sliding_window_size_in_chunks is None or cfg.requires_cow_source:
+                continue
+            align = self._final_swa_alignment_blocks(cfg)
+            limit = status.storable_chunks(cfg, gs, offloadable)
+            if align is None or limit == prompt_tokens // cfg.tokens_per_chunk:
+                continue
+            horizon_blocks = limit * bpc
+            start = (horizon_blocks - horizon_blocks % align) // bpc
+            if start < led.scan and DEAD in led.status[start : led.scan]:
+                led.scan = start
 
     def _reach(
         self,
@@ -453,6 +482,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             return delay, params
         with self._manager_locked():
             self._store_pass(status, 0, self._early_store_jobs)
+        self._last_passed.add(request.request_id)
         if self._outstanding(request.request_id) == 0:
             return delay, params
         num_blocks = len({b for gs in status.group_states for b in gs.block_ids if b})
@@ -524,9 +554,11 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self.counters.handoffs_blocks_gone += gone
         self.counters.handoffs_given_up += given_up
         store_jobs: dict[int, TransferJob] = {}
+        # a group's transfer slot, from the config as it is now (as vLLM's does)
+        slot_of_group = {c.group_idx: pos for pos, c in enumerate(self.config.kv_group_configs)}
         for h in pending:
             status = self._status(h.req_id)
-            pos = self._pos_of_group.get(h.group_idx)
+            pos = slot_of_group.get(h.group_idx)
             if status is None or pos is None:
                 continue
             cfg = self.config.kv_group_configs[pos]
@@ -566,6 +598,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     def _reset_cache(self) -> None:
         drop_unsent_jobs(self, self._early_store_jobs)  # never reached a worker: nothing to fence
         self._early_store_jobs = {}
+        self._last_passed.clear()
         for req_id in self._holds:
             self._unhold(req_id)
         self._handoffs.clear()

@@ -27,7 +27,14 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.engine import DEFAULT_GPU_BLOCKS, GROUP_SETS, RunResult, reference_extra_config, run_engine
+from tests.vllm.engine import (
+    DEFAULT_GPU_BLOCKS,
+    GROUP_SETS,
+    ReqSpec,
+    RunResult,
+    reference_extra_config,
+    run_engine,
+)
 from tests.vllm.faults import StoreFault
 from tests.vllm.test_engine_loop import _tiers_file, assert_healthy, secondary_extra, spec_extra
 
@@ -126,10 +133,11 @@ def test_case_mamba_refusal(bpc: int) -> None:
 
 @pytest.mark.parametrize("groups", [("full", "swa"), HYBRID])
 def test_case_partial_accept(groups: tuple[str, ...]) -> None:
-    """The store takes only the first half of each first offer: vLLM moves every group's cursor
-    past the rest (later groups entirely); tieredkv tells refused from present and offers them
-    again."""
-    ref, tkc = _pair(groups, 2, False, "partial")
+    """The store takes only the first half of each first offer and leaves the rest out for lack of
+    room (not vLLM's contract, which says None): vLLM moves every group's cursor past the rest
+    (later groups entirely); with ``retry_left_out_keys`` tieredkv tells refused from present and
+    offers them again."""
+    ref, tkc = _pair(groups, 2, False, "partial", retry_left_out_keys=True)
     assert_healthy("ref", ref)
     assert_healthy("tkc", tkc)
     assert lost(ref, "swa") > 0, ref.lost_keys
@@ -138,6 +146,32 @@ def test_case_partial_accept(groups: tuple[str, ...]) -> None:
     assert tkc.connector_counters and tkc.connector_counters["partial_accepts"] > 0
     assert_hits_at_least(tkc, ref)
     assert all(tkc.hit_tokens[g] > 0 for g in groups), tkc.hit_tokens
+
+
+def test_case_declined_keys_stay_declined() -> None:
+    """vLLM's ``CPUOffloadingSpec`` with ``store_threshold: 2`` stores a chunk on its second offer
+    (a prefix two requests computed) and leaves it out of ``keys_to_store`` before. "a" computes a
+    prompt, the GPU cache is reset, "b" computes it again: under vLLM's connector "a" stores
+    nothing and "b" the prompt. ``TieredKVConnector`` takes a key left out as vLLM's contract says
+    (declined: not offered again) and stores exactly what vLLM's does; with
+    ``retry_left_out_keys`` it offers "a"'s keys again a step later, which the manager counts as
+    the second sighting: "a"'s prompt is stored and admission is defeated."""
+    prompt = tuple(range(3, 3 + 128))
+    workload = [[ReqSpec("a", 0, prompt, 2)], [ReqSpec("b", 0, prompt + tuple(range(500, 540)), 2)]]
+    extra = dict(reference_extra_config(1), store_threshold=2)
+    runs = {
+        "vllm": run_engine(extra, workload=workload),
+        "tkc": run_engine(extra, workload=workload, **TKC),
+        "tkc-retry": run_engine(dict(extra, retry_left_out_keys=True), workload=workload, **TKC),
+    }
+    for name, r in runs.items():
+        print(name, r.summary(), r.connector_counters)
+        assert r.error is None and r.idle_reached and r.wrong_bytes == 0, (name, r.error, r.wrong_examples)
+    ref, tkc, retry = runs["vllm"], runs["tkc"], runs["tkc-retry"]
+    assert ref.keys_accepted == len(prompt) // 16, ref.summary()  # "b"'s prompt chunks only
+    assert tkc.keys_accepted == ref.keys_accepted and tkc.hit_tokens == ref.hit_tokens == {}
+    assert tkc.connector_counters and tkc.connector_counters["keys_retried"] == 0
+    assert retry.hit_tokens.get("full", 0) == len(prompt), "the retried keys were stored on 'a'"
 
 
 @pytest.mark.parametrize("bpc", [1, 2])
@@ -301,7 +335,9 @@ def test_connector_rows(row: tuple[tuple[str, ...], int, bool]) -> None:
     _REPORT.append(rec)
     failures = []
     for variant in VARIANTS:
-        ref, tkc = _pair(groups, bpc, a, None if variant == "none" else variant)
+        # "partial": a store that leaves keys out for lack of room, for which retry_left_out_keys is
+        retry = {"retry_left_out_keys": True} if variant == "partial" else {}
+        ref, tkc = _pair(groups, bpc, a, None if variant == "none" else variant, **retry)
         rec["variants"][variant] = {
             name: {
                 "hits": {g: r.hit_tokens.get(g, 0) for g in groups},

@@ -90,6 +90,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.request import Request, RequestStatus
 
+from tieredkv.errors import ConfigError
 from tieredkv.groups import _check_int
 from tieredkv.integrations.vllm.connector_jobs import boundary_job, chunks_job, drop_unsent_jobs
 from tieredkv.integrations.vllm.tenants import set_request_tenant
@@ -123,10 +124,10 @@ class ConnectorCounters:
     store_passes: int = 0
     keys_offered: int = 0
     keys_accepted: int = 0
-    keys_present: int = 0  # left out of keys_to_store and found by lookup
-    keys_retried: int = 0  # offered again after a refusal or a partial accept
+    keys_left_out: int = 0  # offered, left out of keys_to_store: held already or declined (admission)
+    keys_retried: int = 0  # offered again after a refusal (or, retry_left_out_keys, a partial answer)
     refusals: int = 0  # prepare_store returned None
-    partial_accepts: int = 0
+    partial_accepts: int = 0  # answers that left some offered keys out
     held_requests: int = 0
     held_steps: int = 0
     chunks_given_up: int = 0  # waiting chunks of a held request when its hold timed out
@@ -169,6 +170,10 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         self.hold_max_blocks = _positive(
             extra, "hold_max_blocks", max(1, kv_cache_config.num_blocks // 2), allow_zero=True
         )
+        #: A key left out of ``keys_to_store`` and not held by the manager: declined (vLLM's
+        #: contract, the default) or refused for lack of room, offered again (opt in, for a manager
+        #: that leaves keys out rather than answering None; it defeats a manager's admission).
+        self.retry_left_out_keys = _boolean(extra, "retry_left_out_keys", False)
         self.counters = ConnectorCounters()
         #: The planner core's store rules: each group of a request gets an even share of the step's
         #: key budget; sliding-window chunks whose leading blocks left the window are stored.
@@ -454,13 +459,23 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
             self.store_planner.settle(store, ())  # every offer stays waiting
             return
-        answer = split_answer(keys, out.keys_to_store, partial(self._present, ctx))
-        accepted = answer.accepted
+        accepted = set(out.keys_to_store)
         self.counters.keys_accepted += len(accepted)
-        self.counters.keys_present += len(answer.present)
-        if answer.refused:
-            self.counters.partial_accepts += 1  # refused for now: they stay waiting
-        self.store_planner.settle(store, accepted.union(answer.present) if answer.present else accepted)
+        done: set[OffloadKey] = accepted
+        if len(accepted) < len(keys):
+            self.counters.partial_accepts += 1
+            if self.retry_left_out_keys:  # held ones are done, the rest refused: offered again
+                answer = split_answer(keys, accepted, partial(self._present, ctx))
+                self.counters.keys_left_out += len(answer.present)
+                done = accepted.union(answer.present)
+            else:
+                # vLLM's contract: keys_to_store are the offered keys that need storing; one left
+                # out is held already or declined (vLLM's store_threshold admission: offering it
+                # again would count as one more sighting). Settled: not offered again. A manager
+                # that cannot take the batch now answers None (above).
+                self.counters.keys_left_out += len(keys) - len(accepted)
+                done = set(keys)
+        self.store_planner.settle(store, done)
         if accepted:
             job_id, store_jobs[job_id] = chunks_job(self, status, offers, accepted, out.store_spec)
 
@@ -572,14 +587,15 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
             self.counters.keys_offered += 1
             ctx = status.req_context
             out = self.manager.prepare_store([key], ctx)
-            # split_answer's rule for one key: left out of keys_to_store, it is present or refused
-            if out is None or (not out.keys_to_store and not self._present(ctx, key)):
+            if out is None or (
+                not out.keys_to_store and self.retry_left_out_keys and not self._present(ctx, key)
+            ):  # refused (see _offer)
                 self.counters.refusals += out is None
                 self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
                 self._handoffs.refuse(h)  # offered again next step
                 continue
-            if not out.keys_to_store:
-                self.counters.keys_present += 1
+            if not out.keys_to_store:  # held already, or declined (see _offer)
+                self.counters.keys_left_out += 1
                 continue
             self.counters.keys_accepted += 1
             job_id, store_jobs[job_id] = boundary_job(
@@ -622,6 +638,13 @@ def _prefix_results(manager: Any, keys: Sequence[OffloadKey], ctx: ReqContext) -
     """``manager.lookup`` of each key in order, lazily: the caller stops at the first miss."""
     for key in keys:
         yield manager.lookup(key, ctx)
+
+
+def _boolean(extra: dict[str, Any], name: str, default: bool) -> bool:
+    value = extra.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{name}={value!r} is invalid: expected true or false")
+    return value
 
 
 def _positive(extra: dict[str, Any], name: str, default: int, *, allow_zero: bool = False) -> int:

@@ -135,3 +135,32 @@ def test_request_level_policy_offers_the_loaded_prefix(spec: str, groups: tuple[
     vllm_offered = loaded["vllm", "REQUEST_LEVEL"] & offered["vllm", "REQUEST_LEVEL"]
     assert vllm_offered <= offered["tkc", "REQUEST_LEVEL"]
     assert not loaded["tkc", "CHUNK_LEVEL"] & offered["tkc", "CHUNK_LEVEL"], "chunk level: the loaded prefix is held"
+
+
+def test_sliding_window_chunk_with_a_null_block_a_lookup_reads_is_not_stored() -> None:
+    """vLLM's ``test_sliding_window_chunk_with_null_block_is_not_stored`` with its real CPU spec
+    (``store_threshold: 2``, so "a" stores nothing) and dense prefix-cache retention
+    (``prefix_cache_retention_interval`` None: vLLM's store mask is None, every block read): "b"
+    extends "a"'s prompt and hits it in the GPU
+    prefix cache, which allocates its sliding-window block 0 as null (out of the window at the hit);
+    "b" then offers chunk 0. A later lookup from 32 tokens reads block 0, so vLLM's connector does
+    not store the sliding-window chunk; ``TieredKVConnector`` stored it as a partial chunk (vLLM's
+    mask said "every block" and the planner took that as "no leading block read"), vLLM's spec
+    stored the chunk whole, and "c" loaded an unwritten block as KV."""
+    prompt = tuple(range(3, 3 + 48))
+    workload = [
+        [ReqSpec("a", 0, prompt, 2), ReqSpec("b", 10_000, prompt + (999,), 2)],
+        [ReqSpec("c", 0, prompt[:32] + tuple(range(600, 617)), 2)],
+    ]
+    extra = dict(reference_extra_config(2), store_threshold=2)
+    hits = {}
+    for name, kw in (("vllm", {}), ("tkc", TKC)):
+        r = run_engine(
+            extra, groups=("full", "swa"), blocks_per_chunk=2, workload=workload, retention_interval=None, **kw
+        )
+        print(name, r.summary())
+        assert r.error is None and r.idle_reached, (name, r.error, r.wrong_examples)
+        assert r.wrong_bytes == 0 and r.wrong_slots == 0, (name, r.wrong_examples[:3])
+        assert r.keys_accepted, (name, "b stored its full-attention chunk 0")
+        hits[name] = r.hit_tokens
+    assert hits["tkc"] == hits["vllm"], hits

@@ -438,7 +438,13 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         """vLLM's mask of the blocks of chunks ``lo .. limit - 1`` a later lookup may read."""
         open_ended = self.config.retention_interval is not None or cfg.is_eagle_group
         horizon = final_segment(limit, prompt_chunks, finished=finished, open_ended=open_ended)
-        return self._reachable_store_block_mask(cfg, lo, limit, horizon, reachable)
+        mask = self._reachable_store_block_mask(cfg, lo, limit, horizon, reachable)
+        if mask is None and cfg.sliding_window_size_in_chunks is not None:
+            # vLLM's None: every block is read, a null one too. Said so explicitly, so that the
+            # planner stores no windowed chunk with a null block a lookup reads (its unwritten
+            # sub-block would be loaded as KV behind a spec that stores chunks whole).
+            return [True] * ((limit - lo) * self.config.blocks_per_chunk)
+        return mask
 
     def _offer(
         self,

@@ -7,6 +7,14 @@ own ``OffloadingConnector`` on the same schedule:
 
 * the manager's ``RequestOffloadingContext`` (``REQUEST_LEVEL``: a tier that supplies peers needs
   every chunk of the request) honoured: the loaded prefix is offered to ``prepare_store`` again;
+* a sliding-window chunk with a null block a lookup reads is not stored (vLLM's store mask None
+  means every block is read): behind vLLM's CPU spec its unwritten block was loaded as KV;
+* the one intended difference (``test_scheduler_reports_allocation_failure``): a refused finished
+  request is retried, each refused retry one more ``allocation_failure``, bounded by the hold.
+
+Also from the suite, in ``test_connector.py``: the manager's lock read from the instance
+(``test_manager_lock_*``) and keys left out of ``keys_to_store`` taken as declined
+(``test_case_declined_keys_stay_declined``).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.engine import ReqSpec, RunResult, _patched, reference_extra_config, run_engine
+from tests.vllm.faults import StoreFault
 from tests.vllm.test_connector import TKC
 from tests.vllm.test_engine_loop import _tiers_file, spec_extra
 from tieredkv.keys import key_group
@@ -164,3 +173,26 @@ def test_sliding_window_chunk_with_a_null_block_a_lookup_reads_is_not_stored() -
         assert r.keys_accepted, (name, "b stored its full-attention chunk 0")
         hits[name] = r.hit_tokens
     assert hits["tkc"] == hits["vllm"], hits
+
+
+def test_refused_finished_request_is_retried_each_retry_an_allocation_failure() -> None:
+    """The intended difference behind vLLM's ``test_scheduler_reports_allocation_failure`` (it
+    expects 2: a refusal while running, one at the finished pass): a store that refuses every
+    call. vLLM's connector gives the finished request's chunks up at once;
+    ``TieredKVConnector`` holds its blocks and offers them again each step, at most
+    ``hold_finished_steps`` times, and vLLM's ``allocation_failure`` counter (a refused
+    ``prepare_store`` call) counts each retry. What the retries buy when the store takes them:
+    ``test_connector.py::test_case_refusal_on_the_last_pass`` (vLLM loses those chunks)."""
+    workload = [[ReqSpec("a", 0, tuple(range(3, 3 + 64)), 2)]]
+    runs = {}
+    for name, kw in (("vllm", {}), ("tkc", TKC)):
+        r = run_engine(reference_extra_config(1), workload=workload, store_fault=StoreFault("always"), **kw)
+        print(name, r.summary(), r.prepare_store_refused, r.connector_counters)
+        assert r.error is None and r.idle_reached and r.wrong_bytes == 0, (name, r.error, r.wrong_examples)
+        runs[name] = r
+    ref, tkc = runs["vllm"], runs["tkc"]
+    c = tkc.connector_counters
+    assert c is not None and c["held_requests"] == 1 and c["chunks_given_up"] == 64 // 16, c
+    retries = tkc.prepare_store_refused - c["held_steps"]
+    assert ref.prepare_store_refused == retries, (ref.prepare_store_refused, tkc.prepare_store_refused, c)
+    assert 0 < c["held_steps"] <= 16, c  # hold_finished_steps (default 16)

@@ -33,7 +33,16 @@ import pytest
 
 #: nodeid (relative to the suite's root) -> why TieredKVConnector behaves differently on purpose
 #: (docs/vllm.md, "vLLM's own suite") and the test of ours showing what vLLM's behaviour loses.
-INTENDED: dict[str, str] = {}
+INTENDED: dict[str, str] = {
+    "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py::test_scheduler_reports_allocation_failure": (
+        "a store that refuses every call: vLLM expects 2 allocation failures (one while running, one at the "
+        "finished pass, after which vLLM gives the chunks up); TieredKVConnector holds the finished request's "
+        "blocks and offers them again (at most hold_finished_steps times), each refused retry one more "
+        "allocation failure (3 here). What vLLM's giving up loses: tests/vllm/test_connector.py::"
+        "test_case_refusal_on_the_last_pass; the count: tests/vllm/test_vllm_suite_cases.py::"
+        "test_refused_finished_request_is_retried_each_retry_an_allocation_failure"
+    ),
+}
 
 _SWAPPED: list[str] = []
 
@@ -79,7 +88,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         reason = INTENDED.get(item.nodeid)
         if reason is not None:
-            item.add_marker(pytest.mark.xfail(reason=f"intended difference: {reason}", strict=True))
+            mark = pytest.mark.xfail(reason=f"intended difference: {reason}", strict=True, raises=AssertionError)
+            item.add_marker(mark)
 
 
 class _Recorder:

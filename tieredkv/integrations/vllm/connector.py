@@ -55,43 +55,40 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
-    TransferJob,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import _ConnectorMetricName
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+from tieredkv.errors import ConfigError
+from tieredkv.groups import _check_int
+from tieredkv.integrations.vllm.compat import (
+    ALLOCATION_FAILURE,
     GroupOffloadConfig,
-    OffloadingConnectorScheduler,
-    RequestOffloadState,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    OffloadingConnectorWorker,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.base import (
+    KVCacheConfig,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
     LookupResult,
+    OffloadingConnector,
+    OffloadingConnectorMetadata,
+    OffloadingConnectorScheduler,
+    OffloadingConnectorWorker,
     OffloadingSpec,
+    OffloadingSpecFactory,
     OffloadKey,
     OffloadPolicy,
     ReqContext,
+    Request,
+    RequestOffloadState,
+    RequestStatus,
+    SchedulerOutput,
+    TransferJob,
+    VllmConfig,
+    build_offloading_config,
+    check_scheduler,
 )
-from vllm.v1.request import Request, RequestStatus
-
-from tieredkv.errors import ConfigError
-from tieredkv.groups import _check_int
 from tieredkv.integrations.vllm.connector_jobs import boundary_job, chunks_job, drop_unsent_jobs
 from tieredkv.integrations.vllm.tenants import set_request_tenant
 from tieredkv.planner import (
@@ -158,6 +155,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
 
     def __init__(self, spec: OffloadingSpec, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(spec, vllm_config, kv_cache_config)
+        check_scheduler(self)
         grid = self._mamba_align_size
         config: Any = self.config  # type: ignore[has-type]  # set by vLLM's __init__ (untyped here)
         if grid is not None and config.alignment_tokens is not None:
@@ -195,8 +193,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     # vLLM's suite builds a scheduler side without ``__init__`` (``object.__new__``) and sets only
     # what vLLM's methods read; vLLM declares ``_step_region`` on its class for that. The same here
     # for what this class's overrides of those methods read: an empty, read-only default.
-    _stores: Mapping[str, RequestStore] = MappingProxyType({})
-    _pos_of_group: Mapping[int, int] = MappingProxyType({})
+    _stores: dict[str, RequestStore] = MappingProxyType({})  # type: ignore[assignment]
+    _pos_of_group: dict[int, int] = MappingProxyType({})  # type: ignore[assignment]
 
     def _acquire_step(self) -> None:
         # vLLM opens the step's region (an ExitStack entering ``self.manager.lock``) at the step's
@@ -462,7 +460,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
             self.counters.refusals += 1
-            self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
+            self._connector_stats.increase_counter(ALLOCATION_FAILURE)
             self.store_planner.settle(store, ())  # every offer stays waiting
             return
         accepted = set(out.keys_to_store)
@@ -597,7 +595,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 not out.keys_to_store and self.retry_left_out_keys and not self._present(ctx, key)
             ):  # refused (see _offer)
                 self.counters.refusals += out is None
-                self._connector_stats.increase_counter(_ConnectorMetricName.ALLOCATION_FAILURE)
+                self._connector_stats.increase_counter(ALLOCATION_FAILURE)
                 self._handoffs.refuse(h)  # offered again next step
                 continue
             if not out.keys_to_store:  # held already, or declined (see _offer)
@@ -664,8 +662,6 @@ class TieredKVConnector(OffloadingConnector):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
         offloading_config = build_offloading_config(vllm_config, kv_cache_config)
         self._canonical_layout = offloading_config.canonical_layout
         spec = OffloadingSpecFactory.create_spec(offloading_config)

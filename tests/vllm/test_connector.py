@@ -311,6 +311,8 @@ def test_readme_configuration_runs(tmp_path: Path) -> None:
 def test_bad_connector_option_names_field_value_and_fix() -> None:
     with pytest.raises(Exception, match=r"max_store_keys_per_step=0 is invalid: expected an integer >= 1"):
         run_engine_raising(dict(reference_extra_config(1), max_store_keys_per_step=0))
+    with pytest.raises(Exception, match=r"retry_left_out_keys='yes' is invalid: expected true or false"):
+        run_engine_raising(dict(reference_extra_config(1), retry_left_out_keys="yes"))
 
 
 def run_engine_raising(extra: dict[str, Any]) -> None:

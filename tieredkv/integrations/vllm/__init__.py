@@ -9,7 +9,7 @@ Three ways in, all configured through ``--kv-transfer-config`` (see docs/vllm.md
   own manager and worker (staging pool, copier, pipeline, CPU / LMDB / Redis tiers).
 * :class:`TieredKVConnector` — a connector (``kv_connector_module_path``): vLLM's
   ``OffloadingConnector`` whose scheduler side plans stores and aligns hits with tieredkv's rules
-  (no refused or partially accepted chunk skipped, Mamba hits on the Mamba grid); works with any
+  (no refused chunk skipped, Mamba hits on the Mamba grid); works with any
   of vLLM's offloading specs, tieredkv's included. It also puts tieredkv's counters on vLLM's own
   ``/metrics`` (``vllm:kv_offload_tieredkv_*``, see :mod:`tieredkv.integrations.vllm.stats`).
 

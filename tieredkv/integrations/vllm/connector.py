@@ -9,12 +9,17 @@ vLLM's scheduler hooks to tieredkv's planner core (:mod:`tieredkv.planner`: the 
 planner, hold book, hand-off queue and hit alignment the library's ``OffloadScheduler``, the demo
 and ``store.planner()`` plan with too). The rules, as vLLM users see them:
 
-* **Per-group ledgers instead of one cursor.** A chunk is done only when the manager accepted it
-  or already holds it; refused chunks (``prepare_store`` → ``None``) and keys a manager left out
-  of a partial ``keys_to_store`` (told apart from "already present" by ``lookup``) stay waiting
-  and are offered again, oldest first, at most ``max_store_keys_per_step`` keys per request and
-  step. Chunks already done are never offered again (GPU-only prefix hits and resumes used to
-  re-offer every chunk from 0).
+* **Per-group ledgers instead of one cursor.** A chunk is done when the manager accepted it or
+  left it out of ``keys_to_store`` (vLLM's contract: it holds it already, or declines it, e.g.
+  vLLM's ``store_threshold`` admission); refused chunks (``prepare_store`` → ``None``) stay
+  waiting and are offered again, oldest first, at most ``max_store_keys_per_step`` keys per
+  request and step (``retry_left_out_keys``: a key left out and not held counts as refused, for a
+  manager that leaves keys out for lack of room). Chunks already done are never offered again
+  (GPU-only prefix hits and resumes used to re-offer every chunk from 0).
+* **The manager's ``RequestOffloadingContext`` is honoured**: under ``REQUEST_LEVEL`` (a tier that
+  supplies peers needs every chunk of the request) loaded prefix chunks are offered to
+  ``prepare_store`` like the rest, as vLLM's connector offers them; under ``CHUNK_LEVEL`` they are
+  done.
 * **Finished requests are planned at once and held while refused.** ``request_finished`` runs
   the request's last store pass immediately; only if something was refused are its blocks held
   (``delay_free_blocks``) and the pass retried each step, until everything is accepted or
@@ -44,7 +49,11 @@ connector and behind vLLM's own (see :mod:`tieredkv.integrations.vllm.stats`).
 
 Extra config (``kv_connector_extra_config``, next to the spec's keys):
 ``max_store_keys_per_step`` (256), ``hold_finished_steps`` (16), ``hold_max_blocks`` (half the
-GPU pool; 0 never holds).
+GPU pool; 0 never holds), ``retry_left_out_keys`` (false).
+
+vLLM's own offloading-connector unit suite runs against this class (``./scripts/test-vllm``,
+``tests/vllm/peer/``); the vLLM names it builds on come from
+:mod:`~tieredkv.integrations.vllm.compat`, behind the version gate.
 
 Loaded by vLLM as ``"kv_connector": "TieredKVConnector", "kv_connector_module_path":
 "tieredkv.integrations.vllm"``.

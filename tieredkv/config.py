@@ -65,10 +65,12 @@ from tieredkv.tierconfig import ConfigModel as _Model
 from tieredkv.tierconfig import EncryptionConfig, EvictionPolicyName, Size, TierConfigBase
 
 __all__ = [
+    "AdmissionConfig",
     "CPUTierConfig",
     "EncryptionConfig",
     "EvictionPolicyName",
     "FSTierConfig",
+    "HintsConfig",
     "LMDBTierConfig",
     "MetricsConfig",
     "NamespaceConfig",
@@ -154,6 +156,49 @@ class PolicyRule(_Model):
         " tier receives a chunk when the first evicts it.",
     )
     promote: bool = Field(True, description="Copy a chunk loaded from a lower tier into the first tier.")
+    admit_after: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Admission: store a chunk of the group on its Nth sighting (a request offering it for"
+        " storing, counted once per request); 1 (the default) stores on the first, i.e. always. Sightings"
+        " are counted in a bounded LRU (admission.tracked_keys).",
+    )
+
+
+class AdmissionConfig(_Model):
+    """How sightings of chunks are counted for the policy rules' ``admit_after``."""
+
+    tracked_keys: int = Field(
+        65536,
+        ge=16,
+        le=1 << 24,
+        description="Chunks whose sightings are remembered (an LRU of key -> count, about 200 bytes each);"
+        " a chunk pushed out starts again at 0, so under pressure admission errs on not storing.",
+    )
+
+
+class HintsConfig(_Model):
+    """What tieredkv does with a request's KV hints (vLLM's ``kv_hints``; see docs/vllm.md)."""
+
+    enabled: bool = Field(
+        True, description="Execute tieredkv's hint actions (false: every action is ignored, counted)."
+    )
+    max_retained_chunks: int = Field(
+        16384, ge=0, description="Chunks pinned by retention hints at once, in all (0: no retention)."
+    )
+    max_retained_bytes: Size = Field(
+        ByteSize(256 << 20),
+        ge=0,
+        description="Bytes pinned by retention hints at once, in all; also at most a quarter of the smallest"
+        " tier capacity the config states, so a flood of hints cannot pin a whole tier.",
+    )
+    max_retain_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Longest retention a hint may ask for (longer ones are cut to this); a pin (no 'seconds')"
+        " is held until a higher-priority retention needs its room, a cache reset or the engine stops.",
+    )
 
 
 class PipelineConfig(_Model):
@@ -238,6 +283,10 @@ class TieredKVConfig(_Model):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Store/load pipeline settings.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics settings.")
     tenants: TenantsConfig = Field(default_factory=TenantsConfig, description="Per-tenant quotas.")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="Sighting counts for the policy rules' admit_after."
+    )
+    hints: HintsConfig = Field(default_factory=HintsConfig, description="Request KV hints (vLLM's kv_hints).")
 
     @model_validator(mode="after")
     def _names(self) -> TieredKVConfig:

@@ -13,7 +13,7 @@ Primitives:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -33,11 +33,23 @@ class GroupRoute:
     tiers: tuple[str, ...]
     write: str  # "through" | "back"
     promote: bool
+    admit_after: int = 1  # store a chunk on its Nth sighting (1: always)
 
     @property
     def write_tiers(self) -> tuple[str, ...]:
         """Tiers a store writes at once."""
         return self.tiers if self.write == "through" else self.tiers[:1]
+
+    def among(self, allowed: Container[str]) -> GroupRoute:
+        """This route over only its tiers in ``allowed``, in route order (a request's tier filter:
+        :mod:`tieredkv.integrations.vllm.controls`); itself when every tier is allowed. A route
+        left with another first tier, or with one tier, writes through (write-back sends chunks
+        from an in-process first tier down the route it was stored on)."""
+        tiers = tuple(t for t in self.tiers if t in allowed)
+        if tiers == self.tiers:
+            return self
+        write = self.write if len(tiers) > 1 and tiers[0] == self.tiers[0] else "through"
+        return GroupRoute(self.group, tiers, write, self.promote, self.admit_after)
 
 
 class TierPolicy:
@@ -63,7 +75,7 @@ class TierPolicy:
             if rule.kinds is not None and kind not in rule.kinds:
                 continue
             tiers = tuple(rule.tiers) or self.tier_names
-            r = GroupRoute(group, tiers, rule.write, rule.promote)
+            r = GroupRoute(group, tiers, rule.write, rule.promote, rule.admit_after)
             self._routes[group] = r
             return r
         raise ConfigError(

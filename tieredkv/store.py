@@ -40,6 +40,7 @@ from tieredkv.backends.base import Tier, TierStats
 from tieredkv.backends.registry import build_tier
 from tieredkv.catalog import write_catalog
 from tieredkv.config import TieredKVConfig, load_config
+from tieredkv.controls import StoreControls, TiersArg
 from tieredkv.errors import ConfigError, TierClosedError, TieredKVError, TierTimeoutError
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 from tieredkv.keys import (
@@ -80,7 +81,7 @@ TenantArg = str | bytes | int | None
 MAX_KEY_BYTES = 511
 
 
-class TieredStore:
+class TieredStore(StoreControls):
     """Tiers, policy and pipeline for one namespace. Thread-safe to call from one engine thread."""
 
     def __init__(
@@ -141,6 +142,7 @@ class TieredStore:
         #: registered): a caller polling every engine step reads the counters only when it moved.
         #: The pipeline's own method, like ``probe``.
         self.activity: Callable[[], int] = self.pipeline.activity
+        self._init_controls(config)
         self.metrics = TieredKVMetrics(self.tiers, pipeline=self.pipeline, engine=self)
         self.metrics_server: MetricsServer | None = None
         self._ids = itertools.count(1)
@@ -280,7 +282,9 @@ class TieredStore:
         """Per key: ``(HIT, tier)``, ``(PENDING, None)`` while a store is in flight, or ``(MISS, None)``."""
         return self.pipeline.lookup(keys, timeout)
 
-    def store(self, group: int, chunks: Iterable[ChunkArg], *, tenant: TenantArg = None) -> int | None:
+    def store(
+        self, group: int, chunks: Iterable[ChunkArg], *, tenant: TenantArg = None, tiers: TiersArg = None
+    ) -> int | None:
         """Submit whole chunks ``(key, block_ids)`` of ``group`` for storing. Returns the job id at
         once, or None when refused (staging full: back-pressure; offer the chunks again later).
         A job larger than the whole staging pool is accepted once some staging is free and moves
@@ -291,25 +295,37 @@ class TieredStore:
         None (the default tenant, no quota). A tier that keeps tenants bounds each by its quota
         (the config's ``tenants``): a store that would take the tenant over it evicts that
         tenant's own oldest records there first, and one larger than its whole quota is refused
-        there (the job's ``failed`` keys)."""
+        there (the job's ``failed`` keys).
+
+        ``tiers``: write only the group's route tiers among these names (a request's tier filter;
+        :meth:`route_among`); None: the whole route."""
         refs = self._checked(group, chunks, "store")
+        route = self._job_route(group, tiers, "store")
         self._catalog_namespace()
         job_id = next(self._ids)
         tid = 0 if tenant is None else as_tenant_id(tenant)
-        if not self.pipeline.submit_store(StoreJob(job_id, group, refs, tid)):
+        if not self.pipeline.submit_store(StoreJob(job_id, group, refs, tid, route)):
             return None
         self._open_jobs.add(job_id)
         return job_id
 
     def load(
-        self, group: int, chunks: Iterable[ChunkArg], *, skip_blocks: int = 0, tenant: TenantArg = None
+        self,
+        group: int,
+        chunks: Iterable[ChunkArg],
+        *,
+        skip_blocks: int = 0,
+        tenant: TenantArg = None,
+        tiers: TiersArg = None,
     ) -> int | None:
         """Submit a load of whole chunks into their blocks (see :class:`~tieredkv.pipeline.LoadJob`).
         Returns the job id at once, or None when refused (back-pressure). A job larger than the
         whole staging pool moves through it in parts, like :meth:`store`. ``tenant`` (as in
         :meth:`store`): a chunk promoted from a lower tier into the first one becomes that
-        tenant's record there, counted against its quota."""
+        tenant's record there, counted against its quota. ``tiers``: read (and promote into) only
+        the group's route tiers among these names, as in :meth:`store`."""
         refs = self._checked(group, chunks, "load")
+        route = self._job_route(group, tiers, "load")
         bpc = self._geometry[group][0].blocks_per_chunk
         if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int) or not 0 <= skip_blocks < bpc:
             raise ValueError(
@@ -318,7 +334,7 @@ class TieredStore:
             )
         job_id = next(self._ids)
         tid = 0 if tenant is None else as_tenant_id(tenant)
-        if not self.pipeline.submit_load(LoadJob(job_id, group, refs, skip_blocks, tid)):
+        if not self.pipeline.submit_load(LoadJob(job_id, group, refs, skip_blocks, tid, route)):
             return None
         self._open_jobs.add(job_id)
         return job_id
@@ -377,30 +393,46 @@ class TieredStore:
     # ---- raw records (callers that hold the bytes in host memory: vLLM's secondary tier) -------
 
     def put_records(
-        self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None, tenant: TenantArg = None
+        self,
+        items: Sequence[tuple[bytes, Any]],
+        *,
+        job_id: int | None = None,
+        tenant: TenantArg = None,
+        tiers: TiersArg = None,
     ) -> int | None:
         """Store ``(stored key, host buffer)`` records (of ``tenant``, as in :meth:`store`), each
-        routed by its key's group. Returns the job id (``job_id`` if given) at once, or None when
-        refused (store closed). Keep the buffers unchanged until the job's result (kind ``"put"``)
-        is polled."""
-        return self._submit_records("put", items, job_id, tenant)
+        routed by its key's group (over its route tiers among ``tiers``, when given). Returns the
+        job id (``job_id`` if given) at once, or None when refused (store closed). Keep the buffers
+        unchanged until the job's result (kind ``"put"``) is polled."""
+        return self._submit_records("put", items, job_id, tenant, tiers)
 
     def get_records(
-        self, items: Sequence[tuple[bytes, Any]], *, job_id: int | None = None, tenant: TenantArg = None
+        self,
+        items: Sequence[tuple[bytes, Any]],
+        *,
+        job_id: int | None = None,
+        tenant: TenantArg = None,
+        tiers: TiersArg = None,
     ) -> int | None:
         """Read ``(stored key, writable host buffer)`` records, each buffer filled completely by its
         record. Result kind ``"get"``: ``done`` found and copied, ``failed`` missing. ``tenant``:
-        as in :meth:`load` (promotions are its records)."""
-        return self._submit_records("get", items, job_id, tenant)
+        as in :meth:`load` (promotions are its records); ``tiers``: as in :meth:`put_records`."""
+        return self._submit_records("get", items, job_id, tenant, tiers)
 
     def _submit_records(
-        self, kind: str, items: Sequence[tuple[bytes, Any]], job_id: int | None, tenant: TenantArg
+        self,
+        kind: str,
+        items: Sequence[tuple[bytes, Any]],
+        job_id: int | None,
+        tenant: TenantArg,
+        tiers: TiersArg = None,
     ) -> int | None:
         jid = next(self._ids) if job_id is None else int(job_id)
         if kind == "put":
             self._catalog_namespace()
         submit = self.pipeline.submit_put if kind == "put" else self.pipeline.submit_get
-        if not submit(jid, items, 0 if tenant is None else as_tenant_id(tenant)):
+        allowed = None if tiers is None else frozenset(tiers)
+        if not submit(jid, items, 0 if tenant is None else as_tenant_id(tenant), allowed):
             return None
         self._open_jobs.add(jid)
         return jid
@@ -414,10 +446,13 @@ class TieredStore:
 
     # ---- non-blocking lookups and tier calls --------------------------------------------------
 
-    def lookup_async(self, keys: Sequence[bytes]) -> concurrent.futures.Future[list[tuple[KeyState, str | None]]]:
+    def lookup_async(
+        self, keys: Sequence[bytes], tiers: TiersArg = None
+    ) -> concurrent.futures.Future[list[tuple[KeyState, str | None]]]:
         """Like :meth:`lookup` but a ``concurrent.futures.Future`` at once (never blocks); raises
-        :class:`~tieredkv.errors.TierClosedError` when the store is not running."""
-        return self.pipeline.lookup_future(keys)
+        :class:`~tieredkv.errors.TierClosedError` when the store is not running. ``tiers``: ask
+        only each key's route tiers among these names (a request's tier filter)."""
+        return self.pipeline.lookup_future(keys, None if tiers is None else frozenset(tiers))
 
     def is_pending(self, key: bytes) -> bool:
         """Is a store of ``key`` in flight (submitted, not yet written)?"""

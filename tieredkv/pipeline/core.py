@@ -306,30 +306,41 @@ class Pipeline:
 
     # ---- host-buffer jobs (a caller that already holds the bytes in host memory) ---------------
 
-    def submit_put(self, job_id: int, items: Sequence[tuple[bytes, Any]], tenant: int = 0) -> bool:
+    def submit_put(
+        self, job_id: int, items: Sequence[tuple[bytes, Any]], tenant: int = 0, tiers: Container[str] | None = None
+    ) -> bool:
         """Store ``(key, host buffer)`` items (records of ``tenant``, a tenant id), each routed by
-        its key's group. Returns at once; the caller keeps the buffers unchanged until the job's
-        result is polled (kind "put"). A bad item raises here (``ValueError`` / ``TypeError``
-        naming it), before anything is queued."""
+        its key's group (over only its tiers in ``tiers``, when given). Returns at once; the caller
+        keeps the buffers unchanged until the job's result is polled (kind "put"). A bad item
+        raises here (``ValueError`` / ``TypeError`` naming it), before anything is queued."""
         if self._refused("put"):
             return False
         items = check_items("put", items, as_readable)
         self.inflight.begin([k for k, _ in items])
-        self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter(), tenant))
+        self.loop.spawn(self._put_buffers(job_id, items, time.perf_counter(), tenant, tiers))
         return True
 
-    def submit_get(self, job_id: int, items: Sequence[tuple[bytes, Any]], tenant: int = 0) -> bool:
+    def submit_get(
+        self, job_id: int, items: Sequence[tuple[bytes, Any]], tenant: int = 0, tiers: Container[str] | None = None
+    ) -> bool:
         """Read ``(key, writable host buffer)`` items, each buffer filled completely by its record
-        (result kind "get": ``done`` found and copied, ``failed`` missing); what is promoted into
-        a route's first tier is ``tenant``'s record there."""
+        (result kind "get": ``done`` found and copied, ``failed`` missing), from its route's tiers
+        (only those in ``tiers``, when given); what is promoted into a route's first tier is
+        ``tenant``'s record there."""
         if self._refused("get"):
             return False
         items = check_items("get", items, as_writable)
         self.inflight.begin()
-        self.loop.spawn(self._get_buffers(job_id, items, time.perf_counter(), tenant))
+        self.loop.spawn(self._get_buffers(job_id, items, time.perf_counter(), tenant, tiers))
         return True
 
-    async def _put_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float, tenant: int = 0) -> None:
+    def _route(self, group: int, tiers: Container[str] | None) -> GroupRoute:
+        route = self.policy.get(group)
+        return route if tiers is None else route.among(tiers)
+
+    async def _put_buffers(
+        self, job_id: int, items: list[tuple[bytes, Any]], t0: float, tenant: int = 0, tiers: Any = None
+    ) -> None:
         run = JobRun("put", job_id, self.cfg.job_timeout_s)
         done: list[bytes] = []
         written: collections.Counter[str] = collections.Counter()
@@ -338,7 +349,7 @@ class Pipeline:
                 for group, idx in by_group(items).items():
                     keys = [items[i][0] for i in idx]
                     got, w = await self.writeback.write(
-                        self.policy.get(group), keys, [items[i][1] for i in idx], tenant
+                        self._route(group, tiers), keys, [items[i][1] for i in idx], tenant
                     )
                     done += got
                     written.update(w)
@@ -356,13 +367,15 @@ class Pipeline:
             failed = tuple(k for k, _ in items if k not in done_set)
             self._finish(run, t0, nbytes, tuple(done), failed, dict(written))
 
-    async def _get_buffers(self, job_id: int, items: list[tuple[bytes, Any]], t0: float, tenant: int = 0) -> None:
+    async def _get_buffers(
+        self, job_id: int, items: list[tuple[bytes, Any]], t0: float, tenant: int = 0, tiers: Any = None
+    ) -> None:
         run = JobRun("get", job_id, self.cfg.job_timeout_s)
         found: dict[int, str] = {}
         try:
             async with run.guard():
                 for group, idx in by_group(items).items():
-                    route = self.policy.get(group)
+                    route = self._route(group, tiers)
                     keys = [items[i][0] for i in idx]
                     views = [items[i][1] for i in idx]
                     sizes = {_nbytes(v) for v in views}
@@ -401,17 +414,22 @@ class Pipeline:
         """Per key: (HIT, tier) / (PENDING, None) / (MISS, None), searching each key's route in order."""
         return self.loop.run(self._lookup(list(keys)), timeout=timeout)
 
-    def lookup_future(self, keys: Sequence[bytes]) -> Any:
-        """Like :meth:`lookup` but returns a ``concurrent.futures.Future`` at once (never blocks)."""
-        return self.loop.submit(self._lookup(list(keys)))
+    def lookup_future(self, keys: Sequence[bytes], tiers: Container[str] | None = None) -> Any:
+        """Like :meth:`lookup` but returns a ``concurrent.futures.Future`` at once (never blocks);
+        ``tiers``: ask only the routes' tiers among them (a request's tier filter)."""
+        return self.loop.submit(self._lookup(list(keys), tiers))
 
-    async def _lookup(self, keys: list[bytes]) -> list[tuple[KeyState, str | None]]:
+    async def _lookup(
+        self, keys: list[bytes], tiers: Container[str] | None = None
+    ) -> list[tuple[KeyState, str | None]]:
         try:
-            return await self._lookup_keys(keys)
+            return await self._lookup_keys(keys, tiers)
         finally:
             self._events += 1  # its tier calls may have counted (errors, a breaker)
 
-    async def _lookup_keys(self, keys: list[bytes]) -> list[tuple[KeyState, str | None]]:
+    async def _lookup_keys(
+        self, keys: list[bytes], tiers: Container[str] | None = None
+    ) -> list[tuple[KeyState, str | None]]:
         out: list[tuple[KeyState, str | None]] = [(KeyState.MISS, None)] * len(keys)
         todo: list[int] = []
         for i, k in enumerate(keys):
@@ -419,7 +437,7 @@ class Pipeline:
                 out[i] = (KeyState.PENDING, None)
             else:
                 todo.append(i)
-        for i, name in (await self.routes.find_many(keys, todo)).items():
+        for i, name in (await self.routes.find_many(keys, todo, tiers)).items():
             out[i] = (KeyState.HIT, name)
         for k, (state, _) in zip(keys, out):
             if state is not _PENDING:
@@ -577,6 +595,15 @@ class Pipeline:
             ),
             jobs_in_flight=self.inflight.jobs,
         )
+
+    def add_group_counts(self, group: int, **counts: int) -> None:
+        """Add ``counts`` (:class:`GroupStats` fields) to group ``group``'s counters from an engine
+        thread (what admission declined), moving :meth:`activity`."""
+        gs = self.group_stats[group]
+        with self._lookup_lock:
+            for name, n in counts.items():
+                setattr(gs, name, getattr(gs, name) + n)
+        self._events += 1
 
     def activity(self) -> int:
         """A number that moves whenever something :meth:`stats` reports may have moved: a job or

@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from tieredkv.keys import key_group
+from tieredkv.policy import GroupRoute
 
 __all__ = [
     "ChunkRef",
@@ -56,6 +57,7 @@ class StoreJob:
     group: int
     chunks: tuple[ChunkRef, ...]
     tenant: int = 0
+    route: GroupRoute | None = None  # this job's route (a request's tier filter), else the group's
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,7 @@ class LoadJob:
     chunks: tuple[ChunkRef, ...]
     skip_blocks: int = 0
     tenant: int = 0
+    route: GroupRoute | None = None  # this job's route (a request's tier filter), else the group's
 
     def placements(self, i: int, blocks_per_chunk: int, null_block: int | None = None) -> list[tuple[int, int]]:
         """``(position_in_chunk, block_id)`` pairs to copy for chunk ``i`` (``null_block``: the

@@ -132,12 +132,15 @@ class RouteWalker:
         """Drop every plan (the pipeline closes)."""
         self.plans.clear()
 
-    async def find_many(self, keys: Sequence[bytes], todo: Sequence[int]) -> dict[int, str]:
+    async def find_many(
+        self, keys: Sequence[bytes], todo: Sequence[int], tiers: Container[str] | None = None
+    ) -> dict[int, str]:
         """``{i: tier}`` for each index ``i`` of ``todo`` whose key a tier of its route holds: the
         first such tier in route order. Each tier is asked once per pass, for every key whose walk
         reached it (a pass visits the tiers in lane order: routes in that order, the usual case,
         take one pass). A tier whose breaker refuses the call, or whose call fails, is passed
-        over; a route's tier without a lane is skipped."""
+        over; a route's tier without a lane is skipped, and so is one not in ``tiers`` (when given:
+        a request's tier filter)."""
         order = list(self._lanes)
         known = set(order)
         routes: dict[int, tuple[str, ...]] = {}  # group -> its route's tiers that have lanes
@@ -146,7 +149,9 @@ class RouteWalker:
             group = key_group(keys[i])
             route = routes.get(group)
             if route is None:
-                route = routes[group] = tuple(n for n in self._policy.get(group).tiers if n in known)
+                route = routes[group] = tuple(
+                    n for n in self._policy.get(group).tiers if n in known and (tiers is None or n in tiers)
+                )
             if route:
                 walks[i] = (route, 0)
         found: dict[int, str] = {}

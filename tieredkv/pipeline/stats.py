@@ -35,6 +35,12 @@ class GroupStats:
     )
     load_missing: int = _m("group_load_missing", "Chunks of this KV group a load did not find in any tier.")
     pending: int = _m("group_pending", "Chunks of this KV group being written (lookups answer pending).", "gauge")
+    admission_declined: int = _m(
+        "group_admission_declined", "Chunks of this KV group admission declined (not yet seen admit_after times)."
+    )
+    admission_declined_bytes: int = _m(
+        "group_admission_declined_bytes", "Bytes of this KV group admission kept from being written."
+    )
 
 
 def group_metric_fields() -> list[dataclasses.Field[Any]]:

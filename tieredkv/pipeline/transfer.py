@@ -118,7 +118,7 @@ class Transfers:
         self, job: StoreJob, grp: GroupBinding, buf: StagingBuffer, ready: Any
     ) -> tuple[list[bytes], dict[str, int]]:
         """Store a job's chunks; keys held by at least one tier, and chunks written per tier."""
-        write_tiers = grp.route.write_tiers
+        write_tiers = (job.route or grp.route).write_tiers
         slots = self.slot_tier(write_tiers) if len(write_tiers) == 1 else None
         if slots is not None:
             return await self._store_into_slots(slots, job, grp, ready)
@@ -145,7 +145,7 @@ class Transfers:
             tier.abort(slots)
             raise
         tier.commit(list(zip(keys, slots)))
-        self.writeback.mark_dirty(grp.route, keys, job.tenant)
+        self.writeback.mark_dirty(job.route or grp.route, keys, job.tenant)
         return keys, {tier.name: len(keys)}
 
     async def _store_staged(
@@ -168,7 +168,7 @@ class Transfers:
                 views.append(view)
             await wait_event(ev)
             part_keys = keys if len(part) == len(keys) else [keys[i] for i in part]
-            got, w = await self.writeback.write(grp.route, part_keys, views, job.tenant)
+            got, w = await self.writeback.write(job.route or grp.route, part_keys, views, job.tenant)
             done += got  # the writes are over: the buffer is free for the next part
             for name, n in w.items():
                 written[name] = written.get(name, 0) + n
@@ -182,8 +182,8 @@ class Transfers:
         reads go on, to report every missing chunk."""
         cb = grp.chunk_bytes
         keys = [c.key for c in job.chunks]
-        route = grp.route
-        slots = self.slot_tier(route.tiers)
+        route = job.route or grp.route
+        slots = self.slot_tier(route.tiers) if route.tiers else None
         borrowed: dict[int, Any] = {}
         bpc = grp.blocks_per_chunk
         try:

@@ -274,6 +274,8 @@ class ReqSpec:
     max_tokens: int
     note: str = ""
     cache_salt: str | None = None  # the request's tenant (vLLM folds it into the first block hash)
+    kv_transfer_params: dict[str, Any] | None = None  # SamplingParams.extra_args["kv_transfer_params"]
+    kv_hints: Any = None  # a vLLM KvHintsEnvelope (Request.kv_hints)
 
 
 def build_workload(seed: int = 0) -> list[list[ReqSpec]]:
@@ -781,7 +783,8 @@ class Engine:
     def add_request(self, spec: ReqSpec, phase: int) -> Request:
         self._n += 1
         rid = f"{spec.name}-{self._n}"
-        sp = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
+        extra = {"kv_transfer_params": dict(spec.kv_transfer_params)} if spec.kv_transfer_params else None
+        sp = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, extra_args=extra)
         sp.update_from_generation_config({}, EOS)
         req = Request(
             request_id=rid,
@@ -790,6 +793,7 @@ class Engine:
             pooling_params=None,
             block_hasher=self.hasher,
             cache_salt=spec.cache_salt,
+            kv_hints=spec.kv_hints,
         )
         self.reqs[rid] = req
         self.seqs[rid] = _Seq(list(spec.prompt))
@@ -1201,8 +1205,11 @@ def run_engine(
     model: Path = TINY_MODEL,
     hash_algo: str = "sha256",
     retention_interval: int | None = 0,
+    on_phase: Any = None,
 ) -> RunResult:
-    """Run the workload once through the real scheduler + connector; see the module docstring."""
+    """Run the workload once through the real scheduler + connector; see the module docstring.
+    ``on_phase(engine, phase)`` is called before each phase's first request (and with
+    ``len(phases)`` once the last phase is over, before shutdown)."""
     t0 = time.perf_counter()
     res = RunResult(tuple(groups), blocks_per_chunk, async_scheduling)
     phases = workload if workload is not None else build_workload(seed)
@@ -1226,7 +1233,7 @@ def run_engine(
             retention_interval=retention_interval,
         )
         try:
-            _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)
+            _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector, on_phase)
         except Exception as exc:  # noqa: BLE001 - reported, the caller decides
             import traceback
 
@@ -1271,9 +1278,12 @@ def _drive(
     idle_sleep: float,
     stall_steps: int = 200,
     reset_connector: bool = False,
+    on_phase: Any = None,
 ) -> None:
     res = eng.result
     for pi, phase in enumerate(phases):
+        if on_phase is not None:
+            on_phase(eng, pi)
         pending = sorted(phase, key=lambda r: r.arrival)
         start = eng.step_no
         rids: list[str] = []
@@ -1314,6 +1324,8 @@ def _drive(
             res.phase_reset_ok.append(eng.reset_gpu(zero, reset_connector))
             res.phase_zeroed.append(zero)
     res.idle_reached = len(res.phase_idle) == len(phases) and all(res.phase_idle)
+    if on_phase is not None and res.idle_reached:
+        on_phase(eng, len(phases))
 
 
 def run_matrix(

@@ -99,6 +99,7 @@ from tieredkv.integrations.vllm.compat import (
     check_scheduler,
 )
 from tieredkv.integrations.vllm.connector_jobs import boundary_job, chunks_job, drop_unsent_jobs
+from tieredkv.integrations.vllm.controls import request_controls
 from tieredkv.integrations.vllm.tenants import set_request_tenant
 from tieredkv.planner import (
     ChunkToStore,
@@ -198,12 +199,19 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         # store jobs made outside schedule() (a finished request's last pass), sent with the next
         # step's metadata
         self._early_store_jobs: dict[int, TransferJob] = {}
+        #: requests none of whose chunks are offered (a no-store hint, ``kv_store_tiers`` allowing
+        #: nothing, or nothing the manager's one medium offers) / that load nothing (the same for
+        #: ``kv_load_tiers``, for a manager of one medium that does not filter: vLLM's CPU manager)
+        self._no_store: set[str] = set()
+        self._no_load: set[str] = set()
 
     # vLLM's suite builds a scheduler side without ``__init__`` (``object.__new__``) and sets only
     # what vLLM's methods read; vLLM declares ``_step_region`` on its class for that. The same here
     # for what this class's overrides of those methods read: an empty, read-only default.
     _stores: dict[str, RequestStore] = MappingProxyType({})  # type: ignore[assignment]
     _pos_of_group: dict[int, int] = MappingProxyType({})  # type: ignore[assignment]
+    _no_store: set[str] = frozenset()  # type: ignore[assignment]
+    _no_load: set[str] = frozenset()  # type: ignore[assignment]
 
     def _acquire_step(self) -> None:
         # vLLM opens the step's region (an ExitStack entering ``self.manager.lock``) at the step's
@@ -232,6 +240,23 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         status = self._req_status.get(request.request_id)
         if salt and status is not None:  # the request's tenant, for the manager and secondary tiers
             set_request_tenant(status.req_context, salt)
+        if status is not None:
+            self._note_controls(request.request_id, status)
+
+    def _note_controls(self, req_id: str, status: RequestOffloadState) -> None:
+        """The request's controls as the connector honours them for any manager: a request that
+        stores nothing is offered to no manager. A manager of one medium that ignores the tier
+        filters (vLLM's ``CPUOffloadingManager``: ``medium`` CPU, local) gets no offer, and the
+        request no hit, when the filter leaves that medium out; tieredkv's manager and secondary
+        tiers apply the filters per tier themselves (``RequestControls``)."""
+        controls = request_controls(status.req_context)  # parsed by the manager's on_new_request already
+        if controls.plain:
+            return
+        medium = getattr(getattr(self.manager, "medium", None), "value", None)
+        if controls.stores_nothing or (medium is not None and not controls.store.allows_place(medium, "LOCAL")):
+            self._no_store.add(req_id)
+        if medium is not None and not controls.load.allows_place(medium, "LOCAL"):
+            self._no_load.add(req_id)
 
     # ------------------------------------------------------------------ ledgers
 
@@ -256,6 +281,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         store = self._stores.get(request.request_id)
         if store is not None:  # a resume: chunks passed as never storable may become whole
             store.resume()
+        if self._no_load and request.request_id in self._no_load:
+            return 0, False  # its load filter leaves out the manager's one medium
         return super().get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens)
 
     def _lookup_complete_chunks(
@@ -369,6 +396,9 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
                 self._store_pass(status, 0, store_jobs)
             if req_id not in self._holds:
                 self._stores.pop(req_id, None)
+            if self._no_store or self._no_load:
+                self._no_store.discard(req_id)
+                self._no_load.discard(req_id)
         return store_jobs
 
     def _store_pass(
@@ -376,6 +406,8 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
     ) -> None:
         """One store pass over a request: the core plans, the manager is offered its chunks."""
         req = status.req
+        if self._no_store and req.request_id in self._no_store:
+            return  # it stores nothing (a no-store hint, its kv_store_tiers)
         if any(not self._jobs[j].is_store and not self._jobs[j].is_sync_load for j in status.transfer_jobs):
             return  # an async load is in flight (vLLM never stores next to one)
         finished = req.is_finished()
@@ -587,7 +619,7 @@ class TieredKVConnectorScheduler(OffloadingConnectorScheduler):
         for h in pending:
             status = self._status(h.req_id)
             pos = slot_of_group.get(h.group_idx)
-            if status is None or pos is None:
+            if status is None or pos is None or (self._no_store and h.req_id in self._no_store):
                 continue
             cfg = self.config.kv_group_configs[pos]
             req = status.req

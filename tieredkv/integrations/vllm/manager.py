@@ -15,12 +15,14 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadingManager,
     OffloadKey,
+    OffloadPolicy,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import new_generation
 from tieredkv.integrations.vllm.shared import TieredKVLoadStoreSpec, acquire_store, release_store
@@ -88,6 +90,10 @@ class TieredKVManager(OffloadingManager):
         self._closed = False
         self._stats = StoreStatsReporter(lambda: [self.store])
         self._stats_at = float("-inf")
+        #: requests with a load tier filter that leaves out some of the store's tiers -> controls
+        self._load_filtered: dict[str, RequestControls] = {}
+        #: batched lookups over some tiers only, by the tier names they may ask
+        self._lookups_among: dict[frozenset[str], AsyncLookups] = {}
 
     def get_stats(self) -> Any:
         """tieredkv's counter increments since the last report (an ``OffloadingConnectorStats`` or
@@ -126,6 +132,8 @@ class TieredKVManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # vLLM's scheduler asks every key of every waiting request on every step: this path is
         # kept to a few dict lookups and one call into the store (its probe).
+        if self._load_filtered and req_context.req_id in self._load_filtered:
+            return self._lookup_filtered(key, req_context)
         skey = self._sh.skeys[key]
         if skey in self._writing:
             return _HIT_PENDING
@@ -150,7 +158,9 @@ class TieredKVManager(OffloadingManager):
         the batched lookups, as in ``lookup``, and the scan goes on after it."""
         keys = list(keys)
         partial = self._partial_groups
-        if partial and any(k[GROUP_SUFFIX] in partial for k in keys):
+        if (partial and any(k[GROUP_SUFFIX] in partial for k in keys)) or (
+            self._load_filtered and req_context.req_id in self._load_filtered
+        ):
             return self._lookup_each(keys, req_context)
         skeys = list(map(self._sh.skeys.__getitem__, keys))
         probe_prefix, answer, writing = self._probe_prefix, self._lookups.answer, self._writing
@@ -244,7 +254,10 @@ class TieredKVManager(OffloadingManager):
         self.counters["load_chunks"] += len(stored)
         if stored is not skeys:
             self.counters["load_partial_chunks"] += sum(r is not s for r, s in zip(stored, skeys))
-        return TieredKVLoadStoreSpec(list(keys), sk.fp, stored, request_tenant(req_context))
+        spec = TieredKVLoadStoreSpec(list(keys), sk.fp, stored, request_tenant(req_context))
+        if self._load_filtered or self.store.retention.max_chunks:
+            self._controls_load(spec, req_context)
+        return spec
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         sk, loading = self._sh.skeys, self._loading
@@ -260,6 +273,18 @@ class TieredKVManager(OffloadingManager):
             self.store.unpin(recs)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        controls = req_context.get_state(RequestControls)
+        if (controls is not None and not controls.plain) or self.store.admission_active:
+            return self._prepare_store_controlled(keys, req_context, controls)
+        return self._prepare_store(keys, req_context)
+
+    def _prepare_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+        tiers: frozenset[str] | None = None,
+        controls: RequestControls | None = None,
+    ) -> PrepareStoreOutput | None:
         sk, stored, writing = self._sh.skeys, self._stored, self._writing
         todo: list[OffloadKey] = []
         todo_skeys: list[bytes] = []
@@ -277,12 +302,14 @@ class TieredKVManager(OffloadingManager):
             # A sliding-window or Mamba key may never be offered again: take the batch; the
             # worker queues what the staging pool cannot hold yet.
             self.counters["store_over_cap_batches"] += 1
+        if controls is not None and todo:
+            todo, todo_skeys = self._admitted(todo, todo_skeys, controls)
         writing.update(todo_skeys)
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
         return PrepareStoreOutput(
             keys_to_store=todo,
-            store_spec=TieredKVLoadStoreSpec(todo, sk.fp, todo_skeys, request_tenant(req_context)),
+            store_spec=TieredKVLoadStoreSpec(todo, sk.fp, todo_skeys, request_tenant(req_context), tiers),
             evicted_keys=[],
         )
 
@@ -307,6 +334,8 @@ class TieredKVManager(OffloadingManager):
         self._lookups.forget(skeys)
         while len(stored) > (1 << 20):
             stored.pop(next(iter(stored)))
+        if self._lookups_among or self.store.retention.max_chunks:
+            self._controls_stored(skeys, req_context, success)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """The cache tier a hit is loaded from, for vLLM's hits-by-source metrics: the medium of
@@ -314,6 +343,8 @@ class TieredKVManager(OffloadingManager):
         LMDB); ``external_unspecified`` for a remote store (Redis: vLLM has no member for it)
         and when the tiers cannot tell without waiting. An attribute read when every group's route
         has one medium and the same; else one dict read for a route of one medium."""
+        if self._load_filtered and req_context.req_id in self._load_filtered:
+            return self._filtered_source(key, req_context)
         common = self._common_source
         if common is None:
             routes = {self.store.policy.get(g).tiers for g in range(self._num_groups)}
@@ -334,25 +365,35 @@ class TieredKVManager(OffloadingManager):
         return hit_source(self.store.tier_medium(name)) if name else _UNSPECIFIED
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        return self._controls_new_request(req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._load_filtered.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: Any) -> None:
         self._lookups.flush()
         self._lookups.end_step()
+        if self._lookups_among or self.store.retention:
+            self._controls_schedule_end()
 
     def has_pending_work(self) -> bool:
         # Answers resolve on tieredkv's loop thread by themselves; a request waiting for one keeps
         # the engine stepping anyway. Only keys not yet sent need another on_schedule_end.
-        return self._lookups.has_unsent()
+        return self._lookups.has_unsent() or any(lk.has_unsent() for lk in self._lookups_among.values())
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until every transfer and lookup in flight has finished (False on timeout).
 
         Not part of vLLM's interface and never called by vLLM: for tests that model a forward
         pass longer than the tier I/O it overlaps, and for an orderly stop."""
-        return self.store.drain(timeout) and self._lookups.wait(timeout)
+        return (
+            self.store.drain(timeout)
+            and self._lookups.wait(timeout)
+            and all(lk.wait(timeout) for lk in self._lookups_among.values())
+        )
 
     def reset_cache(self) -> None:
+        self._controls_reset(new_generation=not self.spec.keep_on_reset)
         self._stored.clear()
         self._chosen.clear()
         self._lookups.clear()
@@ -374,3 +415,146 @@ class TieredKVManager(OffloadingManager):
         self._closed = True
         self._lookups.clear()
         release_store(self.spec.store_ident)
+
+    # ---- request controls: tier filters, hints, admission (integrations/vllm/controls.py) ----------
+
+    def _controls_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Read the request's controls once (its hint actions counted); a request whose load filter
+        leaves out some tiers is looked up over the others only; one that asks for retention gets
+        ``REQUEST_LEVEL``, so vLLM offers every chunk of it, held ones included, and they are
+        retained here."""
+        controls = request_controls(req_context, self.store)
+        if controls.load_tiers(self.store) is not None:
+            if len(self._load_filtered) >= 1 << 16:  # requests never finished: forget the oldest
+                self._load_filtered.pop(next(iter(self._load_filtered)))
+            self._load_filtered[req_context.req_id] = controls
+        if controls.retain is not None and not controls.stores_nothing:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def _lookups_for(self, names: frozenset[str]) -> AsyncLookups:
+        lk = self._lookups_among.get(names)
+        if lk is None:
+            lk = self._lookups_among[names] = AsyncLookups(lambda keys: self.store.lookup_async(keys, tiers=names))
+        return lk
+
+    def _lookup_filtered(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """:meth:`lookup` for a request that may load from some tiers only: HIT only when one of
+        them holds the chunk (a whole record, or a partial one for a windowed key); the load then
+        reads those tiers only (:meth:`_controls_load`)."""
+        names = self._load_filtered[req_context.req_id].load_tiers(self.store)
+        skey = self._sh.skeys[key]
+        if skey in self._writing:
+            return _HIT_PENDING
+        if names is None:
+            return self.lookup(key, ReqContext(req_id=""))  # its filter leaves out no tier of this store
+        if not self.store.route_among(key_group(key), names).tiers:
+            self.counters["lookup_tier_filtered"] += 1
+            return _MISS
+        answer = self._lookups_for(names).answer
+        states: list[str | None] = []
+        for cand in self._candidates(key, skey):
+            state = self.store.probe_among(cand, names) or answer(cand)
+            if state == "hit":
+                if cand != skey:
+                    if len(self._chosen) > 65536:
+                        self._chosen.clear()
+                    self._chosen[skey] = cand
+                return _HIT
+            states.append(state)
+        if None in states:
+            self.counters["lookup_retry"] += 1
+            return LookupResult.RETRY
+        return LookupResult.HIT_PENDING if "pending" in states else _MISS
+
+    def _filtered_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        names = self._load_filtered[req_context.req_id].load_tiers(self.store)
+        route = (
+            self.store.policy.get(key_group(key)) if names is None else self.store.route_among(key_group(key), names)
+        )
+        source = _route_source(self.store, route.tiers)
+        return _UNSPECIFIED if source is _MIXED else source
+
+    def _controls_load(self, spec: TieredKVLoadStoreSpec, req_context: ReqContext) -> None:
+        """A filtered request's load reads its allowed tiers only; a retaining one's chunks are retained."""
+        controls = req_context.get_state(RequestControls)
+        if controls is None or controls.plain:
+            return
+        spec.tiers = controls.load_tiers(self.store)
+        if controls.retain is not None:
+            self._retain(spec.stored, controls.retain)
+
+    def _prepare_store_controlled(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, controls: RequestControls | None
+    ) -> PrepareStoreOutput | None:
+        """``prepare_store`` of a request with controls, or under admission: a no-store request, and
+        keys whose group has no tier the request's store filter allows, are left out (declined);
+        held keys of a retaining request are retained (``REQUEST_LEVEL`` offers them); the rest go
+        through admission and are stored in the allowed tiers only."""
+        if controls is None:
+            controls = request_controls(req_context, self.store)
+        sk, stored, writing = self._sh.skeys, self._stored, self._writing
+        if controls.stores_nothing:
+            self.counters["store_keys_not_stored_by_request"] += len(keys)
+            return PrepareStoreOutput(keys_to_store=[], store_spec=TieredKVLoadStoreSpec([], sk.fp), evicted_keys=[])
+        names = controls.store_tiers(self.store)
+        retain = controls.retain
+        held: list[bytes] = []
+        rest: list[OffloadKey] = []
+        for k in keys:
+            s = sk[k]
+            # held: stored here, being written, or (a retaining request: REQUEST_LEVEL offers its
+            # loaded prefix too) held by a tier
+            if s in stored or s in writing or (retain is not None and self._probe(s) is _KS_HIT):
+                held.append(s)
+            elif names is not None and not self.store.route_among(key_group(k), names).tiers:
+                self.counters["store_keys_tier_filtered"] += 1
+            else:
+                rest.append(k)
+        if retain is not None and held:
+            self._retain(held, retain)
+        return self._prepare_store(rest, req_context, names, controls)
+
+    def _admitted(
+        self, todo: list[OffloadKey], todo_skeys: list[bytes], controls: RequestControls
+    ) -> tuple[list[OffloadKey], list[bytes]]:
+        """Admission (the policy's ``admit_after``): the keys of ``todo`` to store now."""
+        if not self.store.admission_active:
+            return todo, todo_skeys
+        ok = self.store.admit(todo_skeys, controls.seen)
+        if all(ok):
+            return todo, todo_skeys
+        self.counters["store_keys_declined_by_admission"] += len(ok) - sum(ok)
+        return [k for k, y in zip(todo, ok) if y], [s for s, y in zip(todo_skeys, ok) if y]
+
+    def _controls_stored(self, skeys: list[bytes], req_context: ReqContext, success: bool) -> None:
+        for lk in self._lookups_among.values():
+            lk.forget(skeys)
+        controls = req_context.get_state(RequestControls)
+        if success and controls is not None and controls.retain is not None:
+            self._retain(skeys, controls.retain)
+
+    def _retain(self, skeys: Sequence[bytes], retain: Retain) -> None:
+        """Retain ``skeys`` (stored keys of any groups) as the request's hint asked."""
+        by_group: dict[int, list[bytes]] = collections.defaultdict(list)
+        for s in skeys:
+            by_group[key_group(s)].append(s)
+        for keys in by_group.values():
+            n = self.store.retain(keys, seconds=retain.seconds, priority=retain.priority)
+            self.counters["retained_chunks"] += n
+            self.counters["retain_refused_chunks"] += len(keys) - n
+
+    def _controls_schedule_end(self) -> None:
+        for lk in self._lookups_among.values():
+            lk.flush()
+            lk.end_step()
+        self.store.retention.expire()
+
+    def _controls_reset(self, new_generation: bool) -> None:
+        """A cache reset: answers are asked again; in a new generation what was retained or
+        sighted belongs to the old one."""
+        for lk in self._lookups_among.values():
+            lk.clear()
+        if new_generation:
+            self.store.retention.release_all()
+            self.store.admission.clear()

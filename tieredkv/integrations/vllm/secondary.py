@@ -27,9 +27,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
     RequestOffloadingContext,
 )
@@ -37,12 +39,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.config import load_config
+from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls, tier_place
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
 from tieredkv.integrations.vllm.tenants import request_tenant
-from tieredkv.keys import chunk_key_of, stored_key
+from tieredkv.keys import chunk_key_of, key_group, stored_key
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVSecondaryTier"]
@@ -77,6 +80,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         keep_on_reset: bool = False,
         group_kinds: list[str] | None = None,
         backpressure_detector: Any = None,
+        locality: str | None = None,
         **unknown: Any,
     ) -> None:
         super().__init__(
@@ -89,7 +93,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
             raise ValueError(
                 f"TieredKVSecondaryTier: unknown tier options {sorted(unknown)}; the options are 'config'"
                 " (path of a tieredkv YAML), 'keep_on_reset' (true: keep serving what was stored before a"
-                " vLLM cache reset) and 'group_kinds' (full / sliding_window / mamba per KV group)"
+                " vLLM cache reset), 'group_kinds' (full / sliding_window / mamba per KV group) and 'locality'"
+                " (LOCAL / REMOTE, for vLLM's kv_load_tiers)"
             )
         cfg = load_config(config if config is not None else os.environ.get("TIEREDKV_CONFIG"))
         ocfg = offloading_spec.config
@@ -123,6 +128,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, tuple[str, tuple[bytes, ...]]] = {}
         self._finished: list[JobResult] = []
         self.counters: collections.Counter[str] = collections.Counter()
+        self._init_controls(locality)
 
     # ---- keys -----------------------------------------------------------------------------
 
@@ -144,6 +150,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     # ---- SecondaryTierManager ------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._load_filtered and req_context.req_id in self._load_filtered:
+            return self._lookup_filtered(key, req_context)
         skey = self._skey(key)
         if skey in self._writing:
             self._collect()  # a finished write must not keep answering RETRY until some other call polls
@@ -171,6 +179,9 @@ class TieredKVSecondaryTier(SecondaryTierManager):
                 continue
             items.append((skey, self._row(chunk_id)))
         job_id = int(job_metadata.job_id)
+        tiers: frozenset[str] | None = None
+        if self._controls_on:
+            items, tiers = self._controls_store(job_id, items, skipped, job_metadata.req_context)
         if not items:
             self._finished.append(JobResult(job_id=job_id, success=True, transfer_time=0.0, transfer_bytes=0))
             return
@@ -178,7 +189,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
             self._writing[skey] += 1
         self._jobs[job_id] = ("put", tuple(k for k, _ in items))
         tenant = request_tenant(job_metadata.req_context)
-        if self.store.put_records(items, job_id=job_id, tenant=tenant) is None:
+        if self.store.put_records(items, job_id=job_id, tenant=tenant, tiers=tiers) is None:
+            self._job_retain.pop(job_id, None)
             self._end_put(job_id)
             self.counters["store_refused"] += 1
             self._finished.append(JobResult(job_id=job_id, success=False))
@@ -188,8 +200,10 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         job_id = int(job_metadata.job_id)
         self._jobs[job_id] = ("get", tuple(k for k, _ in items))
         tenant = request_tenant(job_metadata.req_context)
-        if self.store.get_records(items, job_id=job_id, tenant=tenant) is None:
+        tiers = self._controls_load(job_id, job_metadata.req_context) if self._controls_on else None
+        if self.store.get_records(items, job_id=job_id, tenant=tenant, tiers=tiers) is None:
             self._jobs.pop(job_id, None)
+            self._job_retain.pop(job_id, None)
             self._finished.append(JobResult(job_id=job_id, success=False, successful_keys=()))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -198,17 +212,26 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        return self._controls_new_request(req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._load_filtered.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: Any) -> None:
         self._lookups.flush()
         self._lookups.end_step()
+        if self._controls_on:
+            self._controls_schedule_end()
 
     def has_pending_work(self) -> bool:
         # Transfers in flight need get_finished_jobs() calls; queued lookups need one more
         # on_schedule_end to be sent. A resolved answer nobody has read yet is not work.
         self._collect()
-        return bool(self._jobs) or self._lookups.has_unsent()
+        return (
+            bool(self._jobs)
+            or self._lookups.has_unsent()
+            or any(lk.has_unsent() for lk in self._lookups_among.values())
+        )
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until every transfer and lookup in flight has finished (tests, orderly stop;
@@ -231,6 +254,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         """Forget what this tier knows and move to a fresh cache generation (new fingerprint)."""
         self._present.clear()
         self._lookups.clear()
+        self._controls_reset()
         self.namespace = new_generation(self.namespace)
         self._fp = self.namespace.fingerprint
         self.counters["cache_generations"] += 1
@@ -260,6 +284,9 @@ class TieredKVSecondaryTier(SecondaryTierManager):
             if entry is None:
                 continue
             kind, _ = entry
+            retain = self._job_retain.pop(r.job_id, None) if self._job_retain else None
+            if retain is not None and r.done:
+                self._retain(r.done, retain)
             if kind == "put":
                 self._end_put(r.job_id)
                 self._remember(r.done)
@@ -286,3 +313,118 @@ class TieredKVSecondaryTier(SecondaryTierManager):
                         transfer_bytes=r.nbytes,
                     )
                 )
+
+    # ---- request controls: tier filters, hints, admission (integrations/vllm/controls.py) ----------
+
+    def _init_controls(self, locality: str | None) -> None:
+        if locality is not None:
+            try:
+                self.locality = Locality(str(locality).upper())
+            except ValueError:
+                raise ValueError(
+                    f"TieredKVSecondaryTier: locality={locality!r} is invalid: expected LOCAL or REMOTE"
+                ) from None
+        else:  # vLLM's tiering manager filters whole secondary tiers by it: say it where every tier agrees
+            places = {tier_place(self.store.tier_medium(n))[1] for r in self.routes.values() for n in r.tiers}
+            self.locality = Locality(places.pop()) if len(places) == 1 and None not in places else None
+        #: requests with a load tier filter that leaves out some of this tier's tiers -> controls
+        self._load_filtered: dict[str, RequestControls] = {}
+        self._lookups_among: dict[frozenset[str], AsyncLookups] = {}
+        self._job_retain: dict[int, Retain] = {}
+        #: whether any request control can apply (admission configured, or retention possible)
+        self._controls_on = self.store.admission_active or bool(self.store.retention.max_chunks)
+
+    def _controls_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """As the spec's manager: controls read once, a filtered request looked up over its allowed
+        tiers only, a retaining one ``REQUEST_LEVEL`` (vLLM's tiering manager then cascades the
+        request's chunks its primary already holds, and they are retained here)."""
+        controls = request_controls(req_context, self.store)
+        if not controls.plain:
+            self._controls_on = True
+        if controls.load_tiers(self.store) is not None:
+            if len(self._load_filtered) >= 1 << 16:
+                self._load_filtered.pop(next(iter(self._load_filtered)))
+            self._load_filtered[req_context.req_id] = controls
+        if controls.retain is not None and not controls.stores_nothing:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def _lookup_filtered(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """:meth:`lookup` over the tiers a request's load filter allows (a HIT is promoted from
+        them only: :meth:`submit_load` reads only those)."""
+        names = self._load_filtered[req_context.req_id].load_tiers(self.store)
+        if names is None:
+            return self.lookup(key, ReqContext(req_id=""))
+        skey = self._skey(key)
+        if skey in self._writing:
+            self._collect()
+            if skey in self._writing:
+                return LookupResult.RETRY
+        if not self.store.route_among(key_group(key), names).tiers:
+            self.counters["lookup_tier_filtered"] += 1
+            return LookupResult.MISS
+        lk = self._lookups_among.get(names)
+        if lk is None:
+            lk = self._lookups_among[names] = AsyncLookups(lambda keys: self.store.lookup_async(keys, tiers=names))
+        state = self.store.probe_among(skey, names) or lk.answer(skey)
+        if state is None or state == "pending":
+            return LookupResult.RETRY
+        return LookupResult.HIT if state == "hit" else LookupResult.MISS
+
+    def _controls_store(
+        self, job_id: int, items: list[tuple[bytes, Any]], skipped: list[bytes], ctx: ReqContext
+    ) -> tuple[list[tuple[bytes, Any]], frozenset[str] | None]:
+        """A cascade under the request's controls: nothing for a no-store request, only the groups
+        its store filter leaves a tier for, only what admission admits (sightings: cascades, one
+        per request); held chunks of a retaining request retained now, written ones when written."""
+        controls = request_controls(ctx, self.store)
+        if controls.stores_nothing:
+            self.counters["store_chunks_not_stored_by_request"] += len(items)
+            return [], None
+        names = controls.store_tiers(self.store)
+        if names is not None:
+            kept = [it for it in items if self.store.route_among(key_group(it[0]), names).tiers]
+            self.counters["store_chunks_tier_filtered"] += len(items) - len(kept)
+            items = kept
+        if items and self.store.admission_active:
+            ok = self.store.admit([k for k, _ in items], controls.seen, chunk_bytes=int(self.block_size_bytes))
+            self.counters["store_chunks_declined_by_admission"] += len(ok) - sum(ok)
+            items = [it for it, y in zip(items, ok) if y]
+        if controls.retain is not None:
+            if skipped:
+                self._retain(skipped, controls.retain)
+            if items:
+                self._job_retain[job_id] = controls.retain
+        return items, names
+
+    def _controls_load(self, job_id: int, ctx: ReqContext) -> frozenset[str] | None:
+        controls = ctx.get_state(RequestControls)
+        if controls is None or controls.plain:
+            return None
+        if controls.retain is not None:
+            self._job_retain[job_id] = controls.retain
+        return controls.load_tiers(self.store)
+
+    def _retain(self, skeys: Iterable[bytes], retain: Retain) -> None:
+        by_group: dict[bytes, list[bytes]] = collections.defaultdict(list)
+        for s in skeys:
+            by_group[s[-4:]].append(s)
+        for keys in by_group.values():
+            n = self.store.retain(
+                keys, seconds=retain.seconds, priority=retain.priority, nbytes=int(self.block_size_bytes)
+            )
+            self.counters["retained_chunks"] += n
+            self.counters["retain_refused_chunks"] += len(keys) - n
+
+    def _controls_schedule_end(self) -> None:
+        for lk in self._lookups_among.values():
+            lk.flush()
+            lk.end_step()
+        self.store.retention.expire()
+
+    def _controls_reset(self) -> None:
+        for lk in self._lookups_among.values():
+            lk.clear()
+        self._job_retain.clear()
+        self.store.retention.release_all()
+        self.store.admission.clear()

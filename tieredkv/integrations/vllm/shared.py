@@ -30,7 +30,8 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
     transfer under; ``stored`` (loads) is, per key, the stored key to read: the whole chunk or a
     partial record (:func:`~tieredkv.keys.partial_chunk_key`) whose leading sub-blocks are invalid.
     ``tenant``: the request's tenant id (its ``cache_salt``; 0: the default tenant), whose records
-    a store writes and a load promotes.
+    a store writes and a load promotes. ``tiers``: the tier names the request's tier filter allows
+    (``kv_store_tiers`` / ``kv_load_tiers``); None: every tier of each group's route.
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
         fingerprint: bytes = b"",
         stored: Sequence[bytes] | None = None,
         tenant: int = 0,
+        tiers: frozenset[str] | None = None,
     ) -> None:
         self.keys: list[OffloadKey] = list(keys)
         self.fingerprint = fingerprint
@@ -46,6 +48,7 @@ class TieredKVLoadStoreSpec(LoadStoreSpec):
             list(stored) if stored is not None else [stored_key(fingerprint, k) for k in self.keys]
         )
         self.tenant = tenant
+        self.tiers = tiers
 
     def __repr__(self) -> str:
         return f"TieredKVLoadStoreSpec({len(self.keys)} keys)"

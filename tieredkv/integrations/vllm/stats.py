@@ -85,7 +85,21 @@ _GROUP_COUNTERS: dict[str, tuple[str, str]] = {
     "loads": ("group_loaded_chunks", "Chunks of a KV group tieredkv loaded (hits)."),
     "loaded_bytes": ("group_loaded_bytes", "Bytes of a KV group tieredkv loaded."),
     "load_missing": ("group_load_misses", "Chunks of a KV group a tieredkv load did not find."),
+    "admission_declined": (
+        "group_admission_declined_chunks",
+        "Chunks of a KV group tieredkv's admission declined (seen fewer than its admit_after times).",
+    ),
+    "admission_declined_bytes": (
+        "group_admission_declined_bytes",
+        "Bytes of a KV group tieredkv's admission kept from being written.",
+    ),
 }
+#: ``TieredStore.control_counts`` ``("hint:<action>", outcome)`` -> labels (action, outcome)
+HINT_ACTIONS = PREFIX + "hint_actions"
+#: ``store.retention.counts`` event -> label "event"; and the gauge of chunks retained now
+RETENTION = PREFIX + "retention_chunks"
+RETAINED = PREFIX + "retained_chunks"
+_RETENTION_EVENTS = ("retained", "extended", "refused", "displaced", "expired", "released")
 BREAKER_OPEN = PREFIX + "breaker_open"
 HASHES_REPRODUCIBLE = PREFIX + "block_hashes_reproducible"
 
@@ -96,6 +110,20 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     for table, label in ((_TIER_COUNTERS, "tier"), (_PER_TIER, "tier"), (_GROUP_COUNTERS, "group")):
         for suffix, doc in table.values():
             out[PREFIX + suffix] = OffloadingCounterMetadata(documentation=doc, labelnames=(label,))
+    out[HINT_ACTIONS] = OffloadingCounterMetadata(
+        documentation="kv_hints actions tieredkv read, by action type (tieredkv.retain, tieredkv.no_store;"
+        " 'other': any other type) and outcome (accepted, ignored_unknown_type, ignored_unknown_version,"
+        " ignored_invalid, ignored_disabled).",
+        labelnames=("action", "outcome"),
+    )
+    out[RETENTION] = OffloadingCounterMetadata(
+        documentation="Chunks tieredkv's retention (kv_hints tieredkv.retain) retained, extended, refused"
+        " (no room), displaced (by a higher priority), expired or released (cache reset).",
+        labelnames=("event",),
+    )
+    out[RETAINED] = OffloadingGaugeMetadata(
+        documentation="Chunks tieredkv's retention holds pinned against eviction now.", labelnames=()
+    )
     out[BREAKER_OPEN] = OffloadingGaugeMetadata(
         documentation="1 while a tieredkv tier's circuit breaker is not closed (open or half open).",
         labelnames=("tier",),
@@ -153,7 +181,9 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
     for store in stores:
         lanes, groups = store.live_counts()
         tiers = store.tiers
-        shape.append((store, tuple(map(_name_of, tiers)), tuple(lanes), tuple(groups)))
+        controls = store.control_counts
+        hint_keys = tuple(sorted(controls))
+        shape.append((store, tuple(map(_name_of, tiers)), tuple(lanes), tuple(groups), hint_keys))
         for tier in tiers:
             values.extend(map(tier.counters.get, _TIER_KEYS, _TIER_ZEROS))
         for name, lane in lanes.items():
@@ -161,6 +191,10 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
             gauges[(BREAKER_OPEN, (str(name),))] = float(lane.breaker != "closed")
         for gs in groups.values():
             values.extend(_group_values(gs))
+        values.extend(controls[k] for k in hint_keys)
+        counts = store.retention.counts
+        values.extend(counts[e] for e in _RETENTION_EVENTS)
+        gauges[(RETAINED, ())] = float(len(store.retention))
         if store.block_hashes_reproducible is not None:
             gauges[(HASHES_REPRODUCIBLE, ())] = float(store.block_hashes_reproducible)
     return tuple(shape), values, gauges
@@ -169,13 +203,15 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
 def _series(shape: tuple[Any, ...]) -> list[tuple[Any, str, tuple[str, ...]]]:
     """Per value of :func:`_layout`, in the same order: (its store, metric, label values)."""
     out: list[tuple[Any, str, tuple[str, ...]]] = []
-    for store, tier_names, lane_names, group_ids in shape:
+    for store, tier_names, lane_names, group_ids, hint_keys in shape:
         for name in tier_names:
             out.extend((store, PREFIX + _TIER_COUNTERS[k][0], (name,)) for k in _TIER_KEYS)
         for name in lane_names:
             out.extend((store, PREFIX + _PER_TIER[k][0], (str(name),)) for k in _LANE_KEYS)
         for g in group_ids:
             out.extend((store, PREFIX + _GROUP_COUNTERS[k][0], (str(g),)) for k in _GROUP_KEYS)
+        out.extend((store, HINT_ACTIONS, (control.removeprefix("hint:"), outcome)) for control, outcome in hint_keys)
+        out.extend((store, RETENTION, (e,)) for e in _RETENTION_EVENTS)
     return out
 
 
@@ -209,12 +245,12 @@ class StoreStatsReporter:
         if len(stores) != len(seen):
             return True
         for store, (was, act) in zip(stores, seen):
-            if store is not was or store.activity() != act:
+            if store is not was or store.activity() + store.control_activity() != act:
                 return True
         return False
 
     def _moved(self, stores: list[TieredStore]) -> tuple[bool, list[tuple[TieredStore, int]]]:
-        seen = [(s, s.activity()) for s in stores]
+        seen = [(s, s.activity() + s.control_activity()) for s in stores]
         return seen != self._seen or time.monotonic() - self._read_at >= self.reread_s, seen
 
     def take(self) -> OffloadingConnectorStats | None:

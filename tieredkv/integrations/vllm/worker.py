@@ -62,6 +62,10 @@ def _chunk_positions(kind: str, n_keys: int, n_blocks: int, first: int, bpc: int
     return out
 
 
+#: A transfer's request: its tenant id, and the tier names its tier filter allows (None: all).
+_Whose = tuple[int, frozenset[str] | None]
+
+
 class TieredKVWorker(OffloadingWorker):
     """GPU (or CPU stand-in) KV blocks ↔ tieredkv, one vLLM job = one or more tieredkv jobs.
 
@@ -97,8 +101,8 @@ class TieredKVWorker(OffloadingWorker):
             log.info("tieredkv: group %d (%s, %d-byte chunks) -> %s", g, self.kinds[g], cb, list(route.tiers))
         self._jobs: dict[int, _Job] = {}
         self._sub_to_job: dict[int, int] = {}
-        # (job id, kind, group, chunks, tenant) of sub-jobs staging could not take yet
-        self._retry: collections.deque[tuple[int, str, int, list[tuple[bytes, tuple[int, ...]]], int]] = (
+        # (job id, kind, group, chunks, (tenant, tiers)) of sub-jobs staging could not take yet
+        self._retry: collections.deque[tuple[int, str, int, list[tuple[bytes, tuple[int, ...]]], _Whose]] = (
             collections.deque()
         )
         self._results: list[TransferResult] = []
@@ -164,7 +168,7 @@ class TieredKVWorker(OffloadingWorker):
                 job.whole[skey] = whole
                 chunks.append((skey, (0,) * valid_from + tuple(blocks)))
             if chunks:
-                self._submit(job_id, "store", g, chunks, dst_spec.tenant)
+                self._submit(job_id, "store", g, chunks, (dst_spec.tenant, dst_spec.tiers))
         self._maybe_finish(job_id, job)
         return True
 
@@ -204,38 +208,44 @@ class TieredKVWorker(OffloadingWorker):
                     bad,
                 )
             if any(any(b for b in placed) for _, placed in chunks):
-                self._submit(job_id, "load", g, chunks, src_spec.tenant)
+                self._submit(job_id, "load", g, chunks, (src_spec.tenant, src_spec.tiers))
         if expedited:
             self.wait({job_id})
         self._maybe_finish(job_id, job)
         return True
 
     def _submit(
-        self, job_id: int, kind: str, group: int, chunks: list[tuple[bytes, tuple[int, ...]]], tenant: int = 0
+        self,
+        job_id: int,
+        kind: str,
+        group: int,
+        chunks: list[tuple[bytes, tuple[int, ...]]],
+        whose: _Whose = (0, None),
     ) -> None:
         step = self._max_job_chunks[group]
         for i in range(0, len(chunks), step):
             part = chunks[i : i + step]
-            sub = self._send(kind, group, part, tenant)
+            sub = self._send(kind, group, part, whose)
             if sub is None:  # staging full: keep the job open and offer it again on the next poll
                 self._jobs[job_id].queued += 1
-                self._retry.append((job_id, kind, group, part, tenant))
+                self._retry.append((job_id, kind, group, part, whose))
                 self.counters[f"{kind}_backpressure"] += 1
             else:
                 self._jobs[job_id].subs.add(sub)
                 self._sub_to_job[sub] = job_id
 
-    def _send(self, kind: str, group: int, part: list[tuple[bytes, tuple[int, ...]]], tenant: int) -> int | None:
+    def _send(self, kind: str, group: int, part: list[tuple[bytes, tuple[int, ...]]], whose: _Whose) -> int | None:
+        tenant, tiers = whose  # the request's tenant, and the tiers its tier filter allows (None: all)
         if kind == "store":
-            return self.store.store(group, part, tenant=tenant)
-        return self.store.load(group, part, tenant=tenant)
+            return self.store.store(group, part, tenant=tenant, tiers=tiers)
+        return self.store.load(group, part, tenant=tenant, tiers=tiers)
 
     def _resubmit(self) -> None:
         for _ in range(len(self._retry)):
-            job_id, kind, group, part, tenant = self._retry.popleft()
-            sub = self._send(kind, group, part, tenant)
+            job_id, kind, group, part, whose = self._retry.popleft()
+            sub = self._send(kind, group, part, whose)
             if sub is None:
-                self._retry.append((job_id, kind, group, part, tenant))
+                self._retry.append((job_id, kind, group, part, whose))
                 break
             job = self._jobs[job_id]
             job.queued -= 1

@@ -1,0 +1,294 @@
+"""A request's controls through vLLM 0.33's real scheduler, on the engine loop (``tests/vllm/engine.py``:
+every KV byte a forward reads checked, every step): tier filters (``kv_load_tiers``,
+``kv_store_tiers``), ``max_load_tokens`` / ``max_offload_tokens``, ``kv_hints`` (retain, pin,
+no-store, unknown actions counted) and admission per KV group (``admit_after``), in both of
+tieredkv's modes — ``TieredKVOffloadingSpec`` (``spec``) and ``TieredKVSecondaryTier`` under vLLM's
+``TieringOffloadingSpec`` (``sec``, vLLM's primary CPU tier reset between phases so later hits come
+from tieredkv) — each behind vLLM's ``OffloadingConnector`` and behind ``TieredKVConnector``
+(``+conn``).
+
+Phases are separated by a GPU prefix-cache reset with every "GPU" byte zeroed, so a later phase's
+hits are loads. What a request got is read from the harness's records (``external_hits``: tokens
+vLLM loaded for it) and from the tiers themselves (which holds which key, bytes read per tier).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+from vllm.v1.kv_offload.base import make_offload_key
+
+from tests.vllm.engine import VOCAB, Engine, ReqSpec, RunResult, reference_extra_config, run_engine
+
+pytestmark = pytest.mark.vllm
+
+CONN = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "tieredkv.integrations.vllm"}
+MODES = ("spec", "spec+conn", "sec", "sec+conn")
+BLOCK = 16  # tokens per block (full attention)
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, VOCAB) for _ in range(n))
+
+
+def req(name: str, toks: tuple[int, ...], arrival: int = 0, **params: Any) -> ReqSpec:
+    hints = params.pop("kv_hints", None)
+    return ReqSpec(name, arrival, toks, 2, kv_transfer_params=params or None, kv_hints=hints)
+
+
+def hints(*actions: tuple[str, str, dict[str, Any]], protocol: str = "1") -> KvHintsEnvelope:
+    return KvHintsEnvelope(
+        protocol_version=protocol,
+        message_id=uuid.uuid4().hex,
+        actions=[KvHintAction(f"a{i}", t, v, p) for i, (t, v, p) in enumerate(actions)],
+    )
+
+
+def tiers_file(path: Path, tiers: list[dict[str, Any]], **sections: Any) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    f = path / "tiers.json"
+    cfg = {"version": 1, "namespace": {"model": "controls"}, "tiers": tiers, "pipeline": {"staging_bytes": "8MiB"}}
+    f.write_text(json.dumps({**cfg, **sections}))
+    return f
+
+
+def cpu_tier(capacity: str = "16MiB") -> dict[str, Any]:
+    return {
+        "kind": "cpu",
+        "name": "cpu",
+        "capacity_bytes": capacity,
+        "segment_bytes": "64KiB",
+        "min_slot_bytes": "1KiB",
+    }
+
+
+def lmdb_tier(path: Path, cap: str = "32MiB") -> dict[str, Any]:
+    return {
+        "kind": "lmdb",
+        "name": "nvme",
+        "path": str(path / "lmdb"),
+        "map_size_bytes": "64MiB",
+        "size_cap_bytes": cap,
+    }
+
+
+def redis_tier(url: str) -> dict[str, Any]:
+    return {"kind": "redis", "name": "redis", "url": url, "key_prefix": f"tkv-ctl-{uuid.uuid4().hex[:12]}"}
+
+
+def run(
+    mode: str,
+    tiers: Path,
+    phases: list[list[ReqSpec]],
+    *,
+    on_phase: Callable[[Engine, int], None] | None = None,
+    groups: tuple[str, ...] = ("full",),
+    bpc: int = 1,
+) -> RunResult:
+    kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "workload": phases, "settle": True}
+    if mode.endswith("+conn"):
+        kw.update(CONN)
+    if mode.startswith("spec"):
+        extra = {
+            "spec_name": "TieredKVOffloadingSpec",
+            "spec_module_path": "tieredkv.integrations.vllm",
+            "tieredkv_config": str(tiers),
+        }
+    elif mode.startswith("sec"):
+        extra = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 1 << 20,
+            "secondary_tiers": [
+                {
+                    "type": "TieredKVSecondaryTier",
+                    "module_path": "tieredkv.integrations.vllm",
+                    "config": str(tiers),
+                    "keep_on_reset": True,
+                }
+            ],
+        }
+        kw.update(tiering_cpu_worker=True, reset_connector=True)
+    else:  # vLLM's own CPU spec ("ref")
+        extra = reference_extra_config(bpc)
+    r = run_engine(extra, on_phase=on_phase, **kw)
+    print(f"{mode:10} {r.summary()}")
+    return r
+
+
+def assert_healthy(name: str, r: RunResult) -> None:
+    """Idle, every request finished with the model's tokens, no wrong byte (``test_engine_loop``'s
+    check, for these smaller workloads)."""
+    assert r.error is None, (name, r.error, r.wrong_examples[:2])
+    assert r.stalled is None, (name, r.stalled)
+    assert r.idle_reached, (name, "never went idle", r.phase_idle, r.budget_exhausted)
+    assert r.wrong_bytes == 0 and r.wrong_slots == 0, (name, r.wrong_examples[:3])
+    assert not r.wrong_outputs and not r.unfinished_requests, (name, r.wrong_outputs, r.unfinished_requests)
+    assert r.checked_slots > 1000, (name, r.checked_slots)
+
+
+def store_of(eng: Engine) -> Any:
+    m = eng.connector_scheduler.manager
+    return m.store if hasattr(m, "store") else m.secondary_tiers[0].store
+
+
+def hits(r: RunResult, name: str) -> int:
+    """Tokens vLLM loaded for the request(s) called ``name``."""
+    return sum(sum(rec.external_hits) for rec in r.requests.values() if rec.name == name)
+
+
+def stored_keys(eng: Engine, name: str, store: Any) -> list[bytes]:
+    """The stored keys of every whole block of the (last) request called ``name`` (full group, 1 block a chunk)."""
+    req = next(eng.reqs[rid] for rid, rec in reversed(eng.records.items()) if rec.name == name)
+    return [store.stored_key(make_offload_key(h, 0)) for h in req.block_hashes]
+
+
+def holders(eng: Engine, name: str) -> dict[str, int]:
+    """Per tier, how many of the request's chunks it holds."""
+    store = store_of(eng)
+    keys = stored_keys(eng, name, store)
+    return {t.name: sum(store.run(t.contains_many(keys))) for t in store.tiers}
+
+
+def tier_reads(eng: Engine) -> dict[str, int]:
+    return {t.name: int(t.counters.get("get_bytes", 0)) for t in store_of(eng).tiers}
+
+
+# ---- tier filters ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["spec", "spec+conn"])
+def test_tier_filters_spec(mode: str, tmp_path: Path) -> None:
+    """Mode 2 over a CPU slab and LMDB (write-through). ``kv_store_tiers`` puts a request's chunks in
+    the tiers it names only; ``kv_load_tiers`` loads only from the tiers it allows (a chunk held
+    only elsewhere is a miss, one held in both is read from the allowed one), ``[]`` loads nothing."""
+    x, y, z, w = (prompt(i, 160) for i in range(4))
+    phases = [
+        [
+            req("X", x, kv_store_tiers=[{"medium": "CPU"}]),
+            req("Y", y, 1, kv_store_tiers=[{"tier": "nvme"}]),
+            req("Z", z, 2),
+            req("W", w, 3, kv_store_tiers=[]),
+        ],
+        [req("Z", z, kv_load_tiers=[{"medium": "STORAGE", "locality": "LOCAL"}])],
+        [req("Z", z, kv_load_tiers=[])],
+        [
+            req("X", x, kv_load_tiers=[{"medium": "STORAGE"}]),
+            req("Y", y, 1, kv_load_tiers=[{"medium": "CPU"}]),
+            req("W", w, 2),
+        ],
+        [req("X", x, kv_load_tiers=[{"tier": "cpu"}]), req("Y", y, 1, kv_load_tiers=[{"locality": "LOCAL"}])],
+    ]
+    seen: dict[int, Any] = {}
+
+    def on_phase(eng: Engine, pi: int) -> None:
+        seen[pi] = tier_reads(eng)
+        if pi == 1:
+            seen["held"] = {n: holders(eng, n) for n in "XYZW"}
+
+    r = run(mode, tiers_file(tmp_path, [cpu_tier(), lmdb_tier(tmp_path)]), phases, on_phase=on_phase)
+    assert_healthy(mode, r)
+    assert seen["held"] == {
+        "X": {"cpu": 10, "nvme": 0},
+        "Y": {"cpu": 0, "nvme": 10},
+        "Z": {"cpu": 10, "nvme": 10},
+        "W": {"cpu": 0, "nvme": 0},
+    }, seen["held"]
+    # phase 2: Z (in both tiers) loaded with only LMDB allowed: read there, not from the slab
+    loaded = [rec.external_hits for rec in r.requests.values() if rec.phase == 1]
+    assert loaded == [[160]], loaded
+    assert seen[2]["cpu"] == seen[1]["cpu"] and seen[2]["nvme"] - seen[1]["nvme"] == 10 * 1024
+    # phase 3: no tier allowed; phase 4: held only where the request may not load from; W never stored
+    assert [sum(rec.external_hits) for rec in r.requests.values() if rec.phase in (2, 3)] == [0, 0, 0, 0]
+    # phase 5: allowed by name and by locality
+    assert [sum(rec.external_hits) for rec in r.requests.values() if rec.phase == 4] == [160, 160]
+
+
+@pytest.mark.parametrize("mode", ["sec", "sec+conn"])
+def test_tier_filters_secondary(mode: str, tmp_path: Path, redis_server: Any) -> None:
+    """Mode 1, tieredkv's tiers LMDB (STORAGE, local) and Redis (STORAGE, remote) behind vLLM's
+    primary CPU tier (reset between phases). vLLM's tiering manager asks the secondary tier
+    whenever ``kv_load_tiers`` allows STORAGE (its locality: mixed, so unset); tieredkv then loads
+    only from the tiers the filter allows. ``kv_store_tiers`` picks the tiers a cascade writes.
+    ``[{"medium": "CPU"}]`` leaves the secondary tier out altogether (vLLM's own rule)."""
+    x, y, z = (prompt(10 + i, 160) for i in range(3))
+    phases = [
+        [
+            req("X", x, kv_store_tiers=[{"locality": "LOCAL"}]),
+            req("Y", y, 1, kv_store_tiers=[{"tier": "redis"}]),
+            req("Z", z, 2),
+        ],
+        [req("Z", z, kv_load_tiers=[{"locality": "REMOTE"}])],
+        [req("X", x, kv_load_tiers=[{"locality": "REMOTE"}]), req("Y", y, 1, kv_load_tiers=[{"medium": "CPU"}])],
+        [req("X", x, kv_load_tiers=[{"tier": "nvme"}]), req("Y", y, 1, kv_load_tiers=[{"medium": "STORAGE"}])],
+    ]
+    seen: dict[Any, Any] = {}
+
+    def on_phase(eng: Engine, pi: int) -> None:
+        seen[pi] = tier_reads(eng)
+        if pi == 1:
+            seen["held"] = {n: holders(eng, n) for n in "XYZ"}
+
+    tiers = tiers_file(tmp_path, [lmdb_tier(tmp_path), redis_tier(redis_server.url)])
+    r = run(mode, tiers, phases, on_phase=on_phase)
+    assert_healthy(mode, r)
+    assert seen["held"] == {
+        "X": {"nvme": 10, "redis": 0},
+        "Y": {"nvme": 0, "redis": 10},
+        "Z": {"nvme": 10, "redis": 10},
+    }, seen["held"]
+    by_phase = [[sum(rec.external_hits) for rec in r.requests.values() if rec.phase == p] for p in range(4)]
+    assert by_phase[1] == [160] and by_phase[2] == [0, 0] and by_phase[3] == [160, 160], by_phase
+    # Z, held by both, was promoted from Redis (the only tier allowed), not from LMDB (first in route)
+    assert seen[2]["nvme"] == seen[1]["nvme"] and seen[2]["redis"] > seen[1]["redis"], seen
+
+
+# ---- max_load_tokens / max_offload_tokens -------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ref", *MODES])
+def test_token_caps(mode: str, tmp_path: Path) -> None:
+    """``max_offload_tokens`` bounds the prefix a request stores, ``max_load_tokens`` the tokens a
+    request loads (vLLM's connector applies both; tieredkv's manager and secondary tier see only
+    the keys inside them; ``TieredKVConnector`` keeps vLLM's rules). Next to vLLM's own CPU spec
+    (``ref``): the same hits. Caps off the block grid round down to whole blocks."""
+    a, b, c = (prompt(20 + i, 200) for i in range(3))
+    phases = [
+        [req("A", a, max_offload_tokens=64), req("B", b, 1), req("C", c, 2, max_offload_tokens=70)],
+        [
+            req("A", a),
+            req("B", b, 1, max_load_tokens=48),
+            req("C", c, 2, max_load_tokens=0),
+        ],
+        [req("B", b[:120] + prompt(99, 60), max_load_tokens=1000), req("C", c, 1)],
+    ]
+    stored: dict[str, int] = {}
+
+    promoted: list[int] = []
+
+    def on_phase(eng: Engine, pi: int) -> None:
+        if pi == 1 and mode != "ref":
+            stored.update({n: sum(holders(eng, n).values()) for n in "ABC"})
+        if mode.startswith("sec"):
+            promoted.append(eng.connector_scheduler.manager.secondary_tiers[0].counters["loaded_chunks"])
+
+    tiers = tiers_file(tmp_path, [lmdb_tier(tmp_path)])
+    r = run(mode, tiers, phases, on_phase=on_phase)
+    assert_healthy(mode, r)
+    if mode != "ref":
+        assert stored == {"A": 4, "B": 12, "C": 4}, stored  # 64, 192 (whole blocks of 200), 70 -> 64 tokens
+    # each request's first admission (a preempted request reloads its own KV later: not a cache hit)
+    by_phase = [[sum(rec.external_hits[:1]) for rec in r.requests.values() if rec.phase == p] for p in range(3)]
+    assert by_phase[1] == [64, 48, 0], by_phase
+    if promoted:  # vLLM's tiering manager promoted only chunks that were loaded: none past a cap
+        loaded = sum(sum(rec.external_hits) for rec in r.requests.values() if rec.phase == 1)
+        assert promoted[2] - promoted[1] == loaded // BLOCK, (promoted, loaded)
+    # phase 3: B's prefix (120 tokens: 7 whole blocks) under a cap above it; C as its uncapped phase-2 run stored it
+    assert by_phase[2] == [112, 192], by_phase

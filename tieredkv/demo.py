@@ -21,15 +21,18 @@ time (bytes over the time at least one job of that kind was in flight, not over 
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
+from tieredkv.backends.registry import tier_capabilities
 from tieredkv.config import TieredKVConfig
 from tieredkv.groups import GroupKind, GroupLayout, GroupSpec
 from tieredkv.pipeline import JobResult, KeyState
@@ -62,6 +65,8 @@ class DemoOptions:
     seed: int = 0
     max_chunks_per_plan: int | None = DEFAULT_MAX_CHUNKS_PER_PLAN  # the adapter's bound on one store plan
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S  # prices tokens from cache as time saved
+    admit_after: int | None = None  # every policy rule's admit_after (None: the config's)
+    admission_baseline: bool = True  # with admission on: replay the trace without it first (bytes saved)
 
 
 def demo_layout(mamba: bool = False) -> GroupLayout:
@@ -135,6 +140,7 @@ class _Req:
     hit: int = 0
     store_jobs: set[int] = field(default_factory=set)
     finished: bool = False
+    seen: set[bytes] = field(default_factory=set)  # its keys admission counted a sighting for
 
 
 class _Trace:
@@ -145,12 +151,16 @@ class _Trace:
         self.history: dict[int, list[int]] = {}
         self.conv_sys = [self.rng.randrange(o.system_prompts) for _ in range(o.conversations)]
 
-    def _toks(self, lo: int, hi: int) -> list[int]:
-        return [self.rng.randrange(32000) for _ in range(self.rng.randint(lo, hi))]
+    def _toks(self, lo: int, hi: int, rng: random.Random | None = None) -> list[int]:
+        rng = rng or self.rng
+        return [rng.randrange(32000) for _ in range(rng.randint(lo, hi))]
 
     def turn(self, conv: int, turn: int) -> _Req:
-        prompt = self.history.get(conv, self.systems[self.conv_sys[conv]]) + self._toks(*self.o.user_tokens)
-        out = self._toks(*self.o.output_tokens)
+        # a turn's tokens depend on the seed, the conversation and the turn only (not on the order
+        # turns come up in, which the timing of stores decides): same seed, same trace
+        rng = random.Random(f"{self.o.seed}:{conv}:{turn}")
+        prompt = self.history.get(conv, self.systems[self.conv_sys[conv]]) + self._toks(*self.o.user_tokens, rng)
+        out = self._toks(*self.o.output_tokens, rng)
         self.history[conv] = prompt + out
         return _Req(f"c{conv}t{turn}", conv, turn, prompt, out)
 
@@ -172,6 +182,9 @@ class _Engine:
         self.mismatches = 0
         self.deferred = 0
         self.results: list[JobResult] = []
+        # admission: chunk bytes of every chunk it declined, and the chunks stored (admitted)
+        self.declined: dict[bytes, int] = {}
+        self.written: set[bytes] = set()
 
     # keys: the adapter speaks chunk keys (hash + group); tiers store fingerprint + chunk key
     def skey(self, chunk_key: bytes) -> bytes:
@@ -303,16 +316,28 @@ class _Engine:
             return
         accepted: set[bytes] = set()
         refused: set[bytes] = set()
+        declined: set[bytes] = set()
         for gp in plan.groups:
-            if not gp.chunks:
+            chunks = list(gp.chunks)
+            if chunks and self.store.admission_active:  # admission: stored on the Nth sighting
+                ok = self.store.admit([self.skey(c.key) for c in chunks], r.seen)
+                no = [c.key for c, y in zip(chunks, ok) if not y]
+                declined.update(no)
+                cb = self.store.groups[gp.group].bytes_per_chunk
+                self.declined.update((self.skey(k), cb) for k in no)
+                chunks = [c for c, y in zip(chunks, ok) if y]
+            if not chunks:
                 continue
-            job = self.store.store(gp.group, [(self.skey(c.key), c.block_ids) for c in gp.chunks])
+            job = self.store.store(gp.group, [(self.skey(c.key), c.block_ids) for c in chunks])
             if job is None:  # back-pressure: the adapter offers these chunks again later
-                refused.update(gp.keys)
+                refused.update(c.key for c in chunks)
                 continue
             r.store_jobs.add(job)
-            accepted.update(gp.keys)
-        self.sched.complete_store(r.rid, StoreOutcome(accepted=frozenset(accepted), refused=frozenset(refused)))
+            accepted.update(c.key for c in chunks)
+            if self.store.admission_active:
+                self.written.update(self.skey(c.key) for c in chunks)
+        outcome = StoreOutcome(accepted=frozenset(accepted), refused=frozenset(refused), declined=frozenset(declined))
+        self.sched.complete_store(r.rid, outcome)
 
     def collect(self, running: dict[str, _Req]) -> None:
         for res in self.store.poll():
@@ -329,8 +354,48 @@ def run_demo(
     engine_cls: type[_Engine] = _Engine,
     device: str | None = None,
 ) -> dict[str, Any]:
-    """Replay the trace against the tiers of ``cfg``; return the summary dict."""
+    """Replay the trace against the tiers of ``cfg``; return the summary dict.
+
+    With admission on (a policy rule's ``admit_after`` above 1, or ``o.admit_after``), the same
+    trace is replayed first with every chunk admitted, in scratch copies of the tiers (a temporary
+    directory), and ``admission.baseline`` says what that wrote and hit: the bytes admission saved
+    are measured, not estimated. Skipped (``baseline`` None) when a tier keeps its records outside
+    this process and its own directory (a Redis server), which a scratch run would write to."""
     o = o or DemoOptions()
+    if o.admit_after is not None:
+        cfg = _admitting(cfg, o.admit_after)
+    baseline = None
+    if any(rule.admit_after > 1 for rule in cfg.policy) and o.admission_baseline and _scratchable(cfg):
+        with tempfile.TemporaryDirectory(prefix="tieredkv-demo-baseline-") as d:
+            scratch = cfg.model_copy(
+                update={"tiers": [t if t.local_dir is None else t.with_local_dir(Path(d) / t.label) for t in cfg.tiers]}
+            )
+            base = _replay(_admitting(scratch, 1), o, None, engine_cls, device)
+        baseline = {"bytes_written": base["store"]["bytes"], "tokens_from_cache": base["tokens_from_cache"]}
+    summary = _replay(cfg, o, progress, engine_cls, device)
+    adm = summary["admission"]
+    adm["baseline"] = baseline
+    adm["bytes_saved"] = None if baseline is None else baseline["bytes_written"] - adm["bytes_written"]
+    return summary
+
+
+def _admitting(cfg: TieredKVConfig, n: int) -> TieredKVConfig:
+    """``cfg`` with every policy rule's ``admit_after`` set to ``n``."""
+    return cfg.model_copy(update={"policy": [r.model_copy(update={"admit_after": n}) for r in cfg.policy]})
+
+
+def _scratchable(cfg: TieredKVConfig) -> bool:
+    """Whether every tier of ``cfg`` keeps its records in this process or in its own directory."""
+    return all(t.local_dir is not None or tier_capabilities(t.kind).in_process for t in cfg.tiers)
+
+
+def _replay(
+    cfg: TieredKVConfig,
+    o: DemoOptions,
+    progress: Callable[[int, int], None] | None,
+    engine_cls: type[_Engine],
+    device: str | None,
+) -> dict[str, Any]:
     layout = demo_layout(o.mamba)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t_start = time.perf_counter()
@@ -453,6 +518,21 @@ def _summary(
             }
         )
     store_jobs = _jobs([r for r in eng.results if r.kind == "store"])
+    # Admission: the chunks it declined and never stored (bytes_not_written: what writing every
+    # distinct chunk once would have cost more; the measured saving, bytes_saved, also counts the
+    # duplicate writes of chunks several requests computed at once, and is set by run_demo from a
+    # baseline replay); declined_bytes counts every declined offer (a chunk offered again after a
+    # miss counts again).
+    never = sum(b for k, b in eng.declined.items() if k not in eng.written)
+    admission = {
+        "admit_after": {g.index: store.policy.get(g.index).admit_after for g in layout.groups},
+        "declined_offers": {g.index: st.groups[g.index].admission_declined for g in layout.groups},
+        "declined_bytes": sum(st.groups[g.index].admission_declined_bytes for g in layout.groups),
+        "chunks_never_written": sum(k not in eng.written for k in eng.declined),
+        "bytes_not_written": never,
+        "bytes_written": store_jobs["bytes"],
+        "saved_share": round(never / (never + store_jobs["bytes"]), 4) if never else 0.0,
+    }
     load_jobs = _jobs([r for r in eng.results if r.kind == "load"])
     rate = eng.o.prefill_tokens_per_s
     recompute_s = round(eng.from_cache / rate, 4)
@@ -472,6 +552,7 @@ def _summary(
         "tiers": tiers,
         "store": store_jobs,
         "load": load_jobs,
+        "admission": admission,
         "drops": {"staging_backpressure": st.counters.get("store_backpressure", 0), **st.dropped},
         "verified_blocks": eng.verified,
         "mismatches": eng.mismatches,

@@ -159,7 +159,9 @@ def test_demo_with_bounded_store_plans_drains_finished_requests(tmp_path: Path) 
             super().store_rest(r)
 
     c = load_config(cfg(tmp_path), env={})
-    o = DemoOptions(conversations=3, turns=2, system_tokens=(256, 512), max_chunks_per_plan=2)
+    # seed 2: a trace whose second turns hit (with plans this small, a sliding-window chunk that
+    # leaves the window before it is offered is lost, and with it the hybrid hit of some traces)
+    o = DemoOptions(conversations=3, turns=2, system_tokens=(256, 512), max_chunks_per_plan=2, seed=2)
     s = run_demo(c, o, engine_cls=Engine)
     assert s["requests"] == 6 and s["mismatches"] == 0 and s["verified_blocks"] > 0
     assert s["store"]["failed"] == 0 and s["load"]["failed"] == 0
@@ -214,6 +216,32 @@ def test_demo_reports_busy_throughput_tokens_from_cache_and_time_saved(tmp_path:
     assert slow["saved_s"] > 0  # thousands of tokens at 1k tokens/s: seconds, against ms of loading
     per_token = [s["recompute_s"] / s["tokens_from_cache"] for s in (default, slow)]
     assert per_token == [pytest.approx(1e-4, rel=1e-3), pytest.approx(1e-3, rel=1e-3)]
+
+
+def test_demo_reports_what_admission_saves_in_bytes_written(tmp_path: Path) -> None:
+    """``admit_after: 2``: chunks seen once are never written. The demo replays the same trace
+    (deterministic per seed) storing every chunk, in scratch tiers, and reports both; every loaded
+    block is still what was stored. Without admission nothing is declined and nothing replayed."""
+    o = DemoOptions(conversations=4, turns=3, system_tokens=(256, 512))
+    plain = run_demo(load_config(cfg(tmp_path / "a"), env={}), o)
+    adm = plain["admission"]
+    assert adm["admit_after"] == {0: 1, 1: 1} and adm["baseline"] is None and adm["bytes_saved"] is None
+    assert adm["bytes_not_written"] == adm["declined_bytes"] == adm["chunks_never_written"] == 0
+    o.admit_after = 2
+    s = run_demo(load_config(cfg(tmp_path / "b"), env={}), o)
+    adm = s["admission"]
+    assert s["mismatches"] == 0 and s["prompt_tokens"] == plain["prompt_tokens"]  # the same trace
+    assert adm["admit_after"] == {0: 2, 1: 2}
+    assert adm["chunks_never_written"] > 0 and adm["bytes_not_written"] > 0
+    assert adm["declined_bytes"] >= adm["bytes_not_written"]  # a chunk declined, then written later, counts there only
+    base = adm["baseline"]
+    assert base["bytes_written"] == pytest.approx(plain["store"]["bytes"], rel=0.1)
+    assert (
+        adm["bytes_written"] < base["bytes_written"]
+        and adm["bytes_saved"] == base["bytes_written"] - adm["bytes_written"]
+    )
+    assert s["tokens_from_cache"] < base["tokens_from_cache"]  # what it costs: chunks seen once are not there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # the replay's scratch tiers are gone
 
 
 def test_demo_command_prints_the_summary_block_first_at_the_stated_rate(tmp_path: Path) -> None:

@@ -438,3 +438,54 @@ def test_unknown_hint_actions_are_ignored_and_counted(mode: str, tmp_path: Path)
     assert seen["counts"] == want, seen["counts"]
     assert seen["metrics"][HINT_ACTIONS] == {(c.removeprefix("hint:"), o): n for (c, o), n in want.items()}
     assert seen["metrics"][RETENTION][("retained",)] == 6 and seen["metrics"][RETAINED] == {(): 6.0}
+
+
+# ---- admission -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_admission_stores_on_the_second_sighting(mode: str, tmp_path: Path) -> None:
+    """``admit_after: 2``: a prefix one request computed is not written; the second request that
+    computes it stores it, and the third hits it. With the default (1) the second hits already.
+    The bytes admission kept from being written are counted per group."""
+    a = prompt(70, 160)
+    phases = [[req("A", a)], [req("A", a)], [req("A", a)]]
+    got: dict[int, list[int]] = {}
+    declined: dict[Any, Any] = {}
+    for n in (1, 2):
+
+        def on_phase(eng: Engine, pi: int, n: int = n) -> None:
+            if pi == 3:
+                gs = store_of(eng).stats().groups
+                declined[n] = (gs[0].admission_declined, gs[0].admission_declined_bytes) if 0 in gs else (0, 0)
+                m = eng.connector_scheduler.manager
+                # what one chunk would have written: its blocks (mode 2), vLLM's primary row (mode 1)
+                declined["row"] = m.secondary_tiers[0].block_size_bytes if mode.startswith("sec") else 1024
+
+        tiers = tiers_file(tmp_path / str(n), [lmdb_tier(tmp_path / str(n))], policy=[{"admit_after": n}])
+        r = run(mode, tiers, phases, on_phase=on_phase)
+        assert_healthy(mode, r)
+        got[n] = [sum(rec.external_hits) for rec in r.requests.values()]
+    assert got == {1: [0, 160, 160], 2: [0, 0, 160]}, got
+    row = declined.pop("row")
+    assert declined == {1: (0, 0), 2: (10, 10 * row)}, declined
+
+
+@pytest.mark.parametrize("mode", ["spec", "spec+conn"])
+def test_admission_per_kv_group(mode: str, tmp_path: Path) -> None:
+    """A policy per KV group: the sliding-window group admits on the third sighting, the
+    full-attention group always. Every byte a forward reads stays right."""
+    a = prompt(71, 192)
+    phases = [[req("A", a)], [req("A", a)]]
+    declined: dict[int, int] = {}
+
+    def on_phase(eng: Engine, pi: int) -> None:
+        if pi == 2:
+            declined.update({g: gs.admission_declined for g, gs in store_of(eng).stats().groups.items()})
+
+    policy = [{"kinds": ["sliding_window"], "admit_after": 3}, {}]
+    tiers = tiers_file(tmp_path, [lmdb_tier(tmp_path)], policy=policy)
+    r = run(mode, tiers, phases, on_phase=on_phase, groups=("full", "swa"))
+    assert_healthy(mode, r)
+    assert declined[0] == 0 and declined[1] > 0, declined
+    assert r.stored_tokens["full"] > 0

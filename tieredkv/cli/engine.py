@@ -57,14 +57,25 @@ def register(app: typer.Typer) -> None:
         mamba: bool = typer.Option(False, "--mamba", help="Add a mamba (SSM state) group to the model."),
         seed: int = typer.Option(0, help="Trace seed (same seed, same trace: a second run hits the first's chunks)."),
         prefill_tokens_per_s: float = _PrefillOpt,
+        admit_after: int | None = typer.Option(
+            None,
+            "--admit-after",
+            min=1,
+            max=64,
+            help="Admission: store a chunk on its Nth sighting, in every KV group (default: the config's"
+            " policy[].admit_after, 1 = always). The summary says what it kept from being written.",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     ) -> None:
         """Replay a hybrid-model serving trace through the adapter, the pipeline and the tiers
         (default: CPU + LMDB), checking every loaded block against what was stored. Reports prompt
         tokens served from cache, the time that saved vs recomputing them at --prefill-tokens-per-s
-        (minus the time spent loading them), and store/load throughput over busy time."""
+        (minus the time spent loading them), store/load throughput over busy time, and the bytes
+        admission kept from being written."""
         summary, kept = run(
-            lambda: _demo(config, data_dir, conversations, turns, mamba, seed, prefill_tokens_per_s, as_json)
+            lambda: _demo(
+                config, data_dir, conversations, turns, mamba, seed, prefill_tokens_per_s, as_json, admit_after
+            )
         )
         if as_json:
             render.emit_json(summary)
@@ -100,6 +111,7 @@ def _demo(
     seed: int,
     prefill_tokens_per_s: float,
     as_json: bool,
+    admit_after: int | None = None,
 ) -> tuple[dict[str, Any], Path | None]:
     from tieredkv.cli.ops import load
 
@@ -114,7 +126,12 @@ def _demo(
     if data_dir is not None:
         cfg = with_data_dir(cfg, data_dir)
     opts = DemoOptions(
-        conversations=conversations, turns=turns, mamba=mamba, seed=seed, prefill_tokens_per_s=prefill_tokens_per_s
+        conversations=conversations,
+        turns=turns,
+        mamba=mamba,
+        seed=seed,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        admit_after=admit_after,
     )
     try:
         with render.progress(enabled=not as_json) as bar:
@@ -159,6 +176,28 @@ def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
             ("OK", "green"),
             f": all {s['verified_blocks']:,} loaded blocks equal what was stored",
         )
+    adm = s["admission"]
+    if any(n > 1 for n in adm["admit_after"].values()):
+        after = ", ".join(f"group {g}: {n}" for g, n in adm["admit_after"].items())
+        base = adm.get("baseline")
+        never = f"{adm['chunks_never_written']:,} chunks ({adm['bytes_not_written'] / 2**20:.1f} MiB) never written"
+        if base is not None:
+            fewer, written, cost = adm["bytes_saved"], adm["bytes_written"], base["tokens_from_cache"] - cached
+            render.say(
+                ("  admission   ", "bold"),
+                f"admit_after {after}: {never}; this run wrote {written / 2**20:.1f} MiB, the same trace storing"
+                f" every chunk {base['bytes_written'] / 2**20:.1f} MiB ({-fewer / 2**20:+.1f} MiB,"
+                f" {-fewer / max(1, base['bytes_written']):+.0%}); it cost {cost:,} tokens from cache"
+                f" ({cached:,} vs {base['tokens_from_cache']:,})",
+            )
+        else:
+            render.say(
+                ("  admission   ", "bold"),
+                f"admit_after {after}: {never} (no replay without admission to compare: a tier keeps its"
+                " records outside this process and its directory)",
+            )
+    else:
+        render.say(("  admission   ", "bold"), "every chunk offered is stored (admit_after 1; try --admit-after 2)")
     render.say(
         "  (busy: time at least one job of that kind was in flight, submit to completion; the prefill rate"
         " is --prefill-tokens-per-s)"

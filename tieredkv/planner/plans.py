@@ -82,6 +82,8 @@ class StoreOutcome:
         accepted: Keys it will write.
         present: Keys it already holds.
         refused: Keys it could not take now (capacity); offered again later.
+        declined: Keys it chose not to store (admission: not seen often enough yet); done, like
+            present ones, and not offered again by this request.
 
     A planned key in none of the sets is treated as refused.
     """
@@ -89,13 +91,14 @@ class StoreOutcome:
     accepted: frozenset[bytes] = frozenset()
     present: frozenset[bytes] = frozenset()
     refused: frozenset[bytes] = frozenset()
+    declined: frozenset[bytes] = frozenset()
 
     def __post_init__(self) -> None:
-        for name in ("accepted", "present", "refused"):
+        for name in ("accepted", "present", "refused", "declined"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
-        both = (self.accepted | self.present) & self.refused
-        if both or self.accepted & self.present:
-            raise ValueError("a key can be in only one of accepted/present/refused")
+        sets = (self.accepted, self.present, self.refused, self.declined)
+        if sum(map(len, sets)) != len(frozenset().union(*sets)):
+            raise ValueError("a key can be in only one of accepted/present/refused/declined")
 
     @classmethod
     def from_prepare_store(

@@ -339,7 +339,7 @@ class OffloadScheduler:
     def complete_store(self, req_id: str, outcome: StoreOutcome) -> None:
         """Record what the store side did with the request's latest plan.
 
-        Accepted and present chunks are done; refused (or unmentioned) ones
+        Accepted, present and declined chunks are done; refused (or unmentioned) ones
         are offered again by the next plan -- of a finished request, never
         again. A plan refused whole halves the request's bound on the next
         plans (down to 1 chunk), one with anything accepted or present doubles
@@ -351,7 +351,7 @@ class OffloadScheduler:
         req = self._reqs.get(req_id)
         if req is None:
             return
-        self.store_planner.settle(req.store, outcome.accepted | outcome.present, req.finished)
+        self.store_planner.settle(req.store, outcome.accepted | outcome.present | outcome.declined, req.finished)
         if req.finished and not self._has_more(req):
             del self._reqs[req_id]
 

@@ -45,7 +45,7 @@ from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
 from tieredkv.integrations.vllm.tenants import request_tenant
-from tieredkv.keys import chunk_key_of, key_group, stored_key
+from tieredkv.keys import GROUP_SUFFIX, chunk_key_of, key_group, stored_key
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVSecondaryTier"]
@@ -408,7 +408,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     def _retain(self, skeys: Iterable[bytes], retain: Retain) -> None:
         by_group: dict[bytes, list[bytes]] = collections.defaultdict(list)
         for s in skeys:
-            by_group[s[-4:]].append(s)
+            by_group[s[GROUP_SUFFIX]].append(s)
         for keys in by_group.values():
             n = self.store.retain(
                 keys, seconds=retain.seconds, priority=retain.priority, nbytes=int(self.block_size_bytes)

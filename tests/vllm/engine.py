@@ -6,7 +6,13 @@ API
 ``run_engine(extra_config, *, groups=("full",), blocks_per_chunk=1, async_scheduling=False, seed=0,
 step_budget=3000, kv_connector="OffloadingConnector", kv_connector_module_path=None,
 tiering_cpu_worker=False, num_gpu_blocks=None, idle_grace_steps=200, idle_sleep=0.001,
-stall_steps=200, long_prefill_token_threshold=24, reset_connector=False, workload=None) -> RunResult``
+stall_steps=200, long_prefill_token_threshold=24, reset_connector=False, workload=None,
+on_phase=None) -> RunResult``
+
+* ``workload``: phases of ``ReqSpec`` (name, arrival step, prompt, max_tokens, ``cache_salt``,
+  ``kv_transfer_params`` — e.g. ``kv_load_tiers``, ``max_load_tokens`` — and ``kv_hints``, a vLLM
+  ``KvHintsEnvelope``); ``on_phase(engine, i)`` runs before phase ``i`` and, once every phase went
+  idle, with ``i == len(phases)`` (the stores still open: read what they hold).
 
 * ``extra_config``: ``kv_connector_extra_config`` (``spec_name``, ``spec_module_path``, the spec's
   own keys); ``blocks_per_chunk`` is written into it. ``kv_connector`` /

@@ -340,6 +340,7 @@ def test_reporter_sends_what_moved_new_series_once_and_nothing_on_quiet_steps(tm
         assert step == {PREFIX + n: {("1",): 0} for n in (
             "group_stored_chunks", "group_stored_bytes", "group_store_refused",
             "group_loaded_chunks", "group_loaded_bytes", "group_load_misses",
+            "group_admission_declined_chunks", "group_admission_declined_bytes",
         )}  # fmt: skip
 
         b.register_group(0, [torch.zeros(8, 64, dtype=torch.uint8)])

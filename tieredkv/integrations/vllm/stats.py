@@ -100,6 +100,14 @@ HINT_ACTIONS = PREFIX + "hint_actions"
 RETENTION = PREFIX + "retention_chunks"
 RETAINED = PREFIX + "retained_chunks"
 _RETENTION_EVENTS = ("retained", "extended", "refused", "displaced", "expired", "released")
+#: hint series reported from the start (at 0), so dashboards have them before the first hint
+_HINT_SERIES = frozenset(
+    {
+        ("hint:tieredkv.retain", "accepted"),
+        ("hint:tieredkv.no_store", "accepted"),
+        ("hint:other", "ignored_unknown_type"),
+    }
+)
 BREAKER_OPEN = PREFIX + "breaker_open"
 HASHES_REPRODUCIBLE = PREFIX + "block_hashes_reproducible"
 
@@ -182,7 +190,7 @@ def _layout(stores: Iterable[TieredStore]) -> tuple[tuple[Any, ...], list[int], 
         lanes, groups = store.live_counts()
         tiers = store.tiers
         controls = store.control_counts
-        hint_keys = tuple(sorted(controls))
+        hint_keys = tuple(sorted(_HINT_SERIES.union(controls)))
         shape.append((store, tuple(map(_name_of, tiers)), tuple(lanes), tuple(groups), hint_keys))
         for tier in tiers:
             values.extend(map(tier.counters.get, _TIER_KEYS, _TIER_ZEROS))

@@ -47,6 +47,9 @@ Metric names (all prefixed ``tieredkv_``; ``tier`` / ``group`` labels):
 ``group_stored_bytes_total`` / ``group_loaded_bytes_total``   per KV group: bytes
 ``group_dropped_stores_total`` / ``group_load_missing_total``  per KV group: refused / missing
 ``group_pending``                      per KV group: chunks being written
+``group_admission_declined_total`` / ``_bytes_total``   per KV group: what admission kept from being written
+``control_events_total{control,outcome}``   what request controls did (vLLM's kv_hints actions)
+``retention_chunks_total{event}`` / ``retained_chunks``   retention: what happened, chunks pinned now
 =====================================  =====================================================
 """
 
@@ -181,6 +184,7 @@ class TieredKVCollector(Collector):
         yield from self._collect_tiers()
         if self.pipeline is not None:
             yield from self._collect_pipeline(self.pipeline)
+        yield from _control_families(self.engine)
         reproducible = getattr(self.engine, "block_hashes_reproducible", None)
         if reproducible is not None:
             yield GaugeMetricFamily(
@@ -239,6 +243,32 @@ class TieredKVCollector(Collector):
         if isinstance(stats, PipelineStats):
             yield from _pipeline_families(stats)
             yield from _group_families(stats.groups)
+
+
+def _control_families(engine: Any) -> Iterator[Any]:
+    """What request controls did (a store's ``control_counts``: vLLM's hint actions by outcome) and
+    its retention (chunks pinned now; retained, refused, displaced, expired, released)."""
+    counts = getattr(engine, "control_counts", None)
+    retention = getattr(engine, "retention", None)
+    if counts is None or retention is None:
+        return
+    fam = CounterMetricFamily(
+        _name("control_events"),
+        "What request controls did (e.g. kv_hints actions by outcome).",
+        labels=["control", "outcome"],
+    )
+    for (control, outcome), n in sorted(dict(counts).items()):
+        fam.add_metric([control, outcome], float(n))
+    yield fam
+    ret = CounterMetricFamily(
+        _name("retention_chunks"), "Chunks retention retained, refused, ... (by event).", labels=["event"]
+    )
+    for event, n in retention.counts.items():
+        ret.add_metric([event], float(n))
+    yield ret
+    yield GaugeMetricFamily(
+        _name("retained_chunks"), "Chunks retention holds pinned against eviction now.", value=len(retention)
+    )
 
 
 def _pipeline_families(st: PipelineStats) -> Iterator[Any]:

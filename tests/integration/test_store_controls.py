@@ -96,6 +96,17 @@ def test_retained_chunks_survive_the_cpu_slab_filling_up(tmp_path: Path) -> None
         first = [store.key(bytes([i]) * 32, 0) for i in range(8)]
         store.wait([store.store(0, [(k, (2 * i, 2 * i + 1)) for i, k in enumerate(first)])])  # type: ignore[list-item]
         assert store.retain(first[:6], seconds=None, priority=1) == 4  # bounded: 2 refused
+        store.count_control("hint:tieredkv.retain", "accepted")
+        fams = {
+            f.name: {tuple(smp.labels.values()): smp.value for smp in f.samples}
+            for f in store.metrics.collector.collect()
+        }
+        assert fams["tieredkv_retained_chunks"] == {(): 4.0}
+        assert (
+            fams["tieredkv_retention_chunks"][("retained",)] == 4
+            and fams["tieredkv_retention_chunks"][("refused",)] == 2
+        )
+        assert fams["tieredkv_control_events"] == {("hint:tieredkv.retain", "accepted"): 1.0}
         for n in range(40):
             k = store.key(b"f" + n.to_bytes(31, "big"), 0)
             store.wait([store.store(0, [(k, (20 + n % 50, 21 + n % 50))])])  # type: ignore[list-item]

@@ -489,3 +489,41 @@ def test_admission_per_kv_group(mode: str, tmp_path: Path) -> None:
     assert_healthy(mode, r)
     assert declined[0] == 0 and declined[1] > 0, declined
     assert r.stored_tokens["full"] > 0
+
+
+def test_tier_filter_spec_over_redis_answers_asynchronously(tmp_path: Path, redis_server: Any) -> None:
+    """Mode 2 over a CPU slab and Redis: a request that may load only from the remote tier is
+    answered by a batched lookup of that tier alone (RETRY first: the scheduler never waits on
+    Redis) and loads from it, though the slab holds the same chunks."""
+    a = prompt(80, 160)
+    phases = [[req("A", a)], [req("A", a, kv_load_tiers=[{"locality": "REMOTE"}])]]
+    seen: dict[int, Any] = {}
+
+    def on_phase(eng: Engine, pi: int) -> None:
+        seen[pi] = tier_reads(eng)
+        if pi == 1:
+            seen["held"] = holders(eng, "A")
+
+    tiers = tiers_file(tmp_path, [cpu_tier(), redis_tier(redis_server.url)])
+    r = run("spec+conn", tiers, phases, on_phase=on_phase)
+    assert_healthy("spec+conn", r)
+    assert seen["held"] == {"cpu": 10, "redis": 10}
+    rec = next(rec for rec in r.requests.values() if rec.phase == 1)
+    assert rec.matched[0] is None and rec.external_hits == [160], rec  # deferred once, then the hit
+    assert seen[2]["cpu"] == seen[1]["cpu"] and seen[2]["redis"] > seen[1]["redis"], seen
+
+
+@pytest.mark.parametrize("mode", ["ref", "ref+conn"])
+def test_tier_filters_for_vllms_cpu_manager(mode: str, tmp_path: Path) -> None:
+    """vLLM's own CPU manager ignores the tier filters (behind vLLM's connector a request that
+    allows only STORAGE still loads from, and stores to, host memory); ``TieredKVConnector`` in
+    front of it honours them for its one medium (CPU, local): no hit, no offer."""
+    a, b = prompt(90, 160), prompt(91, 160)
+    phases = [
+        [req("A", a), req("B", b, 1, kv_store_tiers=[{"medium": "STORAGE"}])],
+        [req("A", a, kv_load_tiers=[{"medium": "STORAGE"}]), req("B", b, 1)],
+    ]
+    r = run(mode, tmp_path, phases)
+    assert_healthy(mode, r)
+    got = [sum(rec.external_hits) for rec in r.requests.values() if rec.phase == 1]
+    assert got == ([160, 160] if mode == "ref" else [0, 0]), got

@@ -6,8 +6,8 @@ Built in layers, each using only those before it:
 * :mod:`~tieredkv.backends.fs.layout` — where records, temporary files, the marker and the
   ledger live; fan-out; who owns a temporary file.
 * :mod:`~tieredkv.backends.fs.ledger` — the shared usage ledger and its lock.
-* :mod:`~tieredkv.backends.fs.records` — one record file written (temporary name, rename) and
-  read, through aiofiles.
+* :mod:`~tieredkv.backends.fs.records` — record files written (temporary name, rename) and read
+  and checked, a slice of a batch at a time on an I/O thread (handed there through aiofiles).
 * :mod:`~tieredkv.backends.fs.space` — reservations, eviction, recounts, the sweep.
 * this module — :class:`FSTier`: capabilities, lifecycle, the contract's operations, admin reads
   and repairs, stats, and the bench's raw limits.

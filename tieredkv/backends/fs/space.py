@@ -154,6 +154,7 @@ class FSSpace(Tier):
         with self._index_lock:
             order = list(self._policy.victims())
         requeued: list[tuple[bytes, float]] = []
+        removed: list[bytes] = []
         for key in order:
             if freed >= need:
                 break
@@ -164,6 +165,7 @@ class FSSpace(Tier):
                 st = os.lstat(path)
             except FileNotFoundError:
                 self._forget(key)
+                removed.append(key)
                 continue
             if st.st_atime > self._stamps.get(key, 0.0) + slack:
                 requeued.append((key, st.st_atime))
@@ -172,14 +174,17 @@ class FSSpace(Tier):
                 os.unlink(path)
             except FileNotFoundError:  # another node took it first: it counted it
                 self._forget(key)
+                removed.append(key)
                 continue
             self._forget(key)
+            removed.append(key)
             freed += st.st_size
             gone += 1
             self._count("evictions")
             self._count("evicted_bytes", st.st_size)
         for key, at in requeued:
             self._seen(key, at)
+        self._removed(removed)
         if freed < need and requeued:  # what other nodes read is still older than nothing
             f2, g2 = self._evict_requeued(need - freed, [k for k, _ in requeued])
             freed, gone = freed + f2, gone + g2
@@ -187,6 +192,7 @@ class FSSpace(Tier):
 
     def _evict_requeued(self, need: int, keys: list[bytes]) -> tuple[int, int]:
         freed = gone = 0
+        removed: list[bytes] = []
         for key in keys:
             if freed >= need:
                 break
@@ -198,12 +204,15 @@ class FSSpace(Tier):
                 os.unlink(path)
             except FileNotFoundError:
                 self._forget(key)
+                removed.append(key)
                 continue
             self._forget(key)
+            removed.append(key)
             freed += size
             gone += 1
             self._count("evictions")
             self._count("evicted_bytes", size)
+        self._removed(removed)
         return freed, gone
 
     # ---- recounts and the sweep ----------------------------------------------------------

@@ -60,6 +60,8 @@ class RedisWrites(RedisTierBase):
                 await self._set_records(items)
             else:
                 await self._set_records(items, tenants)
+            if self._removal_watch is not None:
+                self._removal_watch.track([k for k, _ in items])
         finally:
             mine.set_result(None)
             for k, _ in items:
@@ -153,6 +155,9 @@ class RedisWrites(RedisTierBase):
             if pinned:  # in use here (being loaded): back in the books, as the newest
                 await self._books.account(pinned, {}, None)
             self._count("tenant_evictions", await self._books.delete_victims(victims))
+            if self._removal_watch is not None and victims:
+                taken = [parse_redis_key(self._prefix, rk) for vs in victims.values() for rk, _ in vs]
+                await self._removal_watch.confirm([k for k in taken if k is not None])
         except RedisError as e:
             self._count("tenant_books_errors")
             log.warning("tier %s: tenant books not kept for a batch of %d records: %s", self.name, n, e)
@@ -185,6 +190,8 @@ class RedisWrites(RedisTierBase):
                 for i, rk in zip(run, rkeys, strict=True):
                     if tenants[i]:
                         booked.setdefault(tenants[i], []).append((rk, len(items[i][1])))
+        if self._removal_watch is not None:
+            self._removal_watch.track([k for k, _ in items])
         if booked:
             assert quotas is not None
             await self._keep_books(booked, quotas, len(items))

@@ -195,7 +195,9 @@ async def test_redis_maxmemory_evictions_by_keyspace_notifications() -> None:
 async def test_redis_falls_back_to_a_bounded_scan_where_config_is_refused() -> None:
     keys = _keys(120)
     with RedisServer(
-        maxmemory="4mb", maxmemory_policy="allkeys-lru", extra_args=["--user", "app", "on", ">pw", "~*", "&*", "+@all", "-config"]
+        maxmemory="4mb",
+        maxmemory_policy="allkeys-lru",
+        extra_args=["--user", "app", "on", ">pw", "~*", "&*", "+@all", "-config"],
     ) as srv:
         cfg = RedisTierConfig(
             url=srv.url,
@@ -274,3 +276,21 @@ async def test_redis_keys_stored_again_are_not_reported_gone() -> None:
             await tier.delete_many([key])
             await watch.confirm([key])
             assert heard.batches == [[key]]
+
+
+async def test_redis_reports_a_key_its_own_put_evicted_only_after_that_put_returned() -> None:
+    keys = _keys(40)
+    order: list[str | frozenset[bytes]] = []
+    with RedisServer(maxmemory="3mb", maxmemory_policy="allkeys-lru") as srv:
+        async with RedisTier(RedisTierConfig(url=srv.url, key_prefix="own")) as tier:
+            tier.set_removal_listener(lambda ks: order.append(frozenset(ks)))
+            assert tier.removal_watch is not None
+            await asyncio.wait_for(tier.removal_watch.ready.wait(), 20)
+            await _fill(tier, keys, 64 * KiB, per_call=40)  # 2.5 MiB in one put: it evicts its own first keys
+            order.append("put returned")
+            held = await _held(tier, keys)
+            assert len(held) < 40, "the put evicted none of its own keys: the test tests nothing"
+            await _until(
+                lambda: set().union(*(k for k in order if k != "put returned")) | held == set(keys), "all heard"
+            )
+    assert order.index("put returned") == 0, "a key was reported removed before the put that wrote it returned"

@@ -140,6 +140,16 @@ class RemovalWatch:
         if not keys:
             return
         tier, tracked, checking = self.tier, self._tracked, self._checking
+        writing = tier._writing
+        for _ in range(8):
+            # A put of some of these keys is on the wire: it may have written them before they went
+            # (evicted by its own later commands) and it reports them stored when it returns. Wait
+            # for it, so a removal is never reported before that store; a put started after this
+            # check's EXISTS is a store again (:meth:`track`).
+            busy = {writing[k] for k in keys if k in writing}
+            if not busy:
+                break
+            await asyncio.gather(*(asyncio.shield(f) for f in busy), return_exceptions=True)
         was = [tracked.pop(k, 0) is None for k in keys]  # tracked before: taken out while checked
         checking.update(dict.fromkeys(keys, False))
         rkeys = [tier.redis_key(k) for k in keys]

@@ -174,7 +174,24 @@ class RedisWrites(RedisTierBase):
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         """SET whole records as given. With quotas configured (a store's tier: the records of a
         sealed tier come this way), each record counts in the books of the tenant its header
-        names, as :meth:`_set_records` counts them; an admin tool's tier has no quotas."""
+        names, as :meth:`_set_records` counts them; an admin tool's tier has no quotas. While
+        the server's removals are watched, its keys are registered as being written, as
+        :meth:`_put_many`'s are (the watch reports a key gone only after its write returned)."""
+        if self._removal_watch is None:
+            await self._raw_set(items)
+            return
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for k, _ in items:
+            self._writing[k] = mine
+        try:
+            await self._raw_set(items)
+        finally:
+            mine.set_result(None)
+            for k, _ in items:
+                if self._writing.get(k) is mine:
+                    del self._writing[k]
+
+    async def _raw_set(self, items: list[tuple[bytes, memoryview]]) -> None:
         ttl = self.config.ttl_s
         tenants = [_header_tenant(rec) for _, rec in items] if self.quotas.enabled and not self._books.refused else []
         quotas = self._batch_quotas([len(rec) for _, rec in items], tenants) if any(tenants) else None

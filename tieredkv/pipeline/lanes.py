@@ -19,6 +19,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from itertools import chain
 from typing import Any
 
 from tieredkv.backends.base import Tier
@@ -156,7 +157,8 @@ class TierLane:
                 self.breaker.success()
                 self.batches += 1
                 if self.events is not None:
-                    self.events.stored(self.tier.name, [k for it in batch for k in it.keys])
+                    keys = batch[0].keys if len(batch) == 1 else list(chain.from_iterable(it.keys for it in batch))
+                    self.events.stored(self.tier.name, keys)
             except TierFullError:
                 self.breaker.success()  # the tier answered: it is alive, just full
                 outcome = Outcome.FULL

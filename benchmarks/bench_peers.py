@@ -203,7 +203,7 @@ def run_tieredkv(
 
     from tieredkv.backends.registry import get_tier_class
     from tieredkv.bench import bench_blocks, bench_config, frozen_heap, make_tier, pipeline_store_load
-    from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig
+    from tieredkv.config import CPUTierConfig, FSTierConfig, LMDBTierConfig, RedisTierConfig
     from tieredkv.keys import Namespace
 
     # The user-facing defaults of each kind; make_tier gives the bench copy its own directory
@@ -211,6 +211,7 @@ def run_tieredkv(
     cfg = {
         "cpu": lambda: CPUTierConfig(),
         "lmdb": lambda: LMDBTierConfig(path=workdir),
+        "fs": lambda: FSTierConfig(path=workdir),
         "redis": lambda: RedisTierConfig(url=redis_url),
     }[kind]()
     tier_class = get_tier_class(cfg.kind)
@@ -238,8 +239,8 @@ def run_tieredkv(
                 try:
                     ts, tl = pipeline_store_load(tier, src, dst, ns, blocks)  # raises if a byte differs
                 finally:
-                    if kind == "lmdb":
-                        shutil.rmtree(tier.config.path, ignore_errors=True)
+                    if tier.config.local_dir is not None:  # the bench copy's own directory
+                        shutil.rmtree(tier.config.local_dir, ignore_errors=True)
                 if r:
                     samples.append((ts, tl))
                 if r % 2 == 1:

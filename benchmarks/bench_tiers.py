@@ -21,12 +21,16 @@ from tieredkv.bench import (
     MiB,
     add_run_args,
     floored_figures,
+    judged_lines,
     machine_info,
     plot,
     ratio_rows,
+    raw_figures,
+    raw_rows,
     result_row,
     run_plan,
     run_tier_bench,
+    size_label,
     steady_malloc,
     tier_figures,
 )
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(ap, total_mib=256, per="figure and rep", reps=3, quick_sizes=[64 * KiB, 1 * MiB], quick_mib=16)
     ap.add_argument(
         "--tiers",
-        default="cpu,lmdb,lmdb:sync_mode=durable,redis",
+        default="cpu,lmdb,lmdb:sync_mode=durable,fs,redis",
         help="tier kinds, each with its defaults; kind:field=value[:field=value] sets fields (and names it)",
     )
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -88,12 +92,19 @@ def tier_config(spec: str, url: str) -> TierConfigBase:
 def print_table(results: list[BenchResult]) -> None:
     keys = tier_figures(results)
     _print_rows("tieredkv GB/s / raw GB/s (ratio)", keys, ratio_rows(results, keys), rule=True)
-    judged = {k: v for r in results for k, v in r.baselines.items()}
-    print("baselines: " + ", ".join(f"{k} vs {v}" for k, v in judged.items()))
+    for line in judged_lines(results):
+        print(line)
     floored = floored_figures(results)
     if floored:
         title = "tieredkv GB/s / integrity floor GB/s (ratio): the medium's raw work plus a checksum of every payload"
         _print_rows(title, floored, ratio_rows(results, floored, floors=True))
+    raw = raw_figures(results)
+    if raw:
+        print("raw limits GB/s: each medium without tieredkv, on the same bytes")
+        width = max(len(k) for k, *_ in raw_rows(results, raw))
+        print(f"{'figure':>{width}} | " + " | ".join(f"{size_label(r.size):>8}" for r in results))
+        for name, *cells in raw_rows(results, raw):
+            print(f"{name:>{width}} | " + " | ".join(c.rjust(8) for c in cells))
 
 
 def _print_rows(title: str, keys: list[str], rows: list[list[str]], rule: bool = False) -> None:

@@ -66,10 +66,12 @@ __all__ = [
     "cell",
     "make_tier",
     "ratios",
+    "raw_figures",
     "raw_file",
     "raw_lmdb",
     "raw_memcpy",
     "raw_redis",
+    "raw_rows",
     "redis_benchmark",
     "run_plan",
     "run_tier_bench",
@@ -393,6 +395,35 @@ def tier_figures(results: Sequence[BenchResult]) -> list[str]:
     """Every ``"<label>.store|load"`` figure of ``results``, tier by tier in config order."""
     labels = list(dict.fromkeys(label for r in results for label in r.tiers))
     return [f"{label}.{op}" for label in labels for op in OPS]
+
+
+def raw_figures(results: Sequence[BenchResult]) -> list[str]:
+    """Every raw-limit figure of ``results`` (what is not a tier's ``<label>.store|load``), in the
+    order the runs measured them: the media without tieredkv, baselines and floors among them."""
+    tiers = set(tier_figures(results))
+    return list(dict.fromkeys(k for r in results for k in r.gbps if k not in tiers))
+
+
+def raw_rows(results: Sequence[BenchResult], figures: Sequence[str]) -> list[list[str]]:
+    """Per raw figure, its name and its GB/s at each size of ``results`` (``""`` where absent);
+    a figure some tier is judged against is marked ``(baseline)``, an integrity floor ``(floor)``."""
+    base = {v for r in results for v in r.baselines.values()}
+    floor = {v for r in results for v in r.floors.values()}
+    rows = []
+    for k in figures:
+        mark = " (baseline)" if k in base else " (floor)" if k in floor else ""
+        rows.append([k + mark, *(f"{r.gbps[k]:.2f}" if k in r.gbps else "" for r in results)])
+    return rows
+
+
+def judged_lines(results: Sequence[BenchResult]) -> list[str]:
+    """Which raw figure each tier figure is judged against, and which is its integrity floor."""
+    base = {k: v for r in results for k, v in r.baselines.items()}
+    floor = {k: v for r in results for k, v in r.floors.items()}
+    return [
+        "baselines: " + (", ".join(f"{k} vs {v}" for k, v in base.items()) or "none declared"),
+        *(["floors: " + ", ".join(f"{k} vs {v}" for k, v in floor.items())] if floor else []),
+    ]
 
 
 def add_run_args(ap: Any, *, total_mib: int, per: str, reps: int, quick_sizes: Sequence[int], quick_mib: int) -> None:

@@ -60,6 +60,21 @@ def store_mode(path: str, n: int, size: int) -> int:
     return 0
 
 
+async def read_checked(tier: FSTier, look: list[int]) -> list[int]:
+    """Read the keys of ``look``; the ones found, each exactly what some writer wrote for it (else
+    the process exits with code 3, naming the key)."""
+    found = []
+    for i, got in zip(look, await tier.get_many([skey(i) for i in look]), strict=True):
+        if got is not None:
+            try:
+                check_payload(i, got)
+            except AssertionError as e:
+                say(f"WRONG {e}")
+                sys.exit(3)
+            found.append(i)
+    return found
+
+
 def size_of(i: int, seq: int) -> int:
     return (64 + (i * 7 + seq * 13) % 449) * KiB
 
@@ -77,17 +92,8 @@ async def writer_mode(path: str, cap: str, seed: int, batches: int) -> int:
                 puts += len(idx)
             except TierFullError:
                 full += 1
-            look = rng.sample(range(KEYSPACE), 4)
-            for i, got in zip(look, await tier.get_many([skey(i) for i in look]), strict=True):
-                if got is None:
-                    misses += 1
-                    continue
-                try:
-                    check_payload(i, got)
-                except AssertionError as e:
-                    say(f"WRONG {e}")
-                    return 3
-                hits += 1
+            found = await read_checked(tier, rng.sample(range(KEYSPACE), 4))
+            hits, misses = hits + len(found), misses + 4 - len(found)
     say(f"DONE puts={puts} hits={hits} misses={misses} full={full}")
     return 0
 
@@ -114,17 +120,9 @@ async def reader_mode(path: str, seed: int) -> int:
         say("READY")
         n = 0
         while not stop.done():
-            look = rng.sample(range(KEYSPACE), 8)
-            for i, got in zip(look, await tier.get_many([skey(i) for i in look]), strict=True):
-                if got is None:
-                    misses += 1
-                    continue
-                try:
-                    check_payload(i, got)
-                except AssertionError as e:
-                    say(f"WRONG {e}")
-                    return 3
-                hits += 1
+            found = await read_checked(tier, rng.sample(range(KEYSPACE), 8))
+            hits, misses = hits + len(found), misses + 8 - len(found)
+            for i in found:
                 n += 1
                 if n % 8 == 0:
                     await tier.delete_many([skey(i)])

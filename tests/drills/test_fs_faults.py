@@ -153,15 +153,15 @@ def test_permission_denied_refuses_stores_and_serves_reads(tmp_path: Path) -> No
 
 def test_stale_nfs_handle_on_read_is_a_counted_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ESTALE (the file was removed on another NFS client): injected around the real open."""
-    real = fs_records._nofollow
+    real = fs_records._open_record
     stale: set[str] = set()
 
-    def opener(path: str, flags: int) -> int:
+    def opener(path: str, passive: bool) -> int:
         if path in stale:
             raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), path)
-        return real(path, flags)
+        return real(path, passive)
 
-    monkeypatch.setattr(fs_records, "_nofollow", opener)
+    monkeypatch.setattr(fs_records, "_open_record", opener)
 
     async def run() -> None:
         async with tier(tmp_path / "d") as t:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -205,7 +206,8 @@ def test_two_writers_and_a_reader_evictor_hold_the_cap(shared_dir: Path) -> None
 
 
 def test_five_sigkills_mid_write_leave_no_partial_record_and_no_temp_pile(shared_dir: Path) -> None:
-    """A durable writer of 4 MiB records is SIGKILLed five times while a record is half written:
+    """A durable writer of 4 MiB records is SIGKILLed five times while a record is half written
+    (stopped the moment its temporary file holds part of the record, then killed):
     no node ever sees a partial record, and the temporary files go (at the next open, as their
     writer is dead)."""
     lay = Layout(str(shared_dir))
@@ -214,19 +216,26 @@ def test_five_sigkills_mid_write_leave_no_partial_record_and_no_temp_pile(shared
         c = node("big", shared_dir)
         c.wait_ready(WAIT_S)
         deadline = time.monotonic() + WAIT_S
-        while True:  # wait for a temporary file with some, not all, of its bytes
-            temps = [(p, n, st) for p, n, st in lay.temps() if n is not None and n.pid == c.proc.pid]
-            if any(0 < st.st_size < n.size for _, n, st in temps if n is not None):
-                break
+        while True:  # stop it while a temporary file holds some, not all, of its record's bytes
             assert c.running() and time.monotonic() < deadline, f"writer never wrote: {c.lines[-3:]}"
+            if not any(partial(lay, c.proc.pid)):
+                continue
+            c.proc.send_signal(signal.SIGSTOP)
+            if any(partial(lay, c.proc.pid)):
+                break
+            c.proc.send_signal(signal.SIGCONT)  # it finished that record in between: again
+        seen_partial += any(partial(lay, c.proc.pid))
         c.kill()
-        left = [(n, os.lstat(p).st_size) for p, n, _ in lay.temps() if n is not None and n.pid == c.proc.pid]
-        seen_partial += any(size < n.size for n, size in left)
         records, hits, corrupt = asyncio.run(read_all(shared_dir))  # opening sweeps the dead writer's files
         assert corrupt == 0 and hits == records
         assert lay.temps() == [], "a dead writer's temporary files outlived the next open"
     line = report("fs_sigkill_mid_write", kills=5, killed_mid_record=seen_partial, records=records)
     assert seen_partial == 5, line
+
+
+def partial(lay: Layout, pid: int) -> list[bool]:
+    """Per temporary file of process ``pid``: whether it holds some, but not all, of its record."""
+    return [0 < st.st_size < n.size for _, n, st in lay.temps() if n is not None and n.pid == pid]
 
 
 def test_a_record_deleted_by_one_node_while_another_reads_is_a_miss_or_whole(tmp_path: Path) -> None:

@@ -120,7 +120,7 @@ def test_the_plugin_is_found_configured_and_stores_through_open_store(
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["kinds"] == ["cpu", "dir", "lmdb", "redis"]
+    assert out["kinds"] == ["cpu", "dir", "fs", "lmdb", "redis"]
     assert out["entry"] == ["tieredkv_dirtier:DirTier", "DirTierConfig", "entry point", True]
     assert out["tier"] == ["DirTierConfig", "files", 8 << 20, "lru"]
     bad = out["bad"]

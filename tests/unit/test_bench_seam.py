@@ -17,9 +17,10 @@ from tieredkv import bench
 from tieredkv.backends import registry as reg
 from tieredkv.backends.base import Tier
 from tieredkv.backends.cpu import CPUTier
+from tieredkv.backends.fs import FSTier
 from tieredkv.backends.lmdb import LMDBTier
 from tieredkv.backends.redis import RedisTier
-from tieredkv.config import CPUTierConfig, LMDBTierConfig, RedisTierConfig, TierConfigBase
+from tieredkv.config import CPUTierConfig, FSTierConfig, LMDBTierConfig, RedisTierConfig, TierConfigBase
 from tieredkv.testing.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +103,45 @@ def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp
     assert torch.equal(dst, src) and list(tmp_path.iterdir()) == []  # read back; scratch removed
 
 
+def test_the_fs_tier_is_judged_against_one_file_per_record_and_its_own_calls_without_aiofiles(tmp_path: Path) -> None:
+    """The fs tier's raw limits: ``pwrite`` / ``pread`` of one file per record (the baseline; its
+    durable mode against ``pwrite`` + ``fdatasync``), the same published by ``rename``, and the
+    tier's own sequence of calls on one thread without aiofiles (the floor): what aiofiles costs is
+    the tier against that floor. Every figure reads back the bytes written; scratch is removed."""
+    src = torch.randint(0, 256, (8, 64 * KiB), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    raw = FSTier.raw_limits(FSTierConfig(), src, dst, workdir=str(tmp_path))
+    assert raw.baseline == {"store": "pwrite.store", "load": "pread.load"}
+    assert raw.floor == {"store": "tier_calls_no_aiofiles.store", "load": "tier_calls_no_aiofiles.load"}
+    assert set(raw.gbps) == {
+        "pwrite.store",
+        "pread.load",
+        "pwrite_durable.store",
+        "pwrite_rename.store",
+        "tier_calls_no_aiofiles.store",
+        "tier_calls_no_aiofiles.load",
+    }
+    assert all(v > 0 for v in raw.gbps.values())
+    assert torch.equal(dst, src) and list(tmp_path.iterdir()) == []
+    durable = FSTier.raw_limits(FSTierConfig(sync_mode="durable"), src, dst, workdir=str(tmp_path))
+    assert durable.baseline == {"store": "pwrite_durable.store", "load": "pread.load"}
+
+    (res,) = bench.run_tier_bench(
+        [FSTierConfig(name="shared")], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None
+    )
+    assert res.baselines == {"shared.store": "pwrite.store", "shared.load": "pread.load"}
+    assert res.floors == {"shared.store": "tier_calls_no_aiofiles.store", "shared.load": "tier_calls_no_aiofiles.load"}
+    assert bench.raw_figures([res]) == sorted(raw.gbps, key=list(res.gbps).index)
+    rows = {name: cells for name, *cells in bench.raw_rows([res], bench.raw_figures([res]))}
+    assert rows["pwrite.store (baseline)"] == [f"{res.gbps['pwrite.store']:.2f}"]
+    assert rows["tier_calls_no_aiofiles.load (floor)"] == [f"{res.gbps['tier_calls_no_aiofiles.load']:.2f}"]
+    assert rows["pwrite_rename.store"] == [f"{res.gbps['pwrite_rename.store']:.2f}"]
+    assert bench.judged_lines([res]) == [
+        "baselines: shared.store vs pwrite.store, shared.load vs pread.load",
+        "floors: shared.store vs tier_calls_no_aiofiles.store, shared.load vs tier_calls_no_aiofiles.load",
+    ]
+
+
 def test_the_integrity_floor_checks_what_it_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checked raw run does the verification it stands for: bytes that differ from what was
     written fail it (here the digest of the read-back copies is made to disagree)."""
@@ -170,8 +210,8 @@ NOT_TIER_KINDS = {"full", "sliding_window", "mamba", "store", "load", "put", "ge
 _COMPARE = re.compile(r"""\bkind\s*(?:==|!=)\s*(['"])(?P<v>\w*)\1|(['"])(?P<w>\w*)\3\s*(?:==|!=)\s*[\w.]*\bkind\b""")
 _MEMBER = re.compile(r"""(?<!for )\b[\w.]*kinds?\s+(?:not\s+)?in\s*[(\[{](?P<items>[^)\]}]*)""")
 _TIER_LITERAL = re.compile(
-    r"""(['"])(?:cpu|lmdb|redis)\1\s+(?:not\s+)?in\b|(?<!\.type\s)(?:==|!=)\s*(['"])(?:cpu|lmdb|redis)\2"""
-    r"""|\bisinstance\([^)]*\b(?:CPUTier|LMDBTier|RedisTier)\b"""
+    r"""(['"])(?:cpu|lmdb|fs|redis)\1\s+(?:not\s+)?in\b|(?<!\.type\s)(?:==|!=)\s*(['"])(?:cpu|lmdb|fs|redis)\2"""
+    r"""|\bisinstance\([^)]*\b(?:CPUTier|LMDBTier|FSTier|RedisTier)\b"""
 )
 
 
@@ -203,8 +243,10 @@ def test_the_kind_switch_finder_finds_what_the_bench_used_to_do() -> None:
     for kind in ("capacity", "in_use"):
     if kind not in ("full", "mamba"):
     if t.device.type != "cpu":
+    if tcfg.kind == "fs":
+    if isinstance(tier, FSTier):
     """
-    assert len(kind_switches(old)) == 5
+    assert len(kind_switches(old)) == 7
 
 
 def test_no_tier_kind_switch_outside_backends() -> None:
@@ -229,7 +271,7 @@ def test_peers_bench_tieredkv_side_runs_every_kind(tmp_path: Path, redis_server:
         import bench_peers
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    for kind in ("cpu", "lmdb", "redis"):
+    for kind in ("cpu", "lmdb", "fs", "redis"):
         out = bench_peers.run_tieredkv(kind, [64 * KiB], 2 << 20, 2, str(tmp_path), redis_server.url)
         fig = out[64 * KiB]
         assert fig["verified"] and fig["chunks"] == 32 and fig["bytes"] == 2 << 20

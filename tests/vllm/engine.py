@@ -566,6 +566,7 @@ class Engine:
         max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
         model: Path = TINY_MODEL,
         hash_algo: str = "sha256",
+        retention_interval: int | None = 0,
     ) -> None:
         assert groups[0] == "full" and set(groups) <= set(LAYER), groups
         self.settle = settle
@@ -592,6 +593,7 @@ class Engine:
                 enable_prefix_caching=True,
                 mamba_cache_mode="align" if self.has_mamba else "none",
                 prefix_caching_hash_algo=hash_algo,
+                prefix_cache_retention_interval=retention_interval,  # vLLM's default 0; None: dense
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -1198,6 +1200,7 @@ def run_engine(
     max_num_batched_tokens: int = MAX_BATCHED_TOKENS,
     model: Path = TINY_MODEL,
     hash_algo: str = "sha256",
+    retention_interval: int | None = 0,
 ) -> RunResult:
     """Run the workload once through the real scheduler + connector; see the module docstring."""
     t0 = time.perf_counter()
@@ -1220,6 +1223,7 @@ def run_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             model=model,
             hash_algo=hash_algo,
+            retention_interval=retention_interval,
         )
         try:
             _drive(eng, phases, step_budget, idle_grace_steps, idle_sleep, stall_steps, reset_connector)

@@ -17,14 +17,24 @@ blocks vLLM itself freed and reused first, counted by the connector), and hit to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm.engine import DEFAULT_GPU_BLOCKS, GROUP_SETS, RunResult, reference_extra_config, run_engine
+from tests.vllm.engine import (
+    DEFAULT_GPU_BLOCKS,
+    GROUP_SETS,
+    ReqSpec,
+    RunResult,
+    reference_extra_config,
+    run_engine,
+)
 from tests.vllm.faults import StoreFault
 from tests.vllm.test_engine_loop import _tiers_file, assert_healthy, secondary_extra, spec_extra
 
@@ -123,10 +133,11 @@ def test_case_mamba_refusal(bpc: int) -> None:
 
 @pytest.mark.parametrize("groups", [("full", "swa"), HYBRID])
 def test_case_partial_accept(groups: tuple[str, ...]) -> None:
-    """The store takes only the first half of each first offer: vLLM moves every group's cursor
-    past the rest (later groups entirely); tieredkv tells refused from present and offers them
-    again."""
-    ref, tkc = _pair(groups, 2, False, "partial")
+    """The store takes only the first half of each first offer and leaves the rest out for lack of
+    room (not vLLM's contract, which says None): vLLM moves every group's cursor past the rest
+    (later groups entirely); with ``retry_left_out_keys`` tieredkv tells refused from present and
+    offers them again."""
+    ref, tkc = _pair(groups, 2, False, "partial", retry_left_out_keys=True)
     assert_healthy("ref", ref)
     assert_healthy("tkc", tkc)
     assert lost(ref, "swa") > 0, ref.lost_keys
@@ -135,6 +146,32 @@ def test_case_partial_accept(groups: tuple[str, ...]) -> None:
     assert tkc.connector_counters and tkc.connector_counters["partial_accepts"] > 0
     assert_hits_at_least(tkc, ref)
     assert all(tkc.hit_tokens[g] > 0 for g in groups), tkc.hit_tokens
+
+
+def test_case_declined_keys_stay_declined() -> None:
+    """vLLM's ``CPUOffloadingSpec`` with ``store_threshold: 2`` stores a chunk on its second offer
+    (a prefix two requests computed) and leaves it out of ``keys_to_store`` before. "a" computes a
+    prompt, the GPU cache is reset, "b" computes it again: under vLLM's connector "a" stores
+    nothing and "b" the prompt. ``TieredKVConnector`` takes a key left out as vLLM's contract says
+    (declined: not offered again) and stores exactly what vLLM's does; with
+    ``retry_left_out_keys`` it offers "a"'s keys again a step later, which the manager counts as
+    the second sighting: "a"'s prompt is stored and admission is defeated."""
+    prompt = tuple(range(3, 3 + 128))
+    workload = [[ReqSpec("a", 0, prompt, 2)], [ReqSpec("b", 0, prompt + tuple(range(500, 540)), 2)]]
+    extra = dict(reference_extra_config(1), store_threshold=2)
+    runs = {
+        "vllm": run_engine(extra, workload=workload),
+        "tkc": run_engine(extra, workload=workload, **TKC),
+        "tkc-retry": run_engine(dict(extra, retry_left_out_keys=True), workload=workload, **TKC),
+    }
+    for name, r in runs.items():
+        print(name, r.summary(), r.connector_counters)
+        assert r.error is None and r.idle_reached and r.wrong_bytes == 0, (name, r.error, r.wrong_examples)
+    ref, tkc, retry = runs["vllm"], runs["tkc"], runs["tkc-retry"]
+    assert ref.keys_accepted == len(prompt) // 16, ref.summary()  # "b"'s prompt chunks only
+    assert tkc.keys_accepted == ref.keys_accepted and tkc.hit_tokens == ref.hit_tokens == {}
+    assert tkc.connector_counters and tkc.connector_counters["keys_retried"] == 0
+    assert retry.hit_tokens.get("full", 0) == len(prompt), "the retried keys were stored on 'a'"
 
 
 @pytest.mark.parametrize("bpc", [1, 2])
@@ -274,6 +311,8 @@ def test_readme_configuration_runs(tmp_path: Path) -> None:
 def test_bad_connector_option_names_field_value_and_fix() -> None:
     with pytest.raises(Exception, match=r"max_store_keys_per_step=0 is invalid: expected an integer >= 1"):
         run_engine_raising(dict(reference_extra_config(1), max_store_keys_per_step=0))
+    with pytest.raises(Exception, match=r"retry_left_out_keys='yes' is invalid: expected true or false"):
+        run_engine_raising(dict(reference_extra_config(1), retry_left_out_keys="yes"))
 
 
 def run_engine_raising(extra: dict[str, Any]) -> None:
@@ -298,7 +337,9 @@ def test_connector_rows(row: tuple[tuple[str, ...], int, bool]) -> None:
     _REPORT.append(rec)
     failures = []
     for variant in VARIANTS:
-        ref, tkc = _pair(groups, bpc, a, None if variant == "none" else variant)
+        # "partial": a store that leaves keys out for lack of room, for which retry_left_out_keys is
+        retry = {"retry_left_out_keys": True} if variant == "partial" else {}
+        ref, tkc = _pair(groups, bpc, a, None if variant == "none" else variant, **retry)
         rec["variants"][variant] = {
             name: {
                 "hits": {g: r.hit_tokens.get(g, 0) for g in groups},
@@ -345,26 +386,58 @@ def report_table() -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("spec", ["tieredkv", "tiering"])
+class _LockedManager:
+    """tieredkv's real manager behind a wrapper that sets ``lock`` on the instance (a real lock):
+    ``type(manager).lock`` does not exist, ``manager.lock`` does, as with vLLM's own suite's mock."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _wrapped_managers() -> Iterator[None]:
+    """tieredkv's spec hands out its manager wrapped in :class:`_LockedManager`."""
+    from tests.vllm.engine import _patched
+    from tieredkv.integrations.vllm.spec import TieredKVOffloadingSpec
+
+    real_get_manager = TieredKVOffloadingSpec.get_manager
+    wrapped: dict[int, _LockedManager] = {}
+
+    def get_manager(self: TieredKVOffloadingSpec) -> Any:
+        inner = real_get_manager(self)
+        return wrapped.setdefault(id(inner), _LockedManager(inner))
+
+    with _patched(TieredKVOffloadingSpec, "get_manager", get_manager):
+        yield
+
+
+@pytest.mark.parametrize("spec", ["tieredkv", "tiering", "wrapped"])
 def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp_path: Path) -> None:
-    """vLLM enters ``manager.lock`` in every hook outside the step (a generator context manager)
-    and holds it across the step (an ``ExitStack``). Behind tieredkv's spec, whose lock is vLLM's
-    no-op, the connector enters nothing, but the step is still marked open and a hook that finds it
-    left open recovers as vLLM does (closes it). Behind a manager with a real lock (vLLM's tiering
-    spec) every hook holds that lock, and the step holds it until ``build_connector_meta``."""
+    """vLLM enters ``manager.lock`` (read from the manager each time) in every hook outside the step
+    (a generator context manager) and holds it across the step (an ``ExitStack``). Behind
+    tieredkv's spec, whose lock is vLLM's no-op, the connector enters nothing, but the step is
+    still marked open and a hook that finds it left open recovers as vLLM does (closes it). Behind
+    a manager with a real lock, a property (vLLM's tiering spec) or an attribute of the instance
+    (tieredkv's manager wrapped), the connector is built, every hook holds that lock, and the step
+    holds it until ``build_connector_meta``."""
     from tests.vllm.engine import Engine, cpu_workers
 
     tiers = _tiers_file(tmp_path, "lmdb")
-    extra = spec_extra(1, tiers) if spec == "tieredkv" else secondary_extra(1, tiers)
-    with cpu_workers(extra, spec == "tiering"):
+    extra = secondary_extra(1, tiers) if spec == "tiering" else spec_extra(1, tiers)
+    with cpu_workers(extra, spec == "tiering"), _wrapped_managers() if spec == "wrapped" else contextlib.nullcontext():
         eng = Engine(extra, **TKC)
     try:
         sched = eng.connector_scheduler
         assert sched is not None
         manager = sched.manager
+        assert isinstance(manager, _LockedManager) == (spec == "wrapped")
         lock = manager.lock
         real = hasattr(lock, "locked")
-        assert real == (spec == "tiering") and sched._lock_is_noop == (not real)
+        assert real == (spec != "tieredkv")
         seen: list[bool] = []
         get_stats = manager.get_stats
 
@@ -372,7 +445,7 @@ def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp
             seen.append(lock.locked() if real else sched._step_region is None)
             return get_stats()
 
-        manager.get_stats = observed  # type: ignore[method-assign]
+        manager.get_stats = observed
         sched.get_stats()
         assert seen == [True], "the hook ran the manager under its lock (or with no step open)"
         if real:
@@ -389,3 +462,15 @@ def test_manager_lock_taken_as_vllm_does_unless_it_is_vllms_no_op(spec: str, tmp
         assert sched._step_region is None and not (real and lock.locked())
     finally:
         eng.shutdown()
+
+
+def test_manager_with_its_lock_on_the_instance_serves_an_engine_run(tmp_path: Path) -> None:
+    """The workload of the engine loop through ``TieredKVConnector`` with tieredkv's manager behind a
+    wrapper whose ``lock`` is an instance attribute (vLLM reads ``manager.lock``; reading it from
+    the manager's class crashed the connector's construction): every byte right, hits loaded."""
+    tiers = _tiers_file(tmp_path, "lmdb")
+    with _wrapped_managers():
+        r = run_engine(spec_extra(2, tiers), blocks_per_chunk=2, **TKC)
+    print(r.summary())
+    assert_healthy("wrapped manager", r)
+    assert r.hit_tokens.get("full", 0) > 0 and r.keys_accepted

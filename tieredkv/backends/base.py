@@ -46,6 +46,7 @@ __all__ = [
     "Tier",
     "TierCapabilities",
     "TierStats",
+    "cancel_background",
     "check_items",
     "check_key",
     "runs",
@@ -676,6 +677,20 @@ class Tier(ABC):
 
     async def _close(self) -> None:
         """Release resources (called once)."""
+
+
+async def cancel_background(task: asyncio.Task[Any] | None) -> None:
+    """Stop a tier's background task (its upkeep) at close: cancelled and awaited when it runs on
+    the calling loop, cancelled from outside when the tier is closed from another loop than it
+    was opened in (nothing to wait for there)."""
+    if task is None or task.done():
+        return
+    loop = task.get_loop()
+    if loop is asyncio.get_running_loop():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(task.cancel)
 
 
 def check_items(

@@ -15,11 +15,14 @@ from tieredkv import ENGINE_HINT
 from tieredkv.cli import render
 from tieredkv.cli.common import ConfigOpt, run
 from tieredkv.cli.exits import EXIT_BAD_INPUT, EXIT_PROBLEM, CLIError
-from tieredkv.cli.tiers import local_path, with_data_dir
+from tieredkv.cli.tiers import local_path, select_tiers, with_data_dir
 
 __all__ = ["ENGINE_HINT", "register", "require_engine"]
 
 _DataDirOpt = typer.Option(None, "--data-dir", help="Where the LMDB tier lives (default: a fresh temporary directory).")
+_BenchTierOpt = typer.Option(
+    None, "--tier", "-t", help="Tier name to bench (repeatable); default: every tier of the config."
+)
 _OutDirOpt = typer.Option(Path("tieredkv-bench"), "--out", help="Where the JSON and PNG go.")
 _PrefillOpt = typer.Option(
     10_000.0,  # tieredkv.demo.DEFAULT_PREFILL_TOKENS_PER_S (not imported here: the CLI starts without torch)
@@ -73,6 +76,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def bench(
         config: Path | None = ConfigOpt,
+        tier: list[str] | None = _BenchTierOpt,
         sizes: str = typer.Option("64,256,1024,4096", help="Chunk sizes in KiB, comma-separated."),
         total_mib: int = typer.Option(256, min=1, help="MiB moved per size and figure."),
         reps: int = typer.Option(3, min=1, help="Repetitions; each figure is their median."),
@@ -80,10 +84,11 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     ) -> None:
         """Measure the configured tiers through the pipeline against their media's raw limits
-        (each tier class's own: memcpy, file and py-lmdb writes/reads, redis-py and redis-benchmark).
+        (each tier class's own: memcpy, file and py-lmdb writes/reads, one file per record with pwrite /
+        pread, redis-py and redis-benchmark), the raw figures and each tier's integrity floor printed too.
         Local tiers run in temporary directories beside the configured path; shared ones under a
         fresh namespace, deleting only their own keys. Writes results JSON and a PNG plot."""
-        run(lambda: _bench(config, sizes, total_mib, reps, out_dir, as_json))
+        run(lambda: _bench(config, tier, sizes, total_mib, reps, out_dir, as_json))
 
 
 def _demo(
@@ -190,7 +195,9 @@ def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
         render.say(f"LMDB data kept in {data_dir}; run again with --data-dir {data_dir} to start from it.")
 
 
-def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: Path, as_json: bool) -> None:
+def _bench(
+    config: Path | None, names: list[str] | None, sizes: str, total_mib: int, reps: int, out_dir: Path, as_json: bool
+) -> None:
     import datetime as dt
     import shutil
 
@@ -200,11 +207,12 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
     from tieredkv import bench as b
 
     cfg = load(config)
+    tiers = select_tiers(cfg, names, allow_in_process=True)
     try:
         size_list = [int(x) * 1024 for x in sizes.split(",")]
     except ValueError:
         raise CLIError(EXIT_BAD_INPUT, f"--sizes: got {sizes!r}; expected KiB numbers like 64,256,1024") from None
-    local = next((p for t in cfg.tiers if (p := local_path(t))), None)
+    local = next((p for t in tiers if (p := local_path(t))), None)
     workdir = None
     if local is not None:  # raw disk figures and bench copies of local tiers on the configured disk
         parent = Path(local).parent
@@ -213,7 +221,7 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
     b.steady_malloc()  # this process is a bench: raw baselines at the medium's limit
     try:
         results = b.run_tier_bench(
-            cfg.tiers,
+            tiers,
             size_list,
             total_mib << 20,
             reps,
@@ -238,8 +246,8 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
         return
     keys = b.tier_figures(results)
     render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), b.ratio_rows(results, keys), right=("size", *keys))
-    judged = {k: v for r in results for k, v in r.baselines.items()}
-    render.say("baselines: " + (", ".join(f"{k} vs {v}" for k, v in judged.items()) or "none declared"))
+    for line in b.judged_lines(results):
+        render.say(line)
     floored = b.floored_figures(results)
     if floored:
         render.table(
@@ -247,5 +255,14 @@ def _bench(config: Path | None, sizes: str, total_mib: int, reps: int, out_dir: 
             ("size", *floored),
             b.ratio_rows(results, floored, floors=True),
             right=("size", *floored),
+        )
+    raw = b.raw_figures(results)
+    if raw:
+        sizes_shown = [b.size_label(r.size) for r in results]
+        render.table(
+            "raw limits GB/s: each medium without tieredkv, on the same bytes",
+            ("figure", *sizes_shown),
+            b.raw_rows(results, raw),
+            right=sizes_shown,
         )
     render.say(f"wrote {path}" + (f" and {png}" if png else " (pip install 'tieredkv[bench]' for the PNG plot)"))

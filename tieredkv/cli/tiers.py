@@ -69,7 +69,7 @@ def select_tiers(cfg: TieredKVConfig, names: Sequence[str] | None, *, allow_in_p
             raise CLIError(
                 EXIT_BAD_INPUT,
                 "the config has no tier the CLI can reach (only in-process tiers such as cpu live inside"
-                " the engine); configure an lmdb or redis tier",
+                " the engine); configure an lmdb, fs or redis tier",
             )
         return chosen
     chosen = []
@@ -87,7 +87,7 @@ def select_tiers(cfg: TieredKVConfig, names: Sequence[str] | None, *, allow_in_p
                 raise CLIError(
                     EXIT_BAD_INPUT,
                     f"--tier {name}: a {t.kind} tier lives inside the engine process; the CLI reaches"
-                    " out-of-process tiers only, such as lmdb and redis (see the engine's metrics for this one)",
+                    " out-of-process tiers only, such as lmdb, fs and redis (see the engine's metrics for this one)",
                 )
         chosen.append(t)
     return chosen
@@ -107,13 +107,19 @@ def with_data_dir(cfg: TieredKVConfig, data_dir: Path) -> TieredKVConfig:
 
 @asynccontextmanager
 async def open_tier(tcfg: Any, *, create: bool = False) -> AsyncIterator[Tier]:
-    """Open one tier for admin work. A local directory that holds nothing yet is "unreachable"
-    (a typo in a path must not create an empty store) unless ``create``. Scans are passive:
-    listing records must not count as reading them (a tier that can tell sets ``passive_scans``).
-    No tenant quotas are set: an admin write (``migrate``) copies records as they are."""
-    path = local_path(tcfg)
-    if path is not None and not create and not (os.path.isdir(path) and os.listdir(path)):
-        raise TierUnavailableError(f"tier {tcfg.label!r} ({tcfg.kind}): no data at {path}; check the path")
+    """Open one tier for admin work. A tier whose class says its config points at no data of
+    it yet (:meth:`~tieredkv.backends.base.Tier.missing`), or whose local directory holds
+    nothing, is "unreachable" unless ``create``: a typo in a path must not create an empty store,
+    nor a tier's skeleton in a directory that holds something else. Scans are passive: listing
+    records must not count as reading them (a tier that can tell sets ``passive_scans``). No
+    tenant quotas are set: an admin write (``migrate``) copies records as they are."""
+    if not create:
+        path = local_path(tcfg)
+        why = tier_class(tcfg.kind).missing(tcfg)
+        if why is None and path is not None and not (os.path.isdir(path) and os.listdir(path)):
+            why = f"no data at {path}"
+        if why is not None:
+            raise TierUnavailableError(f"tier {tcfg.label!r} ({tcfg.kind}): {why}; check the path")
     tier: Tier = build_tier(tcfg)
     tier.passive_scans = True
     try:

@@ -49,7 +49,7 @@ class FSTierConfig(TierConfigBase):
         gt=0,
         le=256,
         description=(
-            "Threads of this tier's file I/O (aiofiles runs each file operation on one): the file"
+            "Threads of this tier's file I/O (aiofiles hands each a slice of a batch): the file"
             " operations one process keeps in flight, what a network filesystem's latency needs."
         ),
     )

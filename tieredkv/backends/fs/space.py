@@ -170,18 +170,10 @@ class FSSpace(Tier):
             if st.st_atime > self._stamps.get(key, 0.0) + slack:
                 requeued.append((key, st.st_atime))
                 continue
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # another node took it first: it counted it
-                self._forget(key)
-                removed.append(key)
-                continue
-            self._forget(key)
+            size = self._remove(key)
             removed.append(key)
-            freed += st.st_size
-            gone += 1
-            self._count("evictions")
-            self._count("evicted_bytes", st.st_size)
+            if size is not None:
+                freed, gone = freed + self._evicted(size), gone + 1
         for key, at in requeued:
             self._seen(key, at)
         self._removed(removed)
@@ -196,24 +188,30 @@ class FSSpace(Tier):
         for key in keys:
             if freed >= need:
                 break
-            if self.is_pinned(key):
-                continue
-            path = self.layout.record_path(key)
-            try:
-                size = os.lstat(path).st_size
-                os.unlink(path)
-            except FileNotFoundError:
-                self._forget(key)
+            if not self.is_pinned(key):
+                size = self._remove(key)
                 removed.append(key)
-                continue
-            self._forget(key)
-            removed.append(key)
-            freed += size
-            gone += 1
-            self._count("evictions")
-            self._count("evicted_bytes", size)
+                if size is not None:
+                    freed, gone = freed + self._evicted(size), gone + 1
         self._removed(removed)
         return freed, gone
+
+    def _remove(self, key: bytes) -> int | None:
+        """Delete ``key``'s record file and forget it; its size, or None when it was not there
+        (another node deleted it first, and counted it)."""
+        path = self.layout.record_path(key)
+        try:
+            size: int | None = os.lstat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            size = None
+        self._forget(key)
+        return size
+
+    def _evicted(self, size: int) -> int:
+        self._count("evictions")
+        self._count("evicted_bytes", size)
+        return size
 
     # ---- recounts and the sweep ----------------------------------------------------------
 

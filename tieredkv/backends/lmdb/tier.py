@@ -40,7 +40,7 @@ from typing import Any
 
 import lmdb
 
-from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats
+from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats, cancel_background
 from tieredkv.backends.lmdb.config import LMDBTierConfig
 from tieredkv.backends.lmdb.env import acquire_env, release_env
 from tieredkv.backends.lmdb.layout import ACCESS
@@ -180,13 +180,7 @@ class LMDBTier(LMDBRaw):
         if self._pool is None:
             return
         upkeep, self._upkeep = self._upkeep, None
-        if upkeep is not None and not upkeep.done():
-            loop = upkeep.get_loop()
-            if loop is asyncio.get_running_loop():
-                upkeep.cancel()
-                await asyncio.gather(upkeep, return_exceptions=True)
-            elif not loop.is_closed():  # (closed from another loop than it was opened in)
-                loop.call_soon_threadsafe(upkeep.cancel)
+        await cancel_background(upkeep)
         try:
             await self._run(self._close_sync)
         finally:

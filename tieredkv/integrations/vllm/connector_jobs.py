@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+from tieredkv.integrations.vllm.compat import (
+    GPULoadStoreSpec,
     GroupOffloadConfig,
     OffloadingConnectorScheduler,
+    OffloadKey,
     RequestOffloadState,
+    TransferJob,
     TransferJobStatus,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadKey
-
 from tieredkv.planner import ChunkToStore
 
 __all__ = ["boundary_job", "chunks_job", "drop_unsent_jobs"]

@@ -29,15 +29,14 @@ def block_hashes_reproducible() -> tuple[bool, str] | None:
     """``(reproducible, why)`` for vLLM's block hashes in this process; None until vLLM has set
     its hash seed (or without vLLM)."""
     try:
-        from vllm.v1.core import kv_cache_utils
+        from tieredkv.integrations.vllm.compat import none_hash_seed
     except ImportError:
         return None
-    seed = getattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+    seed, default = none_hash_seed()
     if seed is None:
         return None
     if os.environ.get("PYTHONHASHSEED") is not None:
         return True, "PYTHONHASHSEED is set"
-    default = getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", None)
     if seed == default:
         return True, "vLLM's fixed seed (a cryptographic prefix_caching_hash_algo)"
     return False, (

@@ -180,6 +180,7 @@ class FSSpace(Tier):
         with self._index_lock:
             order = list(self._policy.victims())
         requeued: list[tuple[bytes, float]] = []
+        removed: list[bytes] = []
         for key in order:
             if freed >= need:
                 break
@@ -190,15 +191,18 @@ class FSSpace(Tier):
                 st = os.lstat(path)
             except FileNotFoundError:
                 self._forget(key)
+                removed.append(key)
                 continue
             if st.st_atime > self._stamps.get(key, 0.0) + slack:
                 requeued.append((key, st.st_atime))
                 continue
             size = self._remove(key)
+            removed.append(key)
             if size is not None:
                 freed, gone = freed + self._evicted(size), gone + 1
         for key, at in requeued:
             self._seen(key, at)
+        self._removed(removed)
         if freed < need and requeued:  # what other nodes read is still older than nothing
             f2, g2 = self._evict_requeued(need - freed, [k for k, _ in requeued])
             freed, gone = freed + f2, gone + g2
@@ -206,13 +210,16 @@ class FSSpace(Tier):
 
     def _evict_requeued(self, need: int, keys: list[bytes]) -> tuple[int, int]:
         freed = gone = 0
+        removed: list[bytes] = []
         for key in keys:
             if freed >= need:
                 break
             if not self.is_pinned(key):
                 size = self._remove(key)
+                removed.append(key)
                 if size is not None:
                     freed, gone = freed + self._evicted(size), gone + 1
+        self._removed(removed)
         return freed, gone
 
     def _remove(self, key: bytes) -> int | None:

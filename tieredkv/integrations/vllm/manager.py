@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     OffloadPolicy,
@@ -23,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls
+from tieredkv.integrations.vllm.events import KVEvents
 from tieredkv.integrations.vllm.lookups import AsyncLookups
 from tieredkv.integrations.vllm.namespace import new_generation
 from tieredkv.integrations.vllm.shared import TieredKVLoadStoreSpec, acquire_store, release_store
@@ -94,6 +96,18 @@ class TieredKVManager(OffloadingManager):
         self._load_filtered: dict[str, RequestControls] = {}
         #: batched lookups over some tiers only, by the tier names they may ask
         self._lookups_among: dict[frozenset[str], AsyncLookups] = {}
+        #: KV events of the tiers (:mod:`~tieredkv.integrations.vllm.events`), while vLLM's are on.
+        self._events: KVEvents | None = (
+            KVEvents(
+                self.store,
+                self._writing,
+                primary=True,
+                partial_groups=self._partial_groups,
+                blocks_per_chunk=self._bpc,
+            )
+            if spec.kv_events_config.enable_kv_cache_events
+            else None
+        )
 
     def get_stats(self) -> Any:
         """tieredkv's counter increments since the last report (an ``OffloadingConnectorStats`` or
@@ -305,6 +319,8 @@ class TieredKVManager(OffloadingManager):
         if controls is not None and todo:
             todo, todo_skeys = self._admitted(todo, todo_skeys, controls)
         writing.update(todo_skeys)
+        if self._events is not None and not self._events.key_len and todo:
+            self._events.key_len = len(todo[0])
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
         return PrepareStoreOutput(
@@ -369,6 +385,14 @@ class TieredKVManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._load_filtered.pop(req_context.req_id, None)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What the tiers came to hold and stopped holding since the last call, as vLLM's
+        ``OffloadingEvent``s with each tier's medium (:mod:`~tieredkv.integrations.vllm.events`);
+        nothing unless vLLM's KV cache events are on."""
+        if self._events is None:
+            return ()
+        return self._events.take(self._sh.fingerprint)
 
     def on_schedule_end(self, context: Any) -> None:
         self._lookups.flush()

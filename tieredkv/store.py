@@ -64,6 +64,7 @@ from tieredkv.pipeline import (
     PipelineStats,
     StoreJob,
 )
+from tieredkv.pipeline.events import TierEvent
 from tieredkv.planner import OffloadScheduler
 from tieredkv.policy import GroupRoute, TierPolicy
 from tieredkv.staging import KVGroupTensors
@@ -427,6 +428,21 @@ class TieredStore:
     def is_pending(self, key: bytes) -> bool:
         """Is a store of ``key`` in flight (submitted, not yet written)?"""
         return self.pipeline.is_pending(key)
+
+    def record_tier_events(self) -> None:
+        """From now on keep, per tier, the stored keys it comes to hold (each batch its writers
+        store, write back or promote) and those it stops holding by its own doing (evictions,
+        its server's expiries, corrupt records), in order, for :meth:`take_tier_events`: what an
+        engine's KV events are made of (vLLM: :mod:`tieredkv.integrations.vllm.events`). Costs
+        nothing until called; a store that is recording must be taken from regularly."""
+        self._check_open("record_tier_events")
+        self.pipeline.record_tier_events()
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """The tier events since the last call, oldest first (none unless
+        :meth:`record_tier_events` was called): ``TierEvent(tier, removed, keys)``."""
+        events = self.pipeline.events
+        return events.take() if events is not None else []
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job (write-backs included) has finished; False on timeout.

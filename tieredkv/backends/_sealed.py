@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tieredkv.backends.base import RecordInfo, Tier, TierStats, runs
+from tieredkv.backends.base import RecordInfo, RemovalListener, Tier, TierStats, runs
 from tieredkv.errors import CorruptRecordError, TieredKVError
 from tieredkv.format import HEADER_SIZE, SEAL_TAG
 from tieredkv.sealing import Keyring, claimed_size, sealed_size
@@ -255,6 +255,11 @@ class SealedTier(Tier):
     def set_quotas(self, quotas: TenantQuotas) -> None:
         super().set_quotas(quotas)
         self.inner.set_quotas(quotas)
+
+    def set_removal_listener(self, fn: RemovalListener | None) -> None:
+        # the inner tier evicts (and watches its server); a record found corrupt here is reported here
+        super().set_removal_listener(fn)
+        self.inner.set_removal_listener(fn)
 
     def probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         return self.inner.probe(keys)

@@ -42,6 +42,7 @@ __all__ = [
     "OpObserver",
     "RawLimits",
     "RecordInfo",
+    "RemovalListener",
     "Tier",
     "TierCapabilities",
     "TierStats",
@@ -58,6 +59,9 @@ OpObserver = Callable[[str, str, int, int, float, str], None]
 #: ``listener(key, payload, tenant)``: a record the tier's own policy evicts (see
 #: :meth:`Tier.set_evict_listener`).
 EvictListener = Callable[[bytes, bytes, int], None]
+#: ``listener(keys)``: stored keys this tier stopped holding by its own doing (see
+#: :meth:`Tier.set_removal_listener`).
+RemovalListener = Callable[[list[bytes]], None]
 
 _T = TypeVar("_T")
 
@@ -215,6 +219,7 @@ class Tier(ABC):
         self._open_lock: asyncio.Lock | None = None
         #: The tenants' quotas (see :meth:`set_quotas`); none by default.
         self.quotas: TenantQuotas = TenantQuotas()
+        self._removal_listener: RemovalListener | None = None
 
     @classmethod
     def missing(cls, config: Any) -> str | None:
@@ -334,6 +339,28 @@ class Tier(ABC):
         as its tenant's record. The default passes nothing on (a tier that evicts nothing a
         route still needs, or whose server evicts: Redis ``maxmemory``); the CPU tier overrides it.
         Set by the pipeline once the tier is open."""
+
+    def set_removal_listener(self, fn: RemovalListener | None) -> None:
+        """Call ``fn(keys)`` with the stored keys this tier stops holding by its own doing: its
+        eviction policy (a size cap, a tenant over its quota), a record dropped as corrupt, and
+        what its server removes (Redis ``maxmemory`` evictions and TTL expiries, observed); not
+        the deletions a caller asks for (``delete_many``, ``delete_if_same``: the caller knows).
+        Batched where the tier removes in batches; called from whichever thread removes (the
+        loop, an I/O thread), after the removal took effect. None (the default): nothing is
+        reported and nothing is spent. Set on the tier's loop (a tier that must watch its server
+        starts the watch there, or at open); an engine integration uses it for KV events."""
+        self._removal_listener = fn
+
+    def _removed(self, keys: Sequence[bytes]) -> None:
+        """Report ``keys`` to the removal listener, if any (backends call this; see
+        :meth:`set_removal_listener`). A listener that raises is logged, never the removal's error."""
+        fn = self._removal_listener
+        if fn is None or not keys:
+            return
+        try:
+            fn(list(keys))
+        except Exception:
+            log.exception("tier %s: removal listener failed", self.name)
 
     def counters_snapshot(self) -> dict[str, int]:
         """A copy of :attr:`counters`, taken under the lock backends count under (their I/O
@@ -565,6 +592,7 @@ class Tier(ABC):
         """Count and log a record that failed verification (the backend deletes it)."""
         self._count("corrupt")
         log.warning("tier %s: corrupt record %s… dropped: %s", self.name, key[:24].hex(), err)
+        self._removed((key,))
 
     def _count(self, name: str, n: int = 1) -> None:
         """Thread-safe counter increment (backends may count from their I/O thread)."""

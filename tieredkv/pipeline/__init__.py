@@ -14,6 +14,8 @@ Modules, one job each:
   (:class:`~tieredkv.pipeline.route.RouteWalker`: plans per group, the walk that does not wait,
   the batched one that does).
 * :mod:`~tieredkv.pipeline.writeback` — write-back of dirty chunks and promotion of lower-tier hits.
+* :mod:`~tieredkv.pipeline.events` — tier events (:class:`TierEvent`): what each tier came to
+  hold and stopped holding, in order, once :meth:`Pipeline.record_tier_events` asked (KV events).
 * :mod:`~tieredkv.pipeline.stats` — typed stats (:class:`PipelineStats`, :class:`GroupStats`,
   :class:`LaneStats`) shared by the pipeline and :mod:`tieredkv.metrics`.
 * :mod:`~tieredkv.pipeline.core` — :class:`Pipeline`: admission and the two job families
@@ -35,6 +37,7 @@ Most callers want :class:`tieredkv.store.TieredStore`, the facade over all of th
 """
 
 from tieredkv.pipeline.core import Pipeline
+from tieredkv.pipeline.events import TierEvent, TierEvents
 from tieredkv.pipeline.jobs import ChunkRef, JobResult, KeyState, LoadJob, StoreJob
 from tieredkv.pipeline.stats import GroupStats, LaneStats, PipelineStats, StagingStats
 
@@ -49,4 +52,6 @@ __all__ = [
     "PipelineStats",
     "StagingStats",
     "StoreJob",
+    "TierEvent",
+    "TierEvents",
 ]

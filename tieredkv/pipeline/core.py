@@ -18,6 +18,7 @@ from tieredkv.errors import TieredKVError, TierUnavailableError
 from tieredkv.format import as_readable, as_writable
 from tieredkv.groups import GroupSpec
 from tieredkv.keys import GROUP_SUFFIX, key_group
+from tieredkv.pipeline.events import TierEvents
 from tieredkv.pipeline.jobs import InFlight, JobResult, JobRun, KeyState, LoadJob, StoreJob, by_group
 from tieredkv.pipeline.lanes import Lanes, TierLane
 from tieredkv.pipeline.loop import LoopThread
@@ -78,6 +79,8 @@ class Pipeline:
         self._events = 0
         self._finished: collections.deque[JobResult] = collections.deque()
         self._closed = False
+        #: The tiers' stored / removed keys, once :meth:`record_tier_events` asked for them.
+        self.events: TierEvents | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -108,6 +111,23 @@ class Pipeline:
             lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
             self._lanes[tier.name] = lane
             tier.set_evict_listener(self.writeback.evict_listener(tier.name))
+
+    def record_tier_events(self) -> TierEvents:
+        """From now on, record what each tier comes to hold and stops holding
+        (:mod:`~tieredkv.pipeline.events`; for an engine's KV events): sets every tier's removal
+        listener and the writers' records. Idempotent; the pipeline must be started."""
+        if self.events is None:
+            self.loop.run(self._record_events(TierEvents()), timeout=30)
+        assert self.events is not None
+        return self.events
+
+    async def _record_events(self, events: TierEvents) -> None:
+        for lane in self._lanes.values():
+            lane.events = events
+        self.transfers.events = events
+        for tier in self.tiers.values():
+            tier.set_removal_listener(events.listener(tier.name))
+        self.events = events
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has finished; False if ``timeout`` passed first."""

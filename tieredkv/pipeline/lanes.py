@@ -19,11 +19,13 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from itertools import chain
 from typing import Any
 
 from tieredkv.backends.base import Tier
 from tieredkv.config import PipelineConfig
 from tieredkv.errors import TieredKVError, TierFullError
+from tieredkv.pipeline.events import TierEvents
 from tieredkv.pipeline.stats import LaneStats
 from tieredkv.policy import CircuitBreaker
 
@@ -62,6 +64,8 @@ class TierLane:
         self.dropped = 0
         self.batches = 0
         self.task: asyncio.Task[None] | None = None
+        #: Where each batch written is recorded (KV events), once asked for; None: nowhere.
+        self.events: TierEvents | None = None
 
     def stats(self) -> LaneStats:
         return LaneStats(self.breaker.state.value, self.breaker.opens, self.dropped, self.batches)
@@ -152,6 +156,9 @@ class TierLane:
                 await self.tier.put_checked([kv for it in batch for kv in zip(it.keys, it.payloads)], tenants)
                 self.breaker.success()
                 self.batches += 1
+                if self.events is not None:
+                    keys = batch[0].keys if len(batch) == 1 else list(chain.from_iterable(it.keys for it in batch))
+                    self.events.stored(self.tier.name, keys)
             except TierFullError:
                 self.breaker.success()  # the tier answered: it is alive, just full
                 outcome = Outcome.FULL

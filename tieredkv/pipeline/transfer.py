@@ -27,6 +27,7 @@ from typing import Any, Protocol, cast
 
 from tieredkv.errors import TierFullError
 from tieredkv.groups import GroupSpec
+from tieredkv.pipeline.events import TierEvents
 from tieredkv.pipeline.jobs import ChunkRef, LoadJob, StoreJob, parts
 from tieredkv.pipeline.lanes import Lanes
 from tieredkv.pipeline.writeback import WriteBack
@@ -104,6 +105,8 @@ class Transfers:
         self.copier = copier
         self.lanes = lanes
         self.writeback = writeback
+        #: Where slots published are recorded (KV events), once asked for; None: nowhere.
+        self.events: TierEvents | None = None
 
     def slot_tier(self, tiers: Sequence[str]) -> SlotTier | None:
         """The route's first tier when it offers slots and its breaker lets work through."""
@@ -145,6 +148,8 @@ class Transfers:
             tier.abort(slots)
             raise
         tier.commit(list(zip(keys, slots)))
+        if self.events is not None:
+            self.events.stored(tier.name, keys)
         self.writeback.mark_dirty(grp.route, keys, job.tenant)
         return keys, {tier.name: len(keys)}
 

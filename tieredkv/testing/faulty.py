@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tieredkv.backends.base import RecordInfo, Tier, TierStats
+from tieredkv.backends.base import RecordInfo, RemovalListener, Tier, TierStats
 
 __all__ = ["FaultyTier"]
 
@@ -100,6 +100,10 @@ class FaultyTier(Tier):
     def set_quotas(self, quotas: Any) -> None:
         super().set_quotas(quotas)
         self.inner.set_quotas(quotas)
+
+    def set_removal_listener(self, fn: RemovalListener | None) -> None:
+        super().set_removal_listener(fn)
+        self.inner.set_removal_listener(fn)
 
     async def _tenant_usage(self) -> dict[int, int]:
         return await self.inner._tenant_usage()

@@ -346,6 +346,8 @@ class SlabTier(TenantBooks):
             self._evict_listener(key, bytes(self._mv[slot.offset : slot.offset + slot.length]), slot.tenant)
         self._drop(key, slot)
         self._count("evictions")
+        if self._removal_listener is not None:
+            self._removed((key,))
 
     def _drop(self, key: bytes, slot: _Slot) -> None:
         del self._index[key]

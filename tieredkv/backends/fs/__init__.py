@@ -4,7 +4,8 @@ record per file, published atomically, capped for the directory whoever writes.
 * ``tier`` — :class:`FSTier`: lifecycle, the contract's operations, stats; built on:
 * ``layout`` — where records, temporary files, the marker and the ledger live; fan-out; owners.
 * ``ledger`` — the shared usage ledger and its POSIX record lock.
-* ``records`` — one record file written (temporary name, rename) and read, through aiofiles.
+* ``records`` — record files written (temporary name, rename), read and checked, a slice of a
+  batch at a time on an I/O thread (handed there through aiofiles).
 * ``space`` — reservations, eviction by access time, recounts, the sweep of temporary files.
 * ``config`` — :class:`FSTierConfig` (importing it imports no aiofiles).
 

@@ -49,7 +49,7 @@ class FSTierConfig(TierConfigBase):
         gt=0,
         le=256,
         description=(
-            "Threads of this tier's file I/O (aiofiles runs each file operation on one): the file"
+            "Threads of this tier's file I/O (aiofiles hands each a slice of a batch): the file"
             " operations one process keeps in flight, what a network filesystem's latency needs."
         ),
     )
@@ -70,11 +70,13 @@ class FSTierConfig(TierConfigBase):
         ),
     )
     reconcile_interval_s: float = Field(
-        600.0,
+        3600.0,
         gt=0,
         description=(
-            "How often some node recounts the directory to correct the shared usage ledger"
-            " (drift from crashed writers); also done when the ledger says full and nothing is left to evict."
+            "How often some node recounts the directory to correct the shared usage ledger (drift"
+            " from writers killed mid-store); also done when the ledger is missing or damaged, or"
+            " says full with nothing left to evict. A recount holds the ledger for its walk of the"
+            " directory: raise this for a very large directory on a slow network filesystem."
         ),
     )
     lock_timeout_s: float = Field(

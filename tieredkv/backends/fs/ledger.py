@@ -14,8 +14,11 @@ counted that are not there (the cap then holds with room to spare); a record ove
 nodes at once may be counted twice. Neither makes the directory pass the cap by more than the
 writes in flight. A **recount** (:meth:`~tieredkv.backends.fs.tier.FSTier.reconcile`) sets the
 ledger to what the directory holds, records being written included (their size is in their
-temporary name): when the ledger is missing or damaged, when it says full and there is nothing
-left to evict, and every ``reconcile_interval_s`` on whichever node notices first.
+temporary name; a batch makes its temporary files before it reserves, so a reservation the
+recount sees has its files seen), holding the lock through the walk (exact, where a walk without
+it would miss other nodes' deletions and count their writes twice): when the ledger is missing
+or damaged, when it says full and there is nothing left to evict, and every
+``reconcile_interval_s`` (an hour) on whichever node notices first.
 
 POSIX record locks belong to a process, not to a descriptor: the first ``close`` of any
 descriptor of the file drops them all. So each process keeps one descriptor per ledger, shared

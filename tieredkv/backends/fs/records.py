@@ -1,8 +1,10 @@
 """Record files of the ``fs`` tier: written under a temporary name and renamed into place, read
 and checked, a slice of a batch at a time on one of the tier's I/O threads.
 
-* :func:`write_slice` — each record written to a temporary file in ``tmp/`` (``O_EXCL``), its
-  header and payload in one ``pwritev``, ``fsync``'d in durable mode, and renamed into place: a
+* :func:`create_temps` — a batch's temporary files in ``tmp/`` made empty (``O_EXCL``), before
+  the batch reserves its room: a recount that sees the reservation sees its files.
+* :func:`write_slice` — each record written to its temporary file, its header and payload in
+  one ``pwritev``, ``fsync``'d in durable mode, and renamed into place: a
   reader on any node opens the old record or the whole new one, never part of one (rename is
   atomic on POSIX filesystems and on NFS, where the server does it). A write that fails removes
   its temporary file.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from tieredkv.errors import CorruptRecordError
 from tieredkv.format import HEADER_SIZE, decode_header, verify_parts
 
-__all__ = ["GONE", "Loaded", "read_raw_slice", "read_slice", "write_slice"]
+__all__ = ["GONE", "Loaded", "create_temps", "read_raw_slice", "read_slice", "unlink_all", "write_slice"]
 
 #: errnos of a file that is no longer there for this reader: removed (``ENOENT``), or removed on
 #: another NFS client while this one held its handle (``ESTALE``).
@@ -65,10 +67,10 @@ def _writev_all(fd: int, parts: Sequence[memoryview]) -> None:
 
 
 def write_record(tmp: str, final: str, parts: Sequence[memoryview], durable: bool) -> int | None:
-    """Write ``parts`` as file ``final`` through ``tmp`` (see the module doc). Returns the size of
-    the record it replaced (None: there was none)."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    """Write ``parts`` as file ``final`` through ``tmp`` (made by :func:`create_temps`; see the
+    module doc). Returns the size of the record it replaced (None: there was none)."""
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             _writev_all(fd, parts)
             if durable:
@@ -91,6 +93,27 @@ def write_record(tmp: str, final: str, parts: Sequence[memoryview], durable: boo
             pass
         raise
     return old
+
+
+def create_temps(paths: Sequence[str]) -> None:
+    """Create each temporary file, empty; none is left when one cannot be made."""
+    made: list[str] = []
+    try:
+        for p in paths:
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+            made.append(p)
+    except BaseException:
+        unlink_all(made)
+        raise
+
+
+def unlink_all(paths: Sequence[str]) -> None:
+    """Remove each file; one already gone is skipped."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def write_slice(

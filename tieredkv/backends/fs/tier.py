@@ -6,8 +6,8 @@ Built in layers, each using only those before it:
 * :mod:`~tieredkv.backends.fs.layout` — where records, temporary files, the marker and the
   ledger live; fan-out; who owns a temporary file.
 * :mod:`~tieredkv.backends.fs.ledger` — the shared usage ledger and its lock.
-* :mod:`~tieredkv.backends.fs.records` — one record file written (temporary name, rename) and
-  read, through aiofiles.
+* :mod:`~tieredkv.backends.fs.records` — record files written (temporary name, rename) and read
+  and checked, a slice of a batch at a time on an I/O thread (handed there through aiofiles).
 * :mod:`~tieredkv.backends.fs.space` — reservations, eviction, recounts, the sweep.
 * this module — :class:`FSTier`: capabilities, lifecycle, the contract's operations, admin reads
   and repairs, stats, and the bench's raw limits.
@@ -38,7 +38,7 @@ from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, Tier
 from tieredkv.backends.fs.config import FSTierConfig
 from tieredkv.backends.fs.layout import Layout
 from tieredkv.backends.fs.ledger import LedgerBusyError, acquire, release
-from tieredkv.backends.fs.records import GONE, read_raw_slice, read_slice, write_slice
+from tieredkv.backends.fs.records import GONE, read_raw_slice, read_slice, unlink_all, write_slice
 from tieredkv.backends.fs.space import FSSpace
 from tieredkv.catalog import catalog_key
 from tieredkv.errors import (
@@ -205,23 +205,21 @@ class FSTier(FSSpace):
 
     def _load_index(self) -> None:
         """This process's eviction index from a listing of the directory (after open, on an I/O
-        thread: a large directory on a network filesystem takes a while), and a recount when the
-        ledger is missing, damaged or due, if no other node holds it."""
+        thread: a large directory on a network filesystem takes a while), with a recount of the
+        ledger when it is missing, damaged or due (and no other node holds it past the timeout)."""
         if self._read_only is None:
             try:
-                with self._led.locked(self.config.lock_timeout_s):
-                    st = self._led.read()
-                    if st is None or time.time() - st.reconciled_at > self.config.reconcile_interval_s:
-                        self._recount_locked()
-                        return
+                if self._due():
+                    self._recount()
+                    return
             except LedgerBusyError as e:
                 log.info("tier %s: %s; listing without a recount", self.name, e)
-        found = sorted(self.layout.walk(), key=lambda r: r[2].st_atime)
+        _, _, index = self._walked()
         with self._index_lock:
-            for key, _, fst in found:
+            for key, size, atime in index:
                 if key not in self._policy:  # (what this process wrote since open is newer)
-                    self._policy.insert(key, fst.st_size)
-                    self._stamps[key] = fst.st_atime
+                    self._policy.insert(key, size)
+                    self._stamps[key] = atime
 
     def _probe_write(self) -> None:
         """Create and remove a temporary file: a read-only mount or a missing permission shows here."""
@@ -248,9 +246,10 @@ class FSTier(FSSpace):
     def _upkeep_sync(self) -> None:
         if self._read_only is not None:
             return
-        with self._led.locked(self.config.lock_timeout_s):
-            st = self._held()  # recounts when due
-            self._led.write(st)
+        if self._due():
+            self._recount()
+        else:
+            self._flush_pending()
         if time.time() - self._last_sweep > self.config.temp_max_age_s / 4:
             self._sweep_sync()
 
@@ -338,11 +337,11 @@ class FSTier(FSSpace):
         total = sum(sizes)
         if total > self._cap:
             raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes is larger than its {self._cap}-byte cap")
-        await self._run(self._reserve, total, len(records))
         todo = [
             (self._next_temp(size), self.layout.record_path(k), parts)
             for (k, parts), size in zip(records, sizes, strict=True)
         ]
+        await self._run(self._reserve, total, len(records), [tmp for tmp, _, _ in todo])
         try:
             outcomes = await self._sliced(write_slice, todo, self._durable)
         except BaseException:
@@ -351,7 +350,7 @@ class FSTier(FSSpace):
         failed = next((got for got in outcomes if isinstance(got, BaseException)), None)
         if failed is not None:  # all or nothing: what this batch published goes too
             done = [k for (k, _), got in zip(records, outcomes, strict=True) if not isinstance(got, BaseException)]
-            await self._run(_unlink_all, [self.layout.record_path(k) for k in done])
+            await self._run(unlink_all, [self.layout.record_path(k) for k in done])
             self._unreserve(total, len(records))
             raise failed
         now = time.time()
@@ -483,11 +482,10 @@ class FSTier(FSSpace):
                 os.unlink(aside)
         if n:
             with self._led.locked(self.config.lock_timeout_s):
-                if resized:
-                    self._recount_locked()
-                else:
-                    st = self._held()
-                    self._led.write(type(st)(max(st.used - freed, 0), max(st.records - n, 0), st.reconciled_at))
+                st = self._held()
+                self._led.write(type(st)(max(st.used - freed, 0), max(st.records - n, 0), st.reconciled_at))
+        if resized:
+            self._recount()
         return n
 
     # ---- admin reads -------------------------------------------------------------------
@@ -546,11 +544,7 @@ class FSTier(FSSpace):
         await self._ensure_open()
         self._writable("recount")
 
-        def run() -> int:
-            with self._led.locked(self.config.lock_timeout_s):
-                return self._recount_locked().used
-
-        return int(await self._guard("reconcile", 0, self._run(run)))
+        return int((await self._guard("reconcile", 0, self._run(self._recount))).used)
 
 
 def _exist(paths: list[str]) -> list[bool]:
@@ -571,14 +565,6 @@ def _touch(paths: list[str], now: float) -> None:
         try:
             os.utime(p, (now, os.lstat(p).st_mtime), follow_symlinks=False)
         except OSError:
-            pass
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
             pass
 
 

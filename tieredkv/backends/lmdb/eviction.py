@@ -170,6 +170,8 @@ class LMDBEviction(LMDBRecordFiles):
             self._rescan = None
         self._forget(evicted)
         self._count("evictions", sum(1 for size in evicted.values() if size))
+        if evicted and self._removal_listener is not None:  # (and those another process took first)
+            self._removed(list(evicted))
 
     def _forget(self, keys: Any) -> None:
         torders = self._torders if self._torders else None

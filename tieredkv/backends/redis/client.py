@@ -63,13 +63,14 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tieredkv.backends.base import Tier
+from tieredkv.backends.base import RemovalListener, Tier
 from tieredkv.backends.redis.cluster import ClusterBatches
 from tieredkv.backends.redis.config import RedisTierConfig
 from tieredkv.backends.redis.keys import redis_key
 from tieredkv.backends.redis.native import native_run
 from tieredkv.backends.redis.pool import RespPool, native_target
 from tieredkv.backends.redis.probe import BoundedExists, Where, command, literal_address
+from tieredkv.backends.redis.removals import RemovalWatch
 from tieredkv.backends.redis.tenants import TenantBooks
 from tieredkv.errors import (
     ConfigError,
@@ -137,6 +138,23 @@ class RedisTierBase(Tier):
         self._capacity: int | None = None
         parts = urlsplit(config.url)
         self._where = f"{parts.scheme}://{parts.hostname or parts.path}{f':{parts.port}' if parts.port else ''}"
+        #: What the server removes by itself, watched while a removal listener is set
+        #: (:mod:`~tieredkv.backends.redis.removals`).
+        self._removal_watch: RemovalWatch | None = None
+
+    @property
+    def removal_watch(self) -> RemovalWatch | None:
+        """The watch of the server's own removals, once a removal listener is set and the tier open."""
+        return self._removal_watch
+
+    def set_removal_listener(self, fn: RemovalListener | None) -> None:
+        """As :meth:`Tier.set_removal_listener`; the server's own removals (``maxmemory``, TTL) are
+        watched from then on (:mod:`~tieredkv.backends.redis.removals`): started here when the
+        tier is open (call it on the tier's loop), else when it opens."""
+        super().set_removal_listener(fn)
+        if fn is not None and self._opened and self._client is not None and self._removal_watch is None:
+            self._removal_watch = RemovalWatch(self)
+            self._removal_watch.start()
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key this tier stores ``key`` under."""
@@ -271,6 +289,9 @@ class RedisTierBase(Tier):
             log.warning("tier %s: tenant books not read: %s", self.name, e)
         if self.quotas.enabled:
             self._capacity = (await self._memory())[0]
+        if self._removal_listener is not None and self._removal_watch is None:
+            self._removal_watch = RemovalWatch(self)
+            self._removal_watch.start()
 
     async def _memory(self) -> tuple[int | None, list[dict[str, Any]], list[int]]:
         """maxmemory summed over the primaries (None when one has none), each one's INFO memory
@@ -361,6 +382,9 @@ class RedisTierBase(Tier):
         bounded, self._bounded = self._bounded, None
         if bounded is not None:
             bounded.close()
+        watch, self._removal_watch = self._removal_watch, None
+        if watch is not None:
+            await watch.stop()
         native, self._native = self._native, None
         if native is not None:
             await native.aclose()

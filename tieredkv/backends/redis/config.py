@@ -55,6 +55,27 @@ class RedisTierConfig(TierConfigBase):
         " may wait for the server so it is answered in the step it is asked; past it, or when the server"
         " fails, the lookup is answered asynchronously (a step later). 0: always asynchronously.",
     )
+    removal_watch: Literal["auto", "scan", "off"] = Field(
+        "auto",
+        description="How the records the server removes by itself (maxmemory evictions, ttl_s expiries) are"
+        " observed, for KV events (only while an engine asks for them): 'auto' turns on keyspace"
+        " notifications for evicted and expired keys (CONFIG SET notify-keyspace-events, adding flags"
+        " E, e, x, never removing any) and subscribes on every primary, or, where CONFIG is refused and"
+        " the flags are not already on, checks the keys this process stored with EXISTS in bounded"
+        " rounds; 'scan' always does the latter (never touches the server's config); 'off' observes nothing.",
+    )
+    removal_scan_interval_s: float = Field(
+        1.0, gt=0, description="Removal scan ('scan' mode): seconds between two rounds of EXISTS."
+    )
+    removal_scan_keys: int = Field(
+        1024, ge=1, description="Removal scan: keys checked per round (one pipelined EXISTS each)."
+    )
+    removal_scan_max_keys: int = Field(
+        1 << 18,
+        ge=1,
+        description="Removal scan: keys this process stored that it keeps checking, at most; past it the"
+        " oldest are forgotten (their removal is then not reported).",
+    )
     encryption: EncryptionConfig | None = Field(None, description=ENCRYPTION_DOC)
 
     @field_validator("key_prefix")

@@ -60,6 +60,8 @@ class RedisWrites(RedisTierBase):
                 await self._set_records(items)
             else:
                 await self._set_records(items, tenants)
+            if self._removal_watch is not None:
+                self._removal_watch.track([k for k, _ in items])
         finally:
             mine.set_result(None)
             for k, _ in items:
@@ -153,6 +155,9 @@ class RedisWrites(RedisTierBase):
             if pinned:  # in use here (being loaded): back in the books, as the newest
                 await self._books.account(pinned, {}, None)
             self._count("tenant_evictions", await self._books.delete_victims(victims))
+            if self._removal_watch is not None and victims:
+                taken = [parse_redis_key(self._prefix, rk) for vs in victims.values() for rk, _ in vs]
+                await self._removal_watch.confirm([k for k in taken if k is not None])
         except RedisError as e:
             self._count("tenant_books_errors")
             log.warning("tier %s: tenant books not kept for a batch of %d records: %s", self.name, n, e)
@@ -169,7 +174,24 @@ class RedisWrites(RedisTierBase):
     async def _raw_put_many(self, items: list[tuple[bytes, memoryview]]) -> None:
         """SET whole records as given. With quotas configured (a store's tier: the records of a
         sealed tier come this way), each record counts in the books of the tenant its header
-        names, as :meth:`_set_records` counts them; an admin tool's tier has no quotas."""
+        names, as :meth:`_set_records` counts them; an admin tool's tier has no quotas. While
+        the server's removals are watched, its keys are registered as being written, as
+        :meth:`_put_many`'s are (the watch reports a key gone only after its write returned)."""
+        if self._removal_watch is None:
+            await self._raw_set(items)
+            return
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for k, _ in items:
+            self._writing[k] = mine
+        try:
+            await self._raw_set(items)
+        finally:
+            mine.set_result(None)
+            for k, _ in items:
+                if self._writing.get(k) is mine:
+                    del self._writing[k]
+
+    async def _raw_set(self, items: list[tuple[bytes, memoryview]]) -> None:
         ttl = self.config.ttl_s
         tenants = [_header_tenant(rec) for _, rec in items] if self.quotas.enabled and not self._books.refused else []
         quotas = self._batch_quotas([len(rec) for _, rec in items], tenants) if any(tenants) else None
@@ -185,6 +207,8 @@ class RedisWrites(RedisTierBase):
                 for i, rk in zip(run, rkeys, strict=True):
                     if tenants[i]:
                         booked.setdefault(tenants[i], []).append((rk, len(items[i][1])))
+        if self._removal_watch is not None:
+            self._removal_watch.track([k for k, _ in items])
         if booked:
             assert quotas is not None
             await self._keep_books(booked, quotas, len(items))

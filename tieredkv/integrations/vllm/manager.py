@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -21,6 +22,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tieredkv.integrations.vllm.events import KVEvents
 from tieredkv.integrations.vllm.lookups import AsyncLookups, request_offload_keys
 from tieredkv.integrations.vllm.namespace import new_generation
 from tieredkv.integrations.vllm.shared import TieredKVLoadStoreSpec, acquire_store, release_store
@@ -90,6 +92,18 @@ class TieredKVManager(OffloadingManager):
         self._closed = False
         self._stats = StoreStatsReporter(lambda: [self.store])
         self._stats_at = float("-inf")
+        #: KV events of the tiers (:mod:`~tieredkv.integrations.vllm.events`), while vLLM's are on.
+        self._events: KVEvents | None = (
+            KVEvents(
+                self.store,
+                self._writing,
+                primary=True,
+                partial_groups=self._partial_groups,
+                blocks_per_chunk=self._bpc,
+            )
+            if spec.kv_events_config.enable_kv_cache_events
+            else None
+        )
 
     def get_stats(self) -> Any:
         """tieredkv's counter increments since the last report (an ``OffloadingConnectorStats`` or
@@ -294,6 +308,8 @@ class TieredKVManager(OffloadingManager):
             # worker queues what the staging pool cannot hold yet.
             self.counters["store_over_cap_batches"] += 1
         writing.update(todo_skeys)
+        if self._events is not None and not self._events.key_len and todo:
+            self._events.key_len = len(todo[0])
         self._inflight += len(todo)
         self.counters["store_chunks"] += len(todo)
         return PrepareStoreOutput(
@@ -356,6 +372,14 @@ class TieredKVManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What the tiers came to hold and stopped holding since the last call, as vLLM's
+        ``OffloadingEvent``s with each tier's medium (:mod:`~tieredkv.integrations.vllm.events`);
+        nothing unless vLLM's KV cache events are on."""
+        if self._events is None:
+            return ()
+        return self._events.take(self._sh.fingerprint)
 
     def on_schedule_end(self, context: Any) -> None:
         self._lookups.flush()

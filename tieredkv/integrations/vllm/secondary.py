@@ -22,13 +22,14 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Container, Iterable
 from typing import Any, ClassVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -37,6 +38,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.config import load_config
+from tieredkv.integrations.vllm.events import KVEvents
 from tieredkv.integrations.vllm.lookups import AsyncLookups, request_offload_keys
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
@@ -127,6 +129,16 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, tuple[str, tuple[bytes, ...]]] = {}
         self._finished: list[JobResult] = []
         self.counters: collections.Counter[str] = collections.Counter()
+        #: Stored keys of put jobs finished here but not yet handed to vLLM (get_finished_jobs):
+        #: with those being written, the stores vLLM has not seen complete (KV events only).
+        self._unreported: collections.Counter[bytes] = collections.Counter()
+        self._unreported_jobs: dict[int, tuple[bytes, ...]] = {}
+        #: KV events of the tiers (:mod:`~tieredkv.integrations.vllm.events`), while vLLM's are on.
+        self._events: KVEvents | None = (
+            KVEvents(self.store, _Either(self._writing, self._unreported), primary=False)
+            if offloading_spec.kv_events_config.enable_kv_cache_events
+            else None
+        )
 
     # ---- keys -----------------------------------------------------------------------------
 
@@ -178,6 +190,8 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         if not items:
             self._finished.append(JobResult(job_id=job_id, success=True, transfer_time=0.0, transfer_bytes=0))
             return
+        if self._events is not None and not self._events.key_len:
+            self._events.key_len = len(items[0][0]) - len(self._fp)
         for skey, _ in items:
             self._writing[skey] += 1
         self._jobs[job_id] = ("put", tuple(k for k, _ in items))
@@ -199,6 +213,15 @@ class TieredKVSecondaryTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._collect()
         out, self._finished = self._finished, []
+        if self._unreported_jobs:
+            unreported = self._unreported
+            for r in out:
+                for k in self._unreported_jobs.pop(int(r.job_id), ()):
+                    n = unreported[k] - 1
+                    if n > 0:
+                        unreported[k] = n
+                    else:
+                        del unreported[k]
         return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -218,6 +241,14 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         """Block until every transfer and lookup in flight has finished (tests, orderly stop;
         never called by vLLM)."""
         return self.store.drain(timeout) and self._lookups.wait(timeout)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What tieredkv's tiers came to hold and stopped holding since the last call, as vLLM's
+        ``OffloadingEvent``s with each tier's medium and ``ownership="tieredkv:<tier>"``
+        (:mod:`~tieredkv.integrations.vllm.events`); nothing unless vLLM's KV cache events are on."""
+        if self._events is None:
+            return ()
+        return self._events.take(self._fp)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the tiers keep their own LRU on access
@@ -265,7 +296,10 @@ class TieredKVSecondaryTier(SecondaryTierManager):
                 continue
             kind, _ = entry
             if kind == "put":
-                self._end_put(r.job_id)
+                skeys = self._end_put(r.job_id)
+                if self._events is not None:
+                    self._unreported.update(skeys)  # announced once vLLM is told (get_finished_jobs)
+                    self._unreported_jobs[r.job_id] = skeys
                 self._remember(r.done)
                 self._lookups.forget(r.done)
                 self.counters["stored_chunks"] += len(r.done)
@@ -290,3 +324,18 @@ class TieredKVSecondaryTier(SecondaryTierManager):
                         transfer_bytes=r.nbytes,
                     )
                 )
+
+
+class _Either:
+    """``key in`` either container (what KV events hold back: stores vLLM has not seen complete)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[bytes], b: Container[bytes]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
+
+    def __bool__(self) -> bool:
+        return bool(self.a) or bool(self.b)

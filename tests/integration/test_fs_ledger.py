@@ -1,0 +1,127 @@
+"""The fs tier's shared usage ledger: a recount holds it (exact; a store that waits too long is
+refused, never hung), a damaged ledger rebuilt from the directory, and drift from a writer that
+died after its reservation given back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.drills._util import payload, skey
+from tieredkv.backends.fs import FSTier, FSTierConfig
+from tieredkv.backends.fs.layout import Layout
+from tieredkv.backends.fs.ledger import LedgerState, acquire, release
+from tieredkv.errors import TierTimeoutError
+
+KiB = 1024
+
+
+def tier(path: Path, **kw: Any) -> FSTier:
+    return FSTier(FSTierConfig(path=str(path), **{"size_cap_bytes": "64MiB", **kw}))
+
+
+def on_disk(path: Path) -> tuple[int, int]:
+    found = Layout(str(path)).walk()
+    return sum(st.st_size for _, _, st in found), len(found)
+
+
+def ledger(path: Path) -> LedgerState:
+    led = acquire(Layout(str(path)).ledger)
+    try:
+        st = led.read()
+    finally:
+        release(led)
+    assert st is not None
+    return st
+
+
+def test_a_recount_holds_the_ledger_and_a_store_that_waits_too_long_is_refused(tmp_path: Path) -> None:
+    """A recount holds the ledger through its walk (exact counts): another writer's store waits,
+    and past its ``lock_timeout_s`` is refused (counted ``ledger_busy``); once the walk is done
+    stores go on, and the ledger holds exactly what the directory does."""
+    d = tmp_path / "d"
+
+    async def run() -> None:
+        async with tier(d, lock_timeout_s=0.2) as writer:
+            await writer.put_many([(skey(i), payload(i, 1, 32 * KiB)) for i in range(8)])
+            async with tier(d) as walker:
+                while (await walker.stats()).extra["records_known_here"] < 8:  # its listing at open is done
+                    await asyncio.sleep(0.01)
+                in_walk, go_on = threading.Event(), threading.Event()
+                real = walker.layout.walk
+
+                def slow_walk(*a: Any) -> Any:
+                    got = real(*a)
+                    in_walk.set()
+                    assert go_on.wait(60), "the test never let the walk finish"
+                    return got
+
+                walker.layout.walk = slow_walk  # type: ignore[method-assign]
+                recount = asyncio.ensure_future(walker.reconcile())
+                assert await asyncio.to_thread(in_walk.wait, 60)
+                with pytest.raises(TierTimeoutError, match="usage ledger"):
+                    await writer.put_many([(skey(100), payload(100, 1, 32 * KiB))])
+                assert writer.counters["ledger_busy"] == 1
+                assert await writer.get_many([skey(0)]) == [payload(0, 1, 32 * KiB)]  # reads go on
+                go_on.set()
+                assert await recount == 8 * (32 * KiB + 64)
+                await writer.put_many([(skey(100), payload(100, 1, 32 * KiB))])
+        st = ledger(d)
+        assert (st.used, st.records) == on_disk(d) == (9 * (32 * KiB + 64), 9)
+
+    asyncio.run(run())
+
+
+def test_a_damaged_ledger_is_rebuilt_from_the_directory(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+
+    async def seed() -> None:
+        async with tier(d) as t:
+            await t.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(5)])
+
+    asyncio.run(seed())
+    with open(Layout(str(d)).ledger, "r+b") as f:
+        f.write(b"\xff" * 20)
+
+    async def again() -> None:
+        async with tier(d) as t:
+            await t.put_many([(skey(9), payload(9, 1, 10 * KiB))])
+            assert t.counters["recounts"] >= 1
+
+    asyncio.run(again())
+    st = ledger(d)
+    assert (st.used, st.records) == on_disk(d)
+
+
+def test_a_reservation_left_by_a_dead_writer_is_given_back_by_a_recount(tmp_path: Path) -> None:
+    """A writer that dies between its reservation and its rename leaves the ledger counting bytes
+    that are not there; the cap then holds with room to spare, until a store finds nothing left
+    to evict and recounts."""
+    d = tmp_path / "d"
+    cap = 256 * KiB
+
+    async def run() -> None:
+        async with tier(d, size_cap_bytes=cap) as t:
+            await t.put_many([(skey(1), payload(1, 1, 60 * KiB))])
+            led = acquire(Layout(str(d)).ledger)
+            try:
+                with led.locked(5):
+                    st = led.read()
+                    assert st is not None
+                    led.write(LedgerState(st.used + 150 * KiB, st.records + 2, st.reconciled_at))  # the ghost
+            finally:
+                release(led)
+            await t.delete_many([skey(1)])
+            # 200 KiB fit the cap; the ghost says they do not and the index has nothing to evict
+            await t.put_many([(skey(2), payload(2, 1, 100 * KiB)), (skey(3), payload(3, 1, 100 * KiB))])
+            assert t.counters["recounts"] >= 1
+
+    asyncio.run(run())
+    st = ledger(d)
+    assert (st.used, st.records) == on_disk(d)
+    assert os.listdir(Layout(str(d)).tmp) == []

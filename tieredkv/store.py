@@ -138,6 +138,11 @@ class TieredStore(StoreControls):
         #: to and including the first answer that is neither HIT nor PENDING, counted once (a
         #: scheduler's prefix scan); keys in ``writing`` are PENDING.
         self.probe_prefix: Callable[..., list[KeyState | None]] = self.pipeline.probe_prefix
+        #: ``probe_many(keys)``: ``probe`` of each key where it can be answered in the calling
+        #: thread within bounded time, a tier that cannot tell without waiting asked once for all
+        #: (Redis: one pipelined ``EXISTS`` within its ``lookup_budget_ms``); None: ask
+        #: :meth:`lookup_async`. A scheduler's request, its whole prefix in one round trip.
+        self.probe_many: Callable[[Sequence[bytes]], list[KeyState | None]] = self.pipeline.probe_many
         #: ``activity()``: a number that moves whenever a counter :meth:`stats` reports may have
         #: moved (a job, write-back or batched lookup ended, a store was refused, a group
         #: registered): a caller polling every engine step reads the counters only when it moved.

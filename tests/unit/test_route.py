@@ -1,5 +1,6 @@
 """The route walker (:mod:`tieredkv.pipeline.route`): plans per group, the walk of one key without
-waiting, and the batched asynchronous walk, over stand-in tiers that count what they are asked."""
+waiting, the batched walk answered in the step (``find_now``) and the batched asynchronous walk,
+over stand-in tiers that count what they are asked."""
 
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ class Held:
     """A stand-in tier: holds ``keys``; ``sync`` says whether it can answer without waiting (a
     Redis server cannot); ``index`` offers an in-process index. Counts its calls."""
 
-    def __init__(self, name: str, keys: set[bytes], *, sync: bool = True, index: bool = False) -> None:
+    def __init__(
+        self, name: str, keys: set[bytes], *, sync: bool = True, index: bool = False, batch: bool = True
+    ) -> None:
         self.name = name
         self.keys = keys
         self.sync = sync
         self.index = index
+        self.batch = batch  # answers probe_batch (a server within its budget) or not (None)
         self.asked: list[list[bytes]] = []  # contains_many calls
+        self.batched: list[list[bytes]] = []  # probe_batch calls
         self.probed = 0
 
     def probe_key(self, k: bytes) -> bool | None:
@@ -38,6 +43,10 @@ class Held:
 
     def probe_members(self) -> set[bytes] | None:
         return self.keys if self.index else None
+
+    def probe_batch(self, keys: list[bytes]) -> list[bool] | None:
+        self.batched.append(list(keys))
+        return [k in self.keys for k in keys] if self.batch else None
 
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
         self.asked.append(list(keys))
@@ -153,3 +162,55 @@ def test_find_many_follows_route_order_and_passes_over_a_tier_it_cannot_ask() ->
     w, lanes = routed([cpu, disk], {0: ["cpu", "disk"]})
     del lanes["cpu"]  # a route's tier without a lane is skipped
     assert asyncio.run(w.find_many([a, b], [0, 1])) == {0: "disk"}
+
+
+def test_find_now_asks_a_tier_that_cannot_tell_once_for_every_key_that_reached_it() -> None:
+    """In-process tiers answer key by key; a server (``probe_key`` None) is asked once, in one
+    ``probe_batch``, for every key whose walk stopped at it, and a key it does not hold walks on."""
+    k = [key(i, g) for g in (0, 1) for i in range(4)]  # group 0: k[0:4], group 1: k[4:8]
+    cpu = Held("cpu", {k[0], k[4]})
+    remote = Held("remote", {k[1], k[5]}, sync=False)
+    disk = Held("disk", {k[2]})
+    w, _ = routed([cpu, remote, disk], {0: ["cpu", "remote", "disk"], 1: ["cpu", "remote"]})
+    found = w.find_now(k, range(8))
+    assert {i: name for i, (_, name) in found.items()} == {
+        0: "cpu",
+        1: "remote",
+        2: "disk",
+        3: False,
+        4: "cpu",
+        5: "remote",
+        6: False,
+        7: False,
+    }
+    assert remote.batched == [[k[1], k[2], k[3], k[5], k[6], k[7]]]  # one batch, both groups
+    assert found[0][0] is w.plan(k[0]) and found[4][0] is w.plan(k[4])  # where each is counted
+    assert w.find_now(k, [1]) == {1: (w.plan(k[1]), "remote")} and remote.batched[-1] == [k[1]]
+
+
+def test_find_now_leaves_to_the_asynchronous_walk_what_it_cannot_answer() -> None:
+    a, b, c = key(1), key(2), key(3)
+    cpu = Held("cpu", {a})
+    remote = Held("remote", {b}, sync=False, batch=False)  # over its budget, or down
+    w, lanes = routed([cpu, remote], {0: ["cpu", "remote"]})
+    found = w.find_now([a, b, c], range(3))
+    assert {i: n for i, (_, n) in found.items()} == {0: "cpu"} and remote.batched == [[b, c]]
+
+    remote.batch = True
+    lanes["remote"].breaker.trip()  # not closed: not asked at all
+    assert {i: n for i, (_, n) in w.find_now([a, b, c], range(3)).items()} == {0: "cpu"}
+    assert len(remote.batched) == 1
+    lanes["remote"].breaker.success()
+
+    # Two servers, routes in opposite orders: each server is asked once per call, so a key that
+    # reaches a server after its batch went out is left unanswered (bounded: one wait per server).
+    x, y = key(5, 0), key(6, 1)
+    remote.keys, remote.batched = {y}, []
+    r2 = Held("r2", {x}, sync=False)
+    w, _ = routed([cpu, remote, r2], {0: ["remote", "r2"], 1: ["r2", "remote"]})
+    found = w.find_now([x, y], range(2))
+    assert {i: n for i, (_, n) in found.items()} == {0: "r2"}
+    assert remote.batched == [[x]] and r2.batched == [[y, x]]  # y would reach remote after its batch
+
+    w, _ = routed([cpu, remote], {0: ["cpu", "remote"]}, live=False)  # no plan: nothing answered
+    assert w.find_now([a, b], range(2)) == {}

@@ -20,20 +20,26 @@ a forward reads, every step. The same schedule runs with:
 
 "settle": the harness lets I/O started in a step finish before the step ends (the reference's
 stand-in copies synchronously; a device step outlasts tier I/O), so the rows compare what the
-manager *decides*, not how fast this 2-core box is. Rows without settling check the same
-correctness (idle, 0 wrong bytes) under real asynchronous timing.
+manager *decides*, not how fast this 2-core box is. Likewise a settled Redis row gives the
+tier's in-step lookups (``lookup_budget_ms``, one pipelined ``EXISTS`` per request) a budget this
+box always meets (:data:`SETTLED_LOOKUP_BUDGET_MS`; on a loopback round trip of 50-100 µs the
+default 1 ms is met unless the server waits for one of the two shared cores). Rows without
+settling check the same correctness (idle, 0 wrong bytes) under real asynchronous timing, with
+the default budget.
 
 Asserted per row: every run reaches idle (no spinning: ``has_pending_work`` is false once the work
 is done), 0 wrong bytes, every request finishes with the model's tokens, steps ≤ vLLM's ×1.25 (+8)
 (×1.6 + 20 unsettled), and hit tokens of every group ≥ 0.9× vLLM's own path (settled runs).
 
 Known gaps are reported as an xfail with their numbers, never hidden, and only where the cause
-is outside what this issue changes: on hybrid rows (SWA + Mamba), a path whose lookup of a new
-prefix is answered a step later — a Redis-only route (a network server cannot be probed without
-waiting, and the scheduler thread never waits) or vLLM's own tiering manager (it promotes a
-secondary-tier hit into its primary before the load) — shifts which sliding-window / Mamba
-boundaries vLLM 0.33's store logic keeps (only replay and shared-prefix boundaries), and later
-hits can fall under 0.9×. ``cap1-lmdb`` hits are reported, not compared: vLLM's connector drops a
+is outside what tieredkv decides: on hybrid rows (SWA + Mamba), a path whose lookup of a new
+prefix is answered a step later — vLLM's own tiering manager, which promotes a secondary-tier
+hit into its primary before the load and answers HIT_PENDING until it is there, whatever the
+secondary tier (``sec-lmdb`` answers in the step and defers the same way) — shifts which
+sliding-window / Mamba boundaries vLLM 0.33's store logic keeps (only replay and shared-prefix
+boundaries), and later hits can fall under 0.9×. A Redis route answers in the step now (the
+request's whole prefix in one pipelined ``EXISTS``), so ``spec-redis`` is held to 0.9× like the
+others, here and on seeds 1-2 (:func:`test_hybrid_rows_over_redis_on_more_seeds`). ``cap1-lmdb`` hits are reported, not compared: vLLM's connector drops a
 full-attention chunk refused on a request's last store pass (tieredkv's own connector is the fix
 for both); what is asserted there is that no sliding-window or Mamba key is ever declined.
 """
@@ -66,7 +72,15 @@ def _row_id(row: tuple[tuple[str, ...], int, bool]) -> str:
     return f"{'+'.join(groups)}-bpc{bpc}-{'async' if a else 'sync'}"
 
 
-def _tiers_file(path: Path, kind: str, url: str | None = None, cluster: bool = False) -> Path:
+#: ``lookup_budget_ms`` of the settled rows' Redis tiers: what this shared 2-core box always meets
+#: (a batch the box delays past 1 ms would fall back to the asynchronous path, a timing effect the
+#: settled rows leave out, as they do for stores); unsettled rows keep the default (1 ms).
+SETTLED_LOOKUP_BUDGET_MS = 1000.0
+
+
+def _tiers_file(
+    path: Path, kind: str, url: str | None = None, cluster: bool = False, lookup_budget_ms: float | None = None
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tier = {
         "cpu": {"kind": "cpu", "name": "cpu", "capacity_bytes": "16MiB"},
@@ -86,6 +100,8 @@ def _tiers_file(path: Path, kind: str, url: str | None = None, cluster: bool = F
             "key_prefix": f"tkv-loop-{uuid.uuid4().hex[:12]}",
         },  # cold, like the reference
     }[kind]
+    if kind == "redis" and lookup_budget_ms is not None:
+        tier["lookup_budget_ms"] = lookup_budget_ms
     f = path / "tiers.json"
     f.write_text(
         json.dumps(
@@ -131,6 +147,8 @@ def report_table() -> list[str]:
     lines = []
     for rec in _REPORT:
         head = f"{rec['groups']:15} bpc={rec['bpc']} {'async' if rec['async'] else 'sync '}"
+        if rec.get("seed"):
+            head += f" seed={rec['seed']}"
         cells = []
         for name, run in rec["runs"].items():
             hits = "/".join(str(v) for v in run["hits"].values())
@@ -148,9 +166,9 @@ def assert_healthy(name: str, r: RunResult) -> None:
     assert r.checked_slots > 10_000, (name, r.checked_slots)
 
 
-def _record(row: tuple[tuple[str, ...], int, bool], runs: dict[str, RunResult]) -> dict[str, Any]:
+def _record(row: tuple[tuple[str, ...], int, bool], runs: dict[str, RunResult], seed: int = 0) -> dict[str, Any]:
     groups, bpc, a = row
-    rec = {"groups": "+".join(groups), "bpc": bpc, "async": a, "runs": {}}
+    rec = {"groups": "+".join(groups), "bpc": bpc, "async": a, "seed": seed, "runs": {}}
     for name, r in runs.items():
         rec["runs"][name] = {
             "steps": r.steps,
@@ -177,10 +195,12 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
     kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": a}
     runs = {"ref": run_engine(reference_extra_config(bpc), **kw)}
     for kind in ("cpu", "lmdb", "fs", "redis"):
-        tiers = _tiers_file(tmp_path / f"spec-{kind}", kind, redis_server.url)
+        tiers = _tiers_file(
+            tmp_path / f"spec-{kind}", kind, redis_server.url, lookup_budget_ms=SETTLED_LOOKUP_BUDGET_MS
+        )
         runs[f"spec-{kind}"] = run_engine(spec_extra(bpc, tiers), settle=True, **kw)
     for kind in ("lmdb", "fs", "redis"):
-        tiers = _tiers_file(tmp_path / f"sec-{kind}", kind, redis_server.url)
+        tiers = _tiers_file(tmp_path / f"sec-{kind}", kind, redis_server.url, lookup_budget_ms=SETTLED_LOOKUP_BUDGET_MS)
         runs[f"sec-{kind}"] = run_engine(
             secondary_extra(bpc, tiers), settle=True, tiering_cpu_worker=True, reset_connector=True, **kw
         )
@@ -215,10 +235,102 @@ def test_engine_loop_matches_vllm(row: tuple[tuple[str, ...], int, bool], tmp_pa
             assert name in DEFERRED_LOOKUP_PATHS and "mamba" in groups, gap
             gaps.append(gap)
     if gaps:
-        pytest.xfail(f"hybrid row, lookup of new prefixes answered a step later: {gaps}")
+        pytest.xfail(
+            f"hybrid row behind vLLM's tiering manager (it promotes before it loads: HIT_PENDING, a step later): {gaps}"
+        )
 
 
-DEFERRED_LOOKUP_PATHS = ("spec-redis", "sec-lmdb", "sec-fs", "sec-redis")
+#: Paths whose hybrid rows may fall under 0.9× (xfail with numbers): behind vLLM's tiering manager,
+#: which promotes a secondary-tier hit before loading it (see the module docstring).
+DEFERRED_LOOKUP_PATHS = ("sec-lmdb", "sec-fs", "sec-redis")
+
+
+SEED_ROWS = [(seed, bpc, a) for seed in (1, 2) for bpc in (1, 2, 4) for a in (False, True)]
+
+
+@pytest.mark.parametrize("row", SEED_ROWS, ids=[f"seed{s}-bpc{b}-{'async' if a else 'sync'}" for s, b, a in SEED_ROWS])
+def test_hybrid_rows_over_redis_on_more_seeds(row: tuple[int, int, bool], tmp_path: Path, redis_server: Any) -> None:
+    """The hybrid rows (full + sliding window + Mamba) over Redis on workloads of seeds 1 and 2:
+    ``TieredKVOffloadingSpec`` behind vLLM's connector (``spec-redis``) and behind
+    ``TieredKVConnector`` (``tkc-spec-redis``) get ≥ 0.9× vLLM's own hit tokens in every group,
+    every lookup answered in the step it was asked (no asynchronous lookup sent: the request's
+    prefix went out as one pipelined ``EXISTS`` within the budget). ``sec-redis`` answers in the
+    step too, so it decides as ``sec-lmdb`` does (≥ 0.9× of it); where both fall under 0.9× of
+    vLLM's path the cause is vLLM's tiering manager (promotion before load), an xfail with numbers."""
+    seed, bpc, a = row
+    groups = ("full", "swa", "mamba")
+    kw: dict[str, Any] = {"groups": groups, "blocks_per_chunk": bpc, "async_scheduling": a, "seed": seed}
+    budget = SETTLED_LOOKUP_BUDGET_MS
+    runs = {"ref": run_engine(reference_extra_config(bpc), **kw)}
+    lookups: dict[str, dict[str, int]] = {}
+    for name, connector in (("spec-redis", {}), ("tkc-spec-redis", TKC)):
+        tiers = _tiers_file(tmp_path / name, "redis", redis_server.url, lookup_budget_ms=budget)
+        with _lookup_stats(lookups, name):
+            runs[name] = run_engine(spec_extra(bpc, tiers), settle=True, **connector, **kw)
+    for kind in ("lmdb", "redis"):
+        tiers = _tiers_file(tmp_path / f"sec-{kind}", kind, redis_server.url, lookup_budget_ms=budget)
+        runs[f"sec-{kind}"] = run_engine(
+            secondary_extra(bpc, tiers), settle=True, tiering_cpu_worker=True, reset_connector=True, **kw
+        )
+    _record((groups, bpc, a), runs, seed)
+    print(f"seed {seed} lookups {lookups}")
+    ref = runs["ref"]
+    for name, r in runs.items():
+        assert_healthy(name, r)
+        assert r.steps <= ref.steps * STEP_RATIO + STEP_SLACK, (name, r.steps, ref.steps)
+    for name in ("spec-redis", "tkc-spec-redis"):
+        st = lookups[name]
+        assert st["step_batches"] > 0 and st["queries"] == 0 and st["lookup_retry"] == 0, (name, st)
+        for g in groups:
+            assert runs[name].hit_tokens.get(g, 0) >= HIT_RATIO * ref.hit_tokens.get(g, 0), (
+                name,
+                g,
+                runs[name].hit_tokens,
+                ref.hit_tokens,
+            )
+    sec, sec_lmdb = runs["sec-redis"], runs["sec-lmdb"]
+    for g in groups:
+        assert sec.hit_tokens.get(g, 0) >= HIT_RATIO * sec_lmdb.hit_tokens.get(g, 0), (
+            g,
+            sec.hit_tokens,
+            sec_lmdb.hit_tokens,
+        )
+    gaps = [
+        (name, g, runs[name].hit_tokens.get(g, 0), ref.hit_tokens.get(g, 0))
+        for name in ("sec-lmdb", "sec-redis")
+        for g in groups
+        if runs[name].hit_tokens.get(g, 0) < HIT_RATIO * ref.hit_tokens.get(g, 0)
+    ]
+    if gaps:
+        pytest.xfail(f"vLLM's tiering manager promotes before it loads (HIT_PENDING, a step later): {gaps}")
+
+
+TKC = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "tieredkv.integrations.vllm"}
+
+
+@contextlib.contextmanager
+def _lookup_stats(out: dict[str, dict[str, int]], name: str) -> Iterator[None]:
+    """What tieredkv's manager's lookups did in the run (read at its shutdown): in-step batches,
+    asynchronous lookups sent, RETRY answers."""
+    from tieredkv.integrations.vllm.spec import TieredKVManager
+
+    orig = TieredKVManager.shutdown
+
+    def shutdown(self: Any) -> None:
+        lk = self._lookups
+        out[name] = {
+            "step_batches": lk.step_batches,
+            "step_answered": lk.step_answered,
+            "queries": lk.queries,
+            "lookup_retry": self.counters.get("lookup_retry", 0),
+        }
+        orig(self)
+
+    TieredKVManager.shutdown = shutdown  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TieredKVManager.shutdown = orig  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -244,14 +356,24 @@ def _watch_refusals(declined_windowed: list[int]) -> Iterator[None]:
 
 
 def test_engine_loop_redis_cluster(tmp_path: Path, redis_cluster: Any) -> None:
-    """The spec over a real 3-master Redis Cluster on the hybrid schedule: idle, 0 wrong bytes."""
+    """The spec over a real 3-master Redis Cluster on the hybrid schedule: idle, 0 wrong bytes, and
+    (its lookups answered in the step: a request's keys grouped by the node owning their slot, one
+    pipelined ``EXISTS`` per node) hit tokens ≥ 0.9× vLLM's own path in every group."""
     groups, bpc = ("full", "swa", "mamba"), 2
     ref = run_engine(reference_extra_config(bpc), groups=groups, blocks_per_chunk=bpc, async_scheduling=True)
-    tiers = _tiers_file(tmp_path / "cluster", "redis", redis_cluster.url, cluster=True)
-    r = run_engine(spec_extra(bpc, tiers), groups=groups, blocks_per_chunk=bpc, async_scheduling=True, settle=True)
-    print(f"ref        {ref.summary()}\ncluster    {r.summary()}")
+    tiers = _tiers_file(
+        tmp_path / "cluster", "redis", redis_cluster.url, cluster=True, lookup_budget_ms=SETTLED_LOOKUP_BUDGET_MS
+    )
+    lookups: dict[str, dict[str, int]] = {}
+    with _lookup_stats(lookups, "cluster"):
+        r = run_engine(spec_extra(bpc, tiers), groups=groups, blocks_per_chunk=bpc, async_scheduling=True, settle=True)
+    print(f"ref        {ref.summary()}\ncluster    {r.summary()} {lookups}")
     assert_healthy("cluster", r)
-    assert all(r.hit_tokens.get(g, 0) > 0 for g in groups), r.hit_tokens
+    assert lookups["cluster"]["queries"] == 0 and lookups["cluster"]["step_batches"] > 0, lookups
+    assert all(r.hit_tokens.get(g, 0) >= HIT_RATIO * ref.hit_tokens.get(g, 0) for g in groups), (
+        r.hit_tokens,
+        ref.hit_tokens,
+    )
     assert r.steps <= ref.steps * STEP_RATIO + STEP_SLACK
 
 

@@ -10,6 +10,7 @@ package alone); the names of vLLM's connector classes the connector builds on ar
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -142,6 +143,13 @@ def test_every_vllm_private_name_the_connector_uses_is_listed_in_compat(tmp_path
         # relied on, not named by the connector: vLLM's _release_step closes the region
         # _acquire_step opens; the other two are read in compat itself
         relied = {"_release_step", "_NONE_HASH_SEED", "_ConnectorMetricName"}
+        # read by the in-step lookups (lookups.request_offload_keys, by name): every key vLLM
+        # records on a request's ReqContext before it asks the first
+        from tieredkv.integrations.vllm import lookups
+
+        assert '"_offload_key_positions"' in inspect.getsource(lookups)
+        assert "_offload_key_positions" in {f.name for f in dataclasses.fields(compat.ReqContext)}
+        relied.add("_offload_key_positions")
         missing = [n for n in listed if n.startswith("_") and n not in used and n not in relied]
         assert not missing, f"listed in compat.py but no longer used by the connector: {missing}"
     finally:

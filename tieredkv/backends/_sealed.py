@@ -270,6 +270,9 @@ class SealedTier(Tier):
     def probe_members(self) -> Container[bytes] | None:
         return self.inner.probe_members()
 
+    def probe_batch(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return self.inner.probe_batch(keys)
+
     def _translate(self, exc: BaseException, op: str) -> TieredKVError:
         return self.inner._translate(exc, op)
 

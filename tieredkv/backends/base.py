@@ -318,6 +318,15 @@ class Tier(ABC):
         scheduler's prefix scans test a run of keys against it in one C loop."""
         return None
 
+    def probe_batch(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each key holds a record, for a batch a scheduler needs answered in the step it
+        asks (a request's whole prefix): from the calling thread, within a bounded time, or None
+        (the asynchronous lookup decides). Where :meth:`probe` answers without waiting this is
+        :meth:`probe` (the default); a network tier may wait here for one round trip within a
+        budget of its own (Redis: a pipelined ``EXISTS`` within ``lookup_budget_ms``), never
+        longer, and answers None past it, when its server fails, or when it cannot tell."""
+        return self.probe(keys)
+
     # ---- observers -----------------------------------------------------------------
 
     def add_observer(self, fn: OpObserver) -> None:

@@ -566,6 +566,46 @@ class Pipeline:
                 lock.release()
         return out
 
+    def probe_many(self, keys: Sequence[bytes]) -> list[KeyState | None]:
+        """:meth:`probe` of each key, answered in the calling thread where it can be within
+        bounded time: a key in flight is PENDING; each key's route is walked as :meth:`probe`
+        walks it, and a tier that cannot tell without waiting is asked once for every key that
+        reached it, within its own bound (:meth:`Tier.probe_batch
+        <tieredkv.backends.base.Tier.probe_batch>`: Redis, one pipelined ``EXISTS`` within its
+        ``lookup_budget_ms``). None for a key that could not be answered so (ask
+        :meth:`lookup_future`). For a scheduler that learns a request's whole prefix at once:
+        one round trip answers all of it in the step. Counted as lookups, like :meth:`probe`."""
+        out: list[KeyState | None] = [None] * len(keys)
+        pending = self.inflight.pending
+        todo = []
+        for i, k in enumerate(keys):
+            if k in pending:
+                out[i] = _PENDING
+            else:
+                todo.append(i)
+        if not todo or not self._live():
+            return out
+        counts: dict[int, list[int]] = {}  # id(stats) -> [hits, misses]
+        stats: dict[int, GroupStats] = {}
+        for i, (plan, got) in self.routes.find_now(keys, todo).items():
+            gs = plan.stats
+            c = counts.get(id(gs))
+            if c is None:
+                c = counts[id(gs)] = [0, 0]
+                stats[id(gs)] = gs
+            if got is False:
+                out[i] = _MISS
+                c[1] += 1
+            else:
+                out[i] = _HIT
+                c[0] += 1
+        if counts:
+            with self._lookup_lock:
+                for sid, (h, m) in counts.items():
+                    stats[sid].hits += h
+                    stats[sid].misses += m
+        return out
+
     def locate(self, key: bytes) -> str | None:
         """The first tier of ``key``'s route that holds it (the one a load reads first), asked
         without waiting (:meth:`Tier.probe_key`) and not counted as a lookup; None when a tier

@@ -10,6 +10,13 @@ The pipeline's four lookups (``lookup``, ``probe``, ``probe_prefix``, ``locate``
   ``locate``): the first tier that holds it; a tier before that one whose breaker is not closed,
   or that cannot tell without waiting (a Redis server), ends the walk without an answer (the
   asynchronous walk decides);
+* :meth:`RouteWalker.find_now` — the batched walk that answers in the caller's step
+  (``probe_many``: a scheduler's request, its whole prefix at once): each key walked as
+  :meth:`RoutePlan.find` walks it, except that a tier that cannot tell without waiting is asked
+  once for every key that reached it (:meth:`Tier.probe_batch
+  <tieredkv.backends.base.Tier.probe_batch>`: one bounded round trip, Redis), and the walk goes
+  on past it for the keys it does not hold; a key it leaves unanswered is left to the
+  asynchronous walk;
 * :meth:`RouteWalker.find_many` — the batched asynchronous walk (``lookup``): each key's tiers in
   its route's order, one ``contains_many`` per tier for every key that reached it; a tier its
   breaker keeps closed to calls (or that fails) is passed over, the key asked of the next one.
@@ -37,7 +44,7 @@ class RoutePlan:
     """One group's route, resolved for walks that do not wait (the scheduler's per-key path:
     tuples and bound methods, no dict lookup per tier)."""
 
-    __slots__ = ("first", "names", "stats", "steps")
+    __slots__ = ("batches", "first", "names", "stats", "steps")
 
     def __init__(self, names: Sequence[str], lanes: Sequence[TierLane], stats: GroupStats) -> None:
         #: The route's tier names, in route order.
@@ -45,6 +52,10 @@ class RoutePlan:
         #: Per tier, in route order: its breaker, its ``probe_key`` and its name.
         self.steps: tuple[tuple[CircuitBreaker, Callable[[bytes], bool | None], str], ...] = tuple(
             (lane.breaker, lane.tier.probe_key, name) for name, lane in zip(self.names, lanes)
+        )
+        #: Per tier, in route order: its ``probe_batch`` (:meth:`RouteWalker.find_now`).
+        self.batches: tuple[Callable[[Sequence[bytes]], list[bool] | None], ...] = tuple(
+            lane.tier.probe_batch for lane in lanes
         )
         #: The group's stats, where the callers count lookups.
         self.stats = stats
@@ -66,6 +77,22 @@ class RoutePlan:
             if got is None:
                 return None
         return False
+
+    def walk(self, key: bytes, start: int) -> tuple[str | Literal[False] | None, int]:
+        """:meth:`find` from the route's tier ``start`` on: ``(answer, at)``, ``at`` the position
+        of the tier that could not tell without waiting when the answer is None because of it
+        (-1 when a breaker not closed ended the walk)."""
+        steps = self.steps
+        for at in range(start, len(steps)):
+            breaker, probe_key, name = steps[at]
+            if breaker.state is not _CLOSED:
+                return None, -1
+            got = probe_key(key)
+            if got:
+                return name, at
+            if got is None:
+                return None, at
+        return False, len(steps)
 
     def hit_run(self, keys: Sequence[bytes], start: int) -> list[bytes]:
         """The leading keys of ``keys[start:]`` that the route's first tier holds, found without a
@@ -131,6 +158,47 @@ class RouteWalker:
     def clear(self) -> None:
         """Drop every plan (the pipeline closes)."""
         self.plans.clear()
+
+    def find_now(self, keys: Sequence[bytes], todo: Sequence[int]) -> dict[int, tuple[RoutePlan, str | Literal[False]]]:
+        """``{i: (plan, answer)}`` for each index ``i`` of ``todo`` whose walk ends in the calling
+        thread, within bounded time: ``answer`` is the first tier of its route that holds
+        ``keys[i]``, or False when none does. A tier whose ``probe_key`` cannot tell is asked
+        once, for every key whose walk stopped there (its ``probe_batch``), and the walk of a key
+        it does not hold goes on to the next tier; each tier is asked at most once per call, so a
+        call waits at most once per network tier of the routes, each bounded by that tier. Keys
+        left out (a breaker not closed, a tier that did not answer, a group not planned yet) are
+        for the asynchronous walk."""
+        found: dict[int, tuple[RoutePlan, str | Literal[False]]] = {}
+        parked: dict[str, list[tuple[int, RoutePlan, int]]] = {}  # tier -> (index, plan, its position)
+        plans = self.plans
+        asked: set[str] = set()
+
+        def walk(i: int, plan: RoutePlan, start: int) -> None:
+            got, at = plan.walk(keys[i], start)
+            if got is not None:
+                found[i] = (plan, got)
+            elif at >= 0 and plan.names[at] not in asked:
+                parked.setdefault(plan.names[at], []).append((i, plan, at))
+
+        for i in todo:
+            key = keys[i]
+            plan = plans.get(key[GROUP_SUFFIX]) or self.plan(key)
+            if plan is not None:
+                walk(i, plan, 0)
+        while parked:
+            name, waiting = next(iter(parked.items()))
+            del parked[name]
+            asked.add(name)
+            _, plan, at = waiting[0]
+            got = plan.batches[at]([keys[i] for i, _, _ in waiting])
+            if got is None:
+                continue
+            for (i, plan, at), held in zip(waiting, got):
+                if held:
+                    found[i] = (plan, name)
+                else:
+                    walk(i, plan, at + 1)
+        return found
 
     async def find_many(
         self, keys: Sequence[bytes], todo: Sequence[int], tiers: Container[str] | None = None

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -68,6 +69,7 @@ from tieredkv.backends.redis.config import RedisTierConfig
 from tieredkv.backends.redis.keys import redis_key
 from tieredkv.backends.redis.native import native_run
 from tieredkv.backends.redis.pool import RespPool, native_target
+from tieredkv.backends.redis.probe import BoundedExists, Where, command, literal_address
 from tieredkv.backends.redis.removals import RemovalWatch
 from tieredkv.backends.redis.tenants import TenantBooks
 from tieredkv.errors import (
@@ -122,6 +124,8 @@ class RedisTierBase(Tier):
         self._client: Any = None
         self._batches: ClusterBatches | None = None  # a cluster's batches (routing, redirects, retries)
         self._native: RespPool | None = None  # the data path's own connections (native_io)
+        #: In-step lookups (``probe_batch``): None when off (``lookup_budget_ms: 0``, TLS) or closed.
+        self._bounded: BoundedExists | None = None
         self._writing: dict[bytes, asyncio.Future[None]] = {}  # key -> the put_many writing it now
         self._prefix = config.key_prefix.encode()
         self._buckets = config.hash_tag_buckets
@@ -277,6 +281,8 @@ class RedisTierBase(Tier):
                 connect_timeout=self.config.connect_timeout_s,
             )
 
+        self._bounded = await self._bounded_exists(client)
+
         try:
             await self._books.tenants(client)  # (books exist: deletions take records out of them)
         except ResponseError as e:  # an ACL without +smembers, a foreign key of that name: no books here
@@ -302,7 +308,80 @@ class RedisTierBase(Tier):
         maxmem = [int(i.get("maxmemory", 0)) for i in infos]
         return (sum(maxmem) if maxmem and all(maxmem) else None), infos, sizes
 
+    async def _bounded_exists(self, client: Any) -> BoundedExists | None:
+        """The in-step lookup path (:mod:`~tieredkv.backends.redis.probe`), or None: off
+        (``lookup_budget_ms: 0``), TLS, or a node address that cannot be had without a resolver."""
+        c = self.config
+        if not c.lookup_budget_ms or c.url.startswith("rediss://"):
+            return None
+        target = native_target(c.url)
+        if target is None:
+            return None
+        user = c.username if c.username is not None else target["username"]
+        password = c.password if c.password is not None else target["password"]
+        hello = []
+        if password is not None:
+            hello.append(
+                command(b"AUTH", user.encode(), password.encode()) if user else command(b"AUTH", password.encode())
+            )
+        if c.cluster:
+            route = self._slot_route(client)
+            if route is None:
+                return None
+        else:
+            if target["db"]:
+                hello.append(command(b"SELECT", b"%d" % target["db"]))
+            if "path" in target:
+                where: Where | None = (socket.AF_UNIX, target["path"])
+            else:
+                where = literal_address(target["host"], target["port"])
+                if where is None:  # a host name: resolved once, here, never on the caller's thread
+                    try:
+                        infos = await asyncio.get_running_loop().getaddrinfo(
+                            target["host"], target["port"], type=socket.SOCK_STREAM
+                        )
+                    except OSError as e:
+                        log.warning("tier %s: in-step lookups off: %s not resolved (%s)", self.name, target["host"], e)
+                        return None
+                    where = (infos[0][0], infos[0][4])
+
+            def route(_rkey: bytes, where: Where | None = where) -> Where | None:
+                return where
+
+        return BoundedExists(
+            budget_s=c.lookup_budget_ms / 1000, route=route, hello=hello, count=self._count, name=self.name
+        )
+
+    @staticmethod
+    def _slot_route(client: Any) -> Callable[[bytes], Where | None] | None:
+        """A Redis Cluster key's node from the client's slot map, read here and never changed
+        (redis-py's ``NodesManager.slots_cache``, which the tier's batches keep current): None
+        for a key when the map has no node for its slot or names it by a host name; None in all
+        when the client keeps no such map (another redis-py)."""
+        from redis.crc import key_slot
+
+        nodes: Any = getattr(client, "nodes_manager", None)
+        if not isinstance(getattr(nodes, "slots_cache", None), dict):
+            return None
+        known: dict[tuple[str, int], Where | None] = {}
+
+        def route(rkey: bytes) -> Where | None:
+            owners = nodes.slots_cache.get(key_slot(rkey))
+            if not owners:
+                return None
+            node = owners[0]
+            at = (node.host, node.port)
+            where = known.get(at, False)
+            if where is False:
+                where = known[at] = literal_address(node.host, node.port)
+            return where  # type: ignore[return-value]
+
+        return route
+
     async def _close(self) -> None:
+        bounded, self._bounded = self._bounded, None
+        if bounded is not None:
+            bounded.close()
         watch, self._removal_watch = self._removal_watch, None
         if watch is not None:
             await watch.stop()

@@ -47,6 +47,14 @@ class RedisTierConfig(TierConfigBase):
     connections: int = Field(
         2, ge=1, le=64, description="Data-path connections of native_io: a batch's reads are split over them."
     )
+    lookup_budget_ms: float = Field(
+        1.0,
+        ge=0,
+        le=1000,
+        description="The most a scheduler's lookup batch (a request's whole prefix, one pipelined EXISTS)"
+        " may wait for the server so it is answered in the step it is asked; past it, or when the server"
+        " fails, the lookup is answered asynchronously (a step later). 0: always asynchronously.",
+    )
     removal_watch: Literal["auto", "scan", "off"] = Field(
         "auto",
         description="How the records the server removes by itself (maxmemory evictions, ttl_s expiries) are"

@@ -274,6 +274,15 @@ class RedisReads(RedisTierBase):
             out.extend(_raise_first(await self._per_key(rkeys, _each("get", rkeys))))
         return out
 
+    def probe_batch(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each key exists, answered in the step: one pipelined ``EXISTS`` within
+        ``lookup_budget_ms`` on connections of its own (:mod:`~tieredkv.backends.redis.probe`),
+        or None (over budget, the server failing, TLS, off, or the tier not open)."""
+        bounded = self._bounded
+        if bounded is None:
+            return None
+        return bounded.exists([self.redis_key(k) for k in keys])
+
     async def _contains_many(self, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
         for run in runs(keys, lambda _: 1, _SMALL_BATCH):

@@ -28,6 +28,10 @@ vLLM 0.33.0's private names tieredkv depends on:
     ``_canonical_layout`` (set by ``TieredKVConnector.__init__``, which replaces vLLM's).
 ``vllm/v1/core/kv_cache_utils.py``
     ``_NONE_HASH_SEED`` (:func:`none_hash_seed`, for :mod:`~tieredkv.integrations.vllm.hashseed`).
+``vllm/v1/kv_offload/base.py``, ``ReqContext``
+    ``_offload_key_positions`` (read by :func:`~tieredkv.integrations.vllm.lookups.request_offload_keys`:
+    every key of a request, recorded before its first lookup, sent as one in-step lookup batch;
+    without it lookups of keys no tier answers without waiting go the asynchronous way).
 
 Beside them the connector uses public names of vLLM's internal offloading modules (the
 ``RequestOffloadState`` / ``RequestGroupState`` fields, ``GroupOffloadConfig``,
@@ -152,7 +156,13 @@ SCHEDULER_STATE = (
 )
 
 #: The other private names (see the list at the top).
-OTHER_PRIVATE = ("_connector_metadata", "_canonical_layout", "_ConnectorMetricName", "_NONE_HASH_SEED")
+OTHER_PRIVATE = (
+    "_connector_metadata",
+    "_canonical_layout",
+    "_ConnectorMetricName",
+    "_NONE_HASH_SEED",
+    "_offload_key_positions",
+)
 
 _missing = [name for name in SCHEDULER_METHODS if not hasattr(OffloadingConnectorScheduler, name)]
 if _missing:

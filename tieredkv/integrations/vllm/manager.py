@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls
 from tieredkv.integrations.vllm.events import KVEvents
-from tieredkv.integrations.vllm.lookups import AsyncLookups
+from tieredkv.integrations.vllm.lookups import AsyncLookups, request_offload_keys
 from tieredkv.integrations.vllm.namespace import new_generation
 from tieredkv.integrations.vllm.shared import TieredKVLoadStoreSpec, acquire_store, release_store
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source
@@ -87,7 +87,9 @@ class TieredKVManager(OffloadingManager):
         self._common_source: Any = None  # the source of every group's route if one, else _MIXED
         self._chosen: dict[bytes, bytes] = {}  # whole-chunk key -> the record a HIT found (partial or whole)
         self._loading: dict[bytes, collections.deque[bytes]] = collections.defaultdict(collections.deque)
-        self._lookups = AsyncLookups(self.store.lookup_async)
+        self._lookups = AsyncLookups(
+            self.store.lookup_async, probe_now=self.store.probe_many, request_keys=self._request_keys
+        )
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
         self._stats = StoreStatsReporter(lambda: [self.store])
@@ -152,7 +154,7 @@ class TieredKVManager(OffloadingManager):
         if skey in self._writing:
             return _HIT_PENDING
         if self._partial_groups and key[GROUP_SUFFIX] in self._partial_groups:
-            return self._lookup_partial(key, skey)
+            return self._lookup_partial(key, skey, req_context)
         state = self._probe(skey)  # a store in flight is pending, then the tiers that can tell
         if state is _KS_HIT:
             return _HIT
@@ -160,7 +162,7 @@ class TieredKVManager(OffloadingManager):
             self._stored.pop(skey, None)
             return _MISS
         if state is None:
-            known = self._lookups.answer(skey)
+            known = self._lookups.answer(skey, req_context)
             return _HIT if known == "hit" else self._not_hit(key, skey, (known,))
         return self._not_hit(key, skey, (state,))
 
@@ -198,7 +200,7 @@ class TieredKVManager(OffloadingManager):
                     out.append(_MISS)
                     return out
                 else:
-                    known = answer(skeys[i])  # None: a tier that cannot tell without waiting
+                    known = answer(skeys[i], req_context)  # None: not known in this step
                     result = _HIT if known == "hit" else self._not_hit(keys[i], skeys[i], (known,))
                     out.append(result)
                     if result is _MISS:
@@ -216,12 +218,12 @@ class TieredKVManager(OffloadingManager):
                 break
         return out
 
-    def _lookup_partial(self, key: bytes, skey: bytes) -> LookupResult:
+    def _lookup_partial(self, key: bytes, skey: bytes, req_context: ReqContext) -> LookupResult:
         """A sliding-window or Mamba key with several chunks per block: the whole record, else
         a partial one (leading sub-blocks invalid)."""
         states = []
         for cand in self._candidates(key, skey):
-            state = self._probe(cand) or self._lookups.answer(cand)
+            state = self._probe(cand) or self._lookups.answer(cand, req_context)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:
@@ -230,6 +232,20 @@ class TieredKVManager(OffloadingManager):
                 return _HIT
             states.append(state)
         return self._not_hit(key, skey, states)
+
+    def _request_keys(self, req_context: ReqContext) -> list[bytes]:
+        """The stored keys (and partial-record candidates) of every key vLLM recorded for the
+        request: what its lookups may ask this step, answered at once where a tier can
+        (``AsyncLookups``' in-step batch)."""
+        sk, partial = self._sh.skeys, self._partial_groups
+        out: list[bytes] = []
+        for k in request_offload_keys(req_context):
+            s = sk[k]
+            if partial and k[GROUP_SUFFIX] in partial:
+                out += self._candidates(k, s)
+            else:
+                out.append(s)
+        return out
 
     def _not_hit(self, key: bytes, skey: bytes, states: Sequence[str | None]) -> LookupResult:
         if None in states:
@@ -347,6 +363,11 @@ class TieredKVManager(OffloadingManager):
                 self.counters["store_chunks_not_whole"] += 1
             elif success:
                 stored[s] = None
+        partial = self._partial_groups
+        if partial:  # the record may be partial: its candidates' kept answers are stale too
+            skeys = [
+                c for k, s in zip(keys, skeys) for c in (self._candidates(k, s) if k[GROUP_SUFFIX] in partial else (s,))
+            ]
         self._lookups.forget(skeys)
         while len(stored) > (1 << 20):
             stored.pop(next(iter(stored)))

@@ -42,7 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tieredkv.config import load_config
 from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls, tier_place
 from tieredkv.integrations.vllm.events import KVEvents
-from tieredkv.integrations.vllm.lookups import AsyncLookups
+from tieredkv.integrations.vllm.lookups import AsyncLookups, request_offload_keys
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
@@ -122,7 +122,11 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         sources = [hit_source(self.store.tier_medium(name)) for r in self.routes.values() for name in r.tiers]
         self.cache_hit_source = CacheHitSource.outermost(sources) if sources else CacheHitSource.EXTERNAL_UNSPECIFIED
         self._rows = np.asarray(primary_kv_view) if primary_kv_view.nbytes else np.zeros((0, row_bytes), np.uint8)
-        self._lookups = AsyncLookups(self.store.lookup_async)
+        self._lookups = AsyncLookups(
+            self.store.lookup_async,
+            probe_now=self.store.probe_many,
+            request_keys=lambda ctx: [self._skey(k) for k in request_offload_keys(ctx)],
+        )
         self._stats = StoreStatsReporter(lambda: [self.store])
         self._writing: collections.Counter[bytes] = collections.Counter()  # stored keys in flight
         self._present: dict[bytes, None] = {}  # stored keys this tier wrote or read (insertion order)
@@ -173,7 +177,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         if skey in self._present:
             return LookupResult.HIT  # written or read here; a stale answer fails the promotion, not the engine
         self._collect()
-        state = self.store.probe(skey) or self._lookups.answer(skey)
+        state = self.store.probe(skey) or self._lookups.answer(skey, req_context)
         if state is None:
             return LookupResult.RETRY
         if state == "hit":

@@ -43,6 +43,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from tieredkv.keys import GROUP_SUFFIX
+
 __all__ = [
     "HINT_SCHEMA",
     "KV_LOAD_TIERS",
@@ -302,6 +304,20 @@ def parse_hints(envelope: Any, count: Any = None, enabled: bool = True) -> tuple
     if not retained:
         return no_store, None
     return no_store, Retain(None if seconds == math.inf else seconds, int(priority or 0))
+
+
+def retain_keys(store: Any, skeys: Iterable[bytes], retain: Retain, counters: Any, nbytes: int | None = None) -> None:
+    """Retain ``skeys`` (stored keys of any groups) in ``store`` as a request's hint asked, one
+    call per KV group (``nbytes``: a chunk's size where the caller knows it), counting what was
+    retained and what was refused in ``counters``."""
+    by_group: dict[bytes, list[bytes]] = {}
+    for s in skeys:
+        by_group.setdefault(s[GROUP_SUFFIX], []).append(s)
+    extra = {} if nbytes is None else {"nbytes": nbytes}
+    for keys in by_group.values():
+        n = store.retain(keys, seconds=retain.seconds, priority=retain.priority, **extra)
+        counters["retained_chunks"] += n
+        counters["retain_refused_chunks"] += len(keys) - n
 
 
 def request_controls(ctx: Any, store: Any = None) -> RequestControls:

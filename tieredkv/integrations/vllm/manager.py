@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import (
@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls
+from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls, retain_keys
 from tieredkv.integrations.vllm.events import KVEvents
 from tieredkv.integrations.vllm.lookups import AsyncLookups, request_offload_keys
 from tieredkv.integrations.vllm.namespace import new_generation
@@ -221,17 +221,24 @@ class TieredKVManager(OffloadingManager):
     def _lookup_partial(self, key: bytes, skey: bytes, req_context: ReqContext) -> LookupResult:
         """A sliding-window or Mamba key with several chunks per block: the whole record, else
         a partial one (leading sub-blocks invalid)."""
-        states = []
+        answer = self._lookups.answer
+        states = self._first_hit(key, skey, lambda cand: self._probe(cand) or answer(cand, req_context))
+        return _HIT if states is None else self._not_hit(key, skey, states)
+
+    def _first_hit(self, key: bytes, skey: bytes, state_of: Callable[[bytes], str | None]) -> list[str | None] | None:
+        """The state of each of ``key``'s record candidates in order, or None as soon as one is a
+        hit (the candidate chosen for ``skey`` kept, for the load)."""
+        states: list[str | None] = []
         for cand in self._candidates(key, skey):
-            state = self._probe(cand) or self._lookups.answer(cand, req_context)
+            state = state_of(cand)
             if state == "hit":
                 if cand != skey:
                     if len(self._chosen) > 65536:
                         self._chosen.clear()
                     self._chosen[skey] = cand
-                return _HIT
+                return None
             states.append(state)
-        return self._not_hit(key, skey, states)
+        return states
 
     def _request_keys(self, req_context: ReqContext) -> list[bytes]:
         """The stored keys (and partial-record candidates) of every key vLLM recorded for the
@@ -497,16 +504,9 @@ class TieredKVManager(OffloadingManager):
             self.counters["lookup_tier_filtered"] += 1
             return _MISS
         answer = self._lookups_for(names).answer
-        states: list[str | None] = []
-        for cand in self._candidates(key, skey):
-            state = self.store.probe_among(cand, names) or answer(cand)
-            if state == "hit":
-                if cand != skey:
-                    if len(self._chosen) > 65536:
-                        self._chosen.clear()
-                    self._chosen[skey] = cand
-                return _HIT
-            states.append(state)
+        states = self._first_hit(key, skey, lambda cand: self.store.probe_among(cand, names) or answer(cand))
+        if states is None:
+            return _HIT
         if None in states:
             self.counters["lookup_retry"] += 1
             return LookupResult.RETRY
@@ -581,13 +581,7 @@ class TieredKVManager(OffloadingManager):
 
     def _retain(self, skeys: Sequence[bytes], retain: Retain) -> None:
         """Retain ``skeys`` (stored keys of any groups) as the request's hint asked."""
-        by_group: dict[int, list[bytes]] = collections.defaultdict(list)
-        for s in skeys:
-            by_group[key_group(s)].append(s)
-        for keys in by_group.values():
-            n = self.store.retain(keys, seconds=retain.seconds, priority=retain.priority)
-            self.counters["retained_chunks"] += n
-            self.counters["retain_refused_chunks"] += len(keys) - n
+        retain_keys(self.store, skeys, retain, self.counters)
 
     def _controls_schedule_end(self) -> None:
         for lk in self._lookups_among.values():

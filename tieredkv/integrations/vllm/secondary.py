@@ -40,14 +40,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.config import load_config
-from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls, tier_place
+from tieredkv.integrations.vllm.controls import RequestControls, Retain, request_controls, retain_keys, tier_place
 from tieredkv.integrations.vllm.events import KVEvents
 from tieredkv.integrations.vllm.lookups import AsyncLookups, request_offload_keys
 from tieredkv.integrations.vllm.namespace import group_kinds as group_kinds_of
 from tieredkv.integrations.vllm.namespace import namespace_from_offloading_config, new_generation
 from tieredkv.integrations.vllm.stats import StoreStatsReporter, hit_source, metric_definitions
 from tieredkv.integrations.vllm.tenants import request_tenant
-from tieredkv.keys import GROUP_SUFFIX, chunk_key_of, key_group, stored_key
+from tieredkv.keys import chunk_key_of, key_group, stored_key
 from tieredkv.store import TieredStore
 
 __all__ = ["TieredKVSecondaryTier"]
@@ -445,15 +445,7 @@ class TieredKVSecondaryTier(SecondaryTierManager):
         return controls.load_tiers(self.store)
 
     def _retain(self, skeys: Iterable[bytes], retain: Retain) -> None:
-        by_group: dict[bytes, list[bytes]] = collections.defaultdict(list)
-        for s in skeys:
-            by_group[s[GROUP_SUFFIX]].append(s)
-        for keys in by_group.values():
-            n = self.store.retain(
-                keys, seconds=retain.seconds, priority=retain.priority, nbytes=int(self.block_size_bytes)
-            )
-            self.counters["retained_chunks"] += n
-            self.counters["retain_refused_chunks"] += len(keys) - n
+        retain_keys(self.store, skeys, retain, self.counters, nbytes=int(self.block_size_bytes))
 
     def _controls_schedule_end(self) -> None:
         for lk in self._lookups_among.values():

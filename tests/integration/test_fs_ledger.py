@@ -125,3 +125,25 @@ def test_a_reservation_left_by_a_dead_writer_is_given_back_by_a_recount(tmp_path
     st = ledger(d)
     assert (st.used, st.records) == on_disk(d)
     assert os.listdir(Layout(str(d)).tmp) == []
+
+
+def test_a_record_seen_both_as_its_temporary_file_and_in_place_is_counted_once(tmp_path: Path) -> None:
+    """A recount lists tmp/ before ns/: a record renamed into place between the two is seen twice,
+    as the file it was and where it is now; the temporary file's name carries the key's tag, so
+    the record counts once (before the tag, a recount under load counted 43 records for 29)."""
+    d = tmp_path / "d"
+
+    async def run() -> None:
+        async with tier(d) as t:
+            await t.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(3)])
+            size = 10 * KiB + 64
+            # what a recount sees mid-rename: skey(1)'s record both in tmp/ (a live writer's file:
+            # this process) and in place
+            seen_twice = t._next_temp(size, skey(1))
+            Path(seen_twice).write_bytes(b"\0" * size)
+            assert await t.reconcile() == 3 * size
+            st = ledger(d)
+            assert (st.used, st.records) == (3 * size, 3)
+            os.unlink(seen_twice)
+
+    asyncio.run(run())

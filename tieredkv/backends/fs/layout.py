@@ -5,7 +5,7 @@
     <path>/
       FSTIER                      marker: {"format": "tieredkv-fs", "version": 1} (JSON)
       ledger                      the shared usage ledger (:mod:`~tieredkv.backends.fs.ledger`)
-      tmp/<owner>.<seq>.<size>.tmp   records being written (renamed into place when whole)
+      tmp/<owner>.<seq>.<size>.<key tag>.tmp   records being written (renamed into place when whole)
       ns/<fingerprint, 32 hex>/<fan>/<chunk key, hex>.kv   one record per file
 
 * **Fan-out.** ``fan`` is the first three hex digits of the xxh3-64 of the stored key: 4,096
@@ -46,6 +46,7 @@ __all__ = [
     "Layout",
     "TempName",
     "host_token",
+    "key_tag",
     "owner_alive",
     "owner_token",
 ]
@@ -56,7 +57,12 @@ MAX_NAME_KEY_BYTES = 120
 _RECORD = re.compile(r"^([0-9a-f]{2,240})\.kv$")
 _NS = re.compile(r"^[0-9a-f]{32}$")
 _FAN = re.compile(r"^[0-9a-f]{3}$")
-_TEMP = re.compile(r"^([0-9a-f]{16})-(\d+)-(\d+)\.(\d+)\.(\d+)\.tmp$")
+_TEMP = re.compile(r"^([0-9a-f]{16})-(\d+)-(\d+)\.(\d+)\.(\d+)(?:\.([0-9a-f]{16}))?\.tmp$")
+
+
+def key_tag(key: bytes) -> str:
+    """16 hex digits of the stored key's xxh3-64: its fan-out directory is the first three."""
+    return xxhash.xxh3_64_hexdigest(key)
 
 
 @functools.cache
@@ -109,13 +115,16 @@ class TempName:
     start: int
     seq: int
     size: int
+    #: The record's :func:`key_tag` (None: a file that becomes no record: a write probe, a record
+    #: moved aside by a repair).
+    tag: str | None = None
 
     @classmethod
     def parse(cls, name: str) -> TempName | None:
         m = _TEMP.match(name)
         if m is None:
             return None
-        return cls(m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5]))
+        return cls(m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6])
 
 
 class Layout:
@@ -129,7 +138,7 @@ class Layout:
         self.ns = os.path.join(self.root, "ns")
 
     def record_dir(self, key: bytes) -> str:
-        return os.path.join(self.ns, key[:FINGERPRINT_BYTES].hex(), xxhash.xxh3_64_hexdigest(key)[:3])
+        return os.path.join(self.ns, key[:FINGERPRINT_BYTES].hex(), key_tag(key)[:3])
 
     def record_path(self, key: bytes) -> str:
         return os.path.join(self.record_dir(key), key[FINGERPRINT_BYTES:].hex() + ".kv")
@@ -139,8 +148,12 @@ class Layout:
         """Whether ``key``'s file name fits a directory entry."""
         return len(key) - FINGERPRINT_BYTES <= MAX_NAME_KEY_BYTES
 
-    def temp_path(self, owner: str, seq: int, size: int) -> str:
-        return os.path.join(self.tmp, f"{owner}.{seq}.{size}.tmp")
+    def temp_path(self, owner: str, seq: int, size: int, key: bytes | None = None) -> str:
+        """A temporary file's path: its owner, a sequence number, the size of the record it will
+        be and, for a record, its key's :func:`key_tag` (a recount that counts the file does not
+        count the record again if the file is renamed into place while the recount walks)."""
+        tag = f".{key_tag(key)}" if key is not None else ""
+        return os.path.join(self.tmp, f"{owner}.{seq}.{size}{tag}.tmp")
 
     # ---- the marker ------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from tieredkv.backends.base import Tier
-from tieredkv.backends.fs.layout import Layout, owner_alive, owner_token
+from tieredkv.backends.fs.layout import Layout, key_tag, owner_alive, owner_token
 from tieredkv.backends.fs.ledger import LedgerState, SharedLedger
 from tieredkv.backends.fs.records import create_temps, unlink_all
 from tieredkv.errors import TierFullError
@@ -79,11 +79,11 @@ class FSSpace(Tier):
             self._policy.remove(key)
             self._stamps.pop(key, None)
 
-    def _next_temp(self, size: int) -> str:
+    def _next_temp(self, size: int, key: bytes | None = None) -> str:
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
-        return self.layout.temp_path(self._owner, seq, size)
+        return self.layout.temp_path(self._owner, seq, size, key)
 
     @property
     def _led(self) -> SharedLedger:
@@ -269,10 +269,10 @@ class FSSpace(Tier):
         """What the directory holds: bytes (every record, and every live writer's record in the
         making, by the size in its name), records, and ``(key, size, atime)`` of each record,
         oldest access first. Sweeps crashed writers' temporary files."""
-        # temporary files first: one renamed into place meanwhile is counted twice (the cap holds,
-        # with room to spare), never missed
-        making, n_making = self._sweep_sync()
-        found = self.layout.walk()
+        # temporary files first: one renamed into place while the walk goes on is counted as the
+        # file it was (its record, found by its key's tag, is not counted again), never missed
+        making, n_making, tags = self._sweep_sync()
+        found = [r for r in self.layout.walk() if key_tag(r[0]) not in tags]  # (counted as in the making)
         used = sum(st.st_size for _, _, st in found) + making
         index = sorted(((k, st.st_size, st.st_atime) for k, _, st in found), key=lambda r: r[2])
         return used, len(found) + n_making, index
@@ -287,13 +287,14 @@ class FSSpace(Tier):
         with self._index_lock:
             self._policy, self._stamps = policy, stamps
 
-    def _sweep_sync(self) -> tuple[int, int]:
+    def _sweep_sync(self) -> tuple[int, int, set[str]]:
         """Remove temporary files of writers that are gone: of a dead process of this host at once,
         any other older than ``temp_max_age_s``. Returns the bytes and the records the live ones
         will hold (a record being written; a file of size 0 in its name is none: a record moved
-        aside by a repair, a write probe)."""
+        aside by a repair, a write probe), and their records' key tags."""
         now = time.time()
         live = n_live = 0
+        tags: set[str] = set()
         for path, name, st in self.layout.temps():
             if name is not None:
                 alive = owner_alive(name.host, name.pid, name.start)
@@ -301,6 +302,8 @@ class FSSpace(Tier):
                     if path not in self._unreserved:
                         live += name.size
                         n_live += name.size > 0
+                        if name.tag is not None:
+                            tags.add(name.tag)
                     continue
             elif now - st.st_mtime <= self.config.temp_max_age_s:
                 continue
@@ -315,4 +318,4 @@ class FSSpace(Tier):
                 continue
             self._count("temps_swept")
         self._last_sweep = now
-        return live, n_live
+        return live, n_live, tags

@@ -338,7 +338,7 @@ class FSTier(FSSpace):
         if total > self._cap:
             raise TierFullError(f"tier {self.name!r}: a batch of {total} bytes is larger than its {self._cap}-byte cap")
         todo = [
-            (self._next_temp(size), self.layout.record_path(k), parts)
+            (self._next_temp(size, k), self.layout.record_path(k), parts)
             for (k, parts), size in zip(records, sizes, strict=True)
         ]
         await self._run(self._reserve, total, len(records), [tmp for tmp, _, _ in todo])

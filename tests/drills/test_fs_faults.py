@@ -26,6 +26,7 @@ from tieredkv.backends.fs import FSTier, FSTierConfig
 from tieredkv.backends.fs import records as fs_records
 from tieredkv.backends.fs.layout import Layout, host_token
 from tieredkv.errors import ConfigError, TierFullError, TierTimeoutError, TierUnavailableError
+from tieredkv.format import HEADER_SIZE
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -336,3 +337,28 @@ def test_a_batch_that_meets_a_full_filesystem_stores_nothing(tmp_path: Path) -> 
         asyncio.run(run())
     finally:
         ctx.__exit__(None, None, None)
+
+
+def test_a_huge_file_at_a_records_name_is_never_read_whole(tmp_path: Path) -> None:
+    """A file larger than any record the tier can hold (planted, or grown by something else) at a
+    record's name: a load is a counted miss that allocates nothing for it, an admin read gets a
+    bounded prefix that no check takes for a record, a repair leaves it (it is not the bytes read)
+    and every other record reads on."""
+    d = tmp_path / "d"
+    cap = 1 << 20
+
+    async def run() -> None:
+        async with tier(d, size_cap_bytes=cap) as t:
+            await t.put_many([(skey(i), payload(i, 1, 4096)) for i in range(2)])
+            huge = Path(t.layout.record_path(skey(0)))
+            with open(huge, "r+b") as f:  # noqa: ASYNC230 - a sparse file: no data written
+                f.truncate(8 << 30)  # 8 GiB, sparse
+            assert await t.get_many([skey(0), skey(1)]) == [None, payload(1, 1, 4096)]
+            assert t.counters["corrupt"] == 1
+            (raw,) = await t.raw_get_many([skey(0)])
+            assert raw is not None and len(raw) == cap + HEADER_SIZE + 1
+            assert t.check_record(raw, skey(0)) is not None
+            assert await t.delete_if_same([(skey(0), raw)]) == 0  # not the bytes read: kept
+            assert huge.stat().st_size == 8 << 30
+
+    asyncio.run(run())

@@ -269,21 +269,27 @@ def test_status_with_a_metrics_url_that_is_not_prometheus_exits_2_with_one_clear
 # ---- ls / inspect -----------------------------------------------------------------------
 
 
-def test_ls_pages_filters_and_summarizes(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
-    keys = seed(cfg, "nvme", 25)
-    other = seed(cfg, "nvme", 4, ns=NS_B, start=100)
+def ls_pages(cfg: Path, ns: Namespace, total: int) -> tuple[list[str], dict[str, Any]]:
+    """Every key ``ls --namespace`` lists, 10 a page (each page checked), and the last page."""
     seen: list[str] = []
     offset: int | None = 0
     while offset is not None:
         page = run_json(
-            "ls", "-c", str(cfg), "--namespace", NS.fingerprint.hex(), "--limit", "10", "--offset", str(offset)
+            "ls", "-c", str(cfg), "--namespace", ns.fingerprint.hex(), "--limit", "10", "--offset", str(offset)
         )
         assert len(page["records"]) <= 10
         # ls stops one record past the page: the total is known only on the last page
-        assert page["total"] == (25 if page["next_offset"] is None else None)
+        assert page["total"] == (total if page["next_offset"] is None else None)
         seen += [r["key"] for r in page["records"]]
         offset = page["next_offset"]
+    return seen, page
+
+
+def test_ls_pages_filters_and_summarizes(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
+    keys = seed(cfg, "nvme", 25)
+    other = seed(cfg, "nvme", 4, ns=NS_B, start=100)
+    seen, page = ls_pages(cfg, NS, 25)
     assert seen == sorted(k.hex() for k in keys)  # every record once, in key order
     rec = page["records"][0]
     assert rec["namespace"] == NS.fingerprint.hex() and rec["size"] >= 500 and 0 <= rec["age_s"] < 120

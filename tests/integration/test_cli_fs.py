@@ -31,6 +31,7 @@ from tests.integration.test_cli_admin import (
     NS_B,
     corrupt,
     lmdb_tier,
+    ls_pages,
     payload,
     present,
     read_back,
@@ -121,16 +122,7 @@ def test_status_and_ls_page_filter_and_summarize_an_fs_tier(tmp_path: Path) -> N
     assert "reachable" in human.stdout and "32.0 MiB" in human.stdout and str(root) in human.stdout
 
     atimes = {p: p.stat().st_atime for p in (root / "ns").rglob("*.kv")}
-    seen: list[str] = []
-    offset: int | None = 0
-    while offset is not None:
-        page = run_json(
-            "ls", "-c", str(cfg), "--namespace", NS.fingerprint.hex(), "--limit", "10", "--offset", str(offset)
-        )
-        assert len(page["records"]) <= 10
-        assert page["total"] == (25 if page["next_offset"] is None else None)
-        seen += [r["key"] for r in page["records"]]
-        offset = page["next_offset"]
+    seen, page = ls_pages(cfg, NS, 25)
     assert sorted(seen) == sorted(k.hex() for k in keys) and len(seen) == 25  # every record once
     rec = page["records"][0]
     assert rec["namespace"] == NS.fingerprint.hex() and rec["size"] >= 500 and 0 <= rec["age_s"] < 120

@@ -142,10 +142,12 @@ class Loaded:
     atime: float
 
 
-def read_record(path: str, key: bytes, dst: memoryview | None) -> Loaded | None:
+def read_record(path: str, key: bytes, dst: memoryview | None, max_payload: int) -> Loaded | None:
     """Read and check record file ``path`` for ``key``: into ``dst``, or into new bytes when None.
     None when the file is not there; :class:`CorruptRecordError` when it is not good for ``key``
-    (its destination zeroed where it landed); other ``OSError``s (``ESTALE``) raise."""
+    (its destination zeroed where it landed) or holds more than ``max_payload`` bytes past its
+    header (no record of the tier can: nothing is allocated for it); other ``OSError``s
+    (``ESTALE``) raise."""
     try:
         fd = _open_record(path, False)
     except FileNotFoundError:
@@ -155,6 +157,8 @@ def read_record(path: str, key: bytes, dst: memoryview | None) -> Loaded | None:
         n = st.st_size - HEADER_SIZE
         if n < 0:
             raise CorruptRecordError(f"record file of {st.st_size} bytes is shorter than its header")
+        if n > max_payload:
+            raise CorruptRecordError(f"record file of {st.st_size} bytes is larger than the tier holds")
         head = memoryview(bytearray(HEADER_SIZE))
         buf = None
         if dst is None:
@@ -181,21 +185,24 @@ def read_record(path: str, key: bytes, dst: memoryview | None) -> Loaded | None:
 
 
 def read_slice(
-    items: Sequence[tuple[str, bytes, memoryview | None]],
+    items: Sequence[tuple[str, bytes, memoryview | None]], max_payload: int
 ) -> list[Loaded | None | BaseException]:
     """:func:`read_record` of each ``(path, key, dst)``: what it returned, or what it raised."""
     out: list[Loaded | None | BaseException] = []
     for path, key, dst in items:
         try:
-            out.append(read_record(path, key, dst))
+            out.append(read_record(path, key, dst, max_payload))
         except Exception as e:  # noqa: BLE001 - handed back: a miss, counted, or the tier raises it
             out.append(e)
     return out
 
 
-def read_raw_slice(paths: Sequence[str]) -> list[bytes | None | BaseException]:
-    """Each file whole as it is (for admin tools and repairs), without moving its access time
-    where the kernel allows: None when it is not there, or what reading it raised."""
+def read_raw_slice(paths: Sequence[str], max_bytes: int) -> list[bytes | None | BaseException]:
+    """Each file as it is (for admin tools and repairs), without moving its access time where
+    the kernel allows: None when it is not there, or what reading it raised. A file larger than
+    ``max_bytes`` (no record of the tier can be: something planted or grown) gives its first
+    ``max_bytes + 1`` bytes, which no check takes for a record: memory stays bounded whatever
+    sits at a record's name."""
     out: list[bytes | None | BaseException] = []
     for path in paths:
         try:
@@ -207,7 +214,7 @@ def read_raw_slice(paths: Sequence[str]) -> list[bytes | None | BaseException]:
             out.append(e)
             continue
         try:
-            size = os.fstat(fd).st_size
+            size = min(os.fstat(fd).st_size, max_bytes + 1)
             data = os.pread(fd, size, 0)
             while len(data) < size:
                 more = os.pread(fd, size - len(data), len(data))

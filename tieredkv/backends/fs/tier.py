@@ -349,8 +349,10 @@ class FSTier(FSSpace):
             raise
         failed = next((got for got in outcomes if isinstance(got, BaseException)), None)
         if failed is not None:  # all or nothing: what this batch published goes too
-            done = [k for (k, _), got in zip(records, outcomes, strict=True) if not isinstance(got, BaseException)]
-            await self._run(unlink_all, [self.layout.record_path(k) for k in done])
+            done = [
+                final for (_, final, _), got in zip(todo, outcomes, strict=True) if not isinstance(got, BaseException)
+            ]
+            await self._run(unlink_all, done)
             self._unreserve(total, len(records))
             raise failed
         now = time.time()
@@ -359,14 +361,14 @@ class FSTier(FSSpace):
                 self._replaced(got)
             self._known(k, size, now)
         if self._durable:
-            dirs = sorted({os.path.dirname(self.layout.record_path(k)) for k, _ in records})
+            dirs = sorted({os.path.dirname(final) for _, final, _ in todo})
             await self._run(_sync_dirs, dirs)
 
     # ---- loads -------------------------------------------------------------------------
 
     async def _get_many(self, keys: list[bytes], into: list[memoryview | None]) -> list[int | bytes | None]:
         todo = [(self.layout.record_path(k), k, d) for k, d in zip(keys, into, strict=True)]
-        got = await self._sliced(read_slice, todo)
+        got = await self._sliced(read_slice, todo, self._cap)
         out: list[int | bytes | None] = []
         bad: list[bytes] = []
         touch: list[str] = []
@@ -463,14 +465,14 @@ class FSTier(FSSpace):
             except FileNotFoundError:
                 continue
             try:
-                with open(aside, "rb") as f:
-                    held = f.read()
+                with open(aside, "rb") as f:  # (the size first: a huge file is never read whole)
+                    held = f.read() if os.fstat(f.fileno()).st_size == len(raw) else None
                 if held == raw:
                     self._forget(key)
                     n += 1
-                    freed += len(held)
+                    freed += len(raw)
                     try:
-                        decode_header(held)
+                        decode_header(raw)
                     except CorruptRecordError:
                         resized = True
                 else:
@@ -491,7 +493,8 @@ class FSTier(FSSpace):
     # ---- admin reads -------------------------------------------------------------------
 
     async def _raw_get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        got = await self._sliced(read_raw_slice, [self.layout.record_path(k) for k in keys])
+        paths = [self.layout.record_path(k) for k in keys]
+        got = await self._sliced(read_raw_slice, paths, self._cap + HEADER_SIZE)
         out: list[bytes | None] = []
         for r in got:
             if isinstance(r, BaseException):

@@ -217,6 +217,13 @@ class PipelineConfig(_Model):
         1.0, gt=0, description="Seconds an open breaker waits before letting one probe through (half-open)."
     )
     uvloop: bool = Field(True, description="Run the pipeline loop on uvloop when it is installed.")
+    copy_threads: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Threads a job's host-memory block copies (KV tensors in CPU memory) are split over, each"
+        " taking 1 MiB or more; 1 keeps them on the pipeline thread. CUDA copies are the GPU's.",
+    )
 
 
 class MetricsConfig(_Model):

@@ -13,8 +13,10 @@ Primitives:
   bytes of its blocks in order.
 * :class:`Copier` — gathers blocks into a staging buffer (D2H) and scatters them back (H2D).
   With CUDA tensors the copies run on a dedicated stream after an event recorded on the
-  caller's stream, and completion is an event; with CPU tensors they are plain ``copy_``\\ s
-  (one ``copy_`` per run of consecutive blocks: ``index_copy_`` on bytes is ~12x slower here).
+  caller's stream, and completion is an event; with CPU tensors a job's blocks move in one call
+  per tensor (the C helper's ``move_pieces``: scattered blocks, non-temporal stores, the GIL
+  released, split over ``threads``), or, without the helper, one NumPy copy per run of
+  consecutive blocks (``index_copy_`` on bytes is ~12x slower here).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import numpy as np
 import torch
 
 try:  # the optional C helper (setup.py): copies with non-temporal stores
+    from tieredkv._fastrec import move_pieces as _move_pieces
     from tieredkv._fastrec import stream_into as _stream_into
 except ImportError:  # not built here: NumPy's copy
     _stream_into = None
+    _move_pieces = None
 
 __all__ = ["Copier", "KVGroupTensors", "StagingBuffer", "StagingPool"]
 
@@ -182,9 +186,11 @@ class KVGroupTensors:
 class Copier:
     """Block gathers/scatters between one group's KV tensors and staging buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self.cuda = torch.cuda.is_available()
         self._streams: dict[Any, Any] = {}
+        #: Host copies of one call are split over this many threads (:func:`_move_host`).
+        self.threads = threads
 
     def _stream(self, device: torch.device) -> Any:
         s = self._streams.get(device)
@@ -200,31 +206,54 @@ class Copier:
         ev.record(torch.cuda.current_stream(group.device))
         return ev
 
-    def gather(self, group: KVGroupTensors, block_ids: Sequence[int], dst: torch.Tensor, after: Any = None) -> Any:
-        """Copy blocks ``block_ids`` into ``dst`` (payload layout). Returns a completion event or None."""
-        return self._move(group, list(enumerate(block_ids)), len(block_ids), dst, after, to_staging=True)
+    def gather(
+        self,
+        group: KVGroupTensors,
+        block_ids: Sequence[int],
+        dst: torch.Tensor,
+        after: Any = None,
+        *,
+        chunk_blocks: int | None = None,
+    ) -> Any:
+        """Copy blocks ``block_ids`` into ``dst`` in payload layout. With ``chunk_blocks``, the ids
+        are those of ``len(block_ids) // chunk_blocks`` whole chunks, one after another, and
+        ``dst`` receives their payloads back to back (one call for a job's chunks); else they
+        are one chunk. Returns a completion event or None."""
+        bpc = chunk_blocks or len(block_ids)
+        if bpc and len(block_ids) % bpc:
+            raise ValueError(f"{len(block_ids)} block ids are not whole chunks of {bpc} blocks")
+        return self._move(group, _Places(None, block_ids), bpc, dst, after, to_staging=True)
 
     def scatter(
         self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], src: torch.Tensor, chunk_blocks: int
     ) -> Any:
-        """Copy payload ``src`` (a chunk of ``chunk_blocks`` blocks) into the device: each
-        ``(position_in_chunk, block_id)`` of ``placements``; positions not listed are not copied."""
-        return self._move(group, placements, chunk_blocks, src, None, to_staging=False)
+        """Copy payloads ``src`` (chunks of ``chunk_blocks`` blocks, back to back) into the device:
+        each ``(position, block_id)`` of ``placements``, position ``q`` being block
+        ``q % chunk_blocks`` of chunk ``q // chunk_blocks``; positions not listed are not copied."""
+        return self._move(group, _Places.of(placements), chunk_blocks, src, None, to_staging=False)
+
+    def scatter_blocks(
+        self, group: KVGroupTensors, block_ids: Sequence[int], src: torch.Tensor, chunk_blocks: int
+    ) -> Any:
+        """:meth:`scatter` of whole chunks: block ``block_ids[q]`` gets position ``q`` (the
+        reverse of :meth:`gather` with ``chunk_blocks``)."""
+        if len(block_ids) % chunk_blocks:
+            raise ValueError(f"{len(block_ids)} block ids are not whole chunks of {chunk_blocks} blocks")
+        return self._move(group, _Places(None, block_ids), chunk_blocks, src, None, to_staging=False)
 
     def _move(
-        self,
-        group: KVGroupTensors,
-        placements: Sequence[tuple[int, int]],
-        n: int,
-        buf: torch.Tensor,
-        after: Any,
-        *,
-        to_staging: bool,
+        self, group: KVGroupTensors, places: _Places, bpc: int, buf: torch.Tensor, after: Any, *, to_staging: bool
     ) -> Any:
-        if buf.numel() < group.chunk_bytes(n):
-            raise ValueError(f"staging view of {buf.numel()} bytes is smaller than {n} blocks ({group.chunk_bytes(n)})")
+        if not places.ids:
+            return None
+        chunks = places.chunks(bpc)
+        if buf.numel() < group.chunk_bytes(bpc) * chunks:
+            raise ValueError(
+                f"staging view of {buf.numel()} bytes is smaller than {chunks} chunks of {bpc} blocks"
+                f" ({group.chunk_bytes(bpc) * chunks})"
+            )
         if group.host_arrays is not None and buf.device.type == "cpu":
-            return _move_host(group.host_arrays, group.block_bytes, _runs(placements), n, buf.numpy(), to_staging)
+            return _move_host(group, places, bpc, buf.numpy(), to_staging, self.threads)
         on_cuda = group.device.type == "cuda"
         if on_cuda:
             stream = self._stream(group.device)
@@ -233,18 +262,23 @@ class Copier:
             ctx: Any = torch.cuda.stream(stream)
         else:
             ctx = _NullCtx()
-        runs = _runs(placements)
+        runs = _runs(places.pairs(), bpc if len(group.tensors) > 1 else None)
         with ctx:
-            off = 0
-            for t, bb in zip(group.tensors, group.block_bytes):
-                for pos, b, k in runs:  # one copy per run of consecutive blocks
-                    view = buf[off + pos * bb : off + (pos + k) * bb]
-                    dev = t[b] if k == 1 else t[b : b + k].view(-1)
-                    if to_staging:
-                        view.copy_(dev, non_blocking=on_cuda)
-                    else:
-                        dev.copy_(view, non_blocking=on_cuda)
-                off += n * bb
+            if len(runs) > _INDEXED_AT:  # scattered ids: kernels gather/scatter, one copy moves them
+                _move_indexed(group, places, bpc, buf, to_staging, non_blocking=on_cuda)
+            else:
+                cb = group.chunk_bytes(bpc)
+                base = 0
+                for t, bb in zip(group.tensors, group.block_bytes):
+                    for q, b, k in runs:  # one copy per run of consecutive blocks
+                        at = (q // bpc) * cb + base + (q % bpc) * bb
+                        view = buf[at : at + k * bb]
+                        dev = t[b] if k == 1 else t[b : b + k].view(-1)
+                        if to_staging:
+                            view.copy_(dev, non_blocking=on_cuda)
+                        else:
+                            dev.copy_(view, non_blocking=on_cuda)
+                    base += bpc * bb
             if on_cuda:
                 ev = torch.cuda.Event()
                 ev.record(stream)
@@ -252,29 +286,139 @@ class Copier:
         return None
 
 
-def _move_host(
-    arrays: list[np.ndarray],
-    block_bytes: list[int],
-    runs: list[tuple[int, int, int]],
-    n: int,
-    buf: np.ndarray,
-    to_staging: bool,
+#: Device (CUDA) moves of more runs of consecutive blocks than this go through the device's
+#: gather/scatter kernels and one copy (:func:`_move_indexed`) instead of a copy per run.
+_INDEXED_AT = 2
+
+
+@dataclass(slots=True)
+class _Places:
+    """Where a move's blocks go: block ``ids[i]`` is at position ``pos[i]`` of the payloads
+    (``pos`` None: positions ``0..len(ids)-1``, whole chunks in order). Position ``q`` is block
+    ``q % bpc`` of chunk ``q // bpc``."""
+
+    pos: Sequence[int] | None
+    ids: Sequence[int]
+
+    @classmethod
+    def of(cls, placements: Sequence[tuple[int, int]]) -> _Places:
+        if not placements:
+            return cls(None, ())
+        pos, ids = zip(*placements)
+        return cls(pos, ids)
+
+    def chunks(self, bpc: int) -> int:
+        """Chunks the payloads span."""
+        if self.pos is None:
+            return -(-len(self.ids) // bpc)
+        if min(self.pos) < 0:
+            raise ValueError(f"block positions must be >= 0, got {min(self.pos)}")
+        return max(self.pos) // bpc + 1
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(enumerate(self.ids)) if self.pos is None else list(zip(self.pos, self.ids))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, block ids) as int64 arrays."""
+        ids = np.fromiter(self.ids, np.int64, len(self.ids))
+        pos = np.arange(len(ids), dtype=np.int64) if self.pos is None else np.fromiter(self.pos, np.int64, len(ids))
+        return pos, ids
+
+
+def _payload_offsets(group: KVGroupTensors, pos: np.ndarray, bpc: int) -> list[np.ndarray]:
+    """Per tensor of ``group``, the byte offset in the payloads of each position of ``pos``:
+    chunk ``q // bpc`` starts at its multiple of the chunk's bytes and holds, tensor by tensor,
+    the bytes of its ``bpc`` blocks."""
+    if len(group.block_bytes) == 1:  # chunks back to back are their blocks back to back
+        return [pos * group.block_bytes[0]]
+    chunk, inner = np.divmod(pos, bpc)
+    start = chunk * group.chunk_bytes(bpc)
+    out, base = [], 0
+    for bb in group.block_bytes:
+        out.append(start + (inner * bb + base))
+        base += bpc * bb
+    return out
+
+
+def _move_indexed(
+    group: KVGroupTensors, places: _Places, bpc: int, buf: torch.Tensor, to_staging: bool, *, non_blocking: bool
 ) -> None:
-    """:meth:`Copier._move` in host memory: one copy per run of consecutive blocks and tensor,
-    the GIL released. NumPy's ``copyto`` has a third of torch ``copy_``'s fixed cost per call
-    (256 KiB chunks 8.0-8.3 against 5.6-6.4 GB/s); from :data:`_STREAM_AT` bytes the C helper's
-    non-temporal copy writes the destination without reading it first (one thread, 256 MiB in
-    4 MiB copies: 13.7 GB/s against 8.5 for ``copyto`` and 12.0 for ``copy_`` on two threads)."""
-    off = 0
-    for arr, bb in zip(arrays, block_bytes):
-        for pos, b, k in runs:
-            view = buf[off + pos * bb : off + (pos + k) * bb]
+    """A move through a device buffer in payload layout: a gather is one ``index_select`` per
+    tensor into it, then one copy into ``buf``; a scatter one copy out of ``buf``, then one
+    ``index_copy_`` per tensor. With CUDA tensors that is a kernel per tensor and one DMA,
+    whatever the block ids (a copy per block is a DMA per block). Runs on the caller's stream;
+    any device (the tests run it on CPU tensors)."""
+    pos_np, ids_np = places.arrays()
+    dev = group.device
+    chunks = places.chunks(bpc)
+    cb = group.chunk_bytes(bpc)
+    ids = torch.from_numpy(ids_np).to(dev, non_blocking=non_blocking)
+    pos = torch.from_numpy(pos_np).to(dev, non_blocking=non_blocking)
+    host = buf[: chunks * cb]
+    if to_staging:
+        tmp = torch.zeros(chunks * cb, dtype=torch.uint8, device=dev)
+    else:
+        tmp = host.to(dev, non_blocking=non_blocking)  # the chunks' bytes, then the positions asked
+    base = 0
+    for t, bb in zip(group.tensors, group.block_bytes):
+        # this tensor's part of every chunk, as rows of bb bytes: row q is position q
+        part = tmp.view(chunks, cb)[:, base : base + bpc * bb].reshape(chunks, bpc, bb)
+        rows = part.view(chunks * bpc, bb) if part.is_contiguous() else None
+        if to_staging:
+            got = t.index_select(0, ids)
+            if rows is not None and places.pos is None:  # a gather's positions: the rows in order
+                rows[: len(ids_np)].copy_(got)
+            elif rows is not None:
+                rows.index_copy_(0, pos, got)
+            else:  # a strided part (several tensors): through its own rows
+                flat = part.reshape(chunks * bpc, bb)
+                flat.index_copy_(0, pos, got)
+                part.copy_(flat.view(chunks, bpc, bb))
+        else:
+            src = rows if rows is not None else part.reshape(chunks * bpc, bb)
+            t.index_copy_(0, ids, src.index_select(0, pos))
+        base += bpc * bb
+    if to_staging:
+        host.copy_(tmp, non_blocking=non_blocking)
+
+
+def _move_host(
+    group: KVGroupTensors, places: _Places, bpc: int, buf: np.ndarray, to_staging: bool, threads: int = 1
+) -> None:
+    """:meth:`Copier._move` in host memory.
+
+    With the C helper: one ``move_pieces`` call per tensor for the whole move, whatever the block
+    ids — runs of consecutive blocks merge there, the rest move block by block in C with
+    non-temporal stores, the GIL released, split over ``threads``. A churned engine pool hands
+    out scattered ids; a Python copy per block ran 64 KiB chunks of 4 blocks at half of one
+    ``index_select``; this runs them faster than it (docs/performance.md).
+    Without the helper: one NumPy copy per run of consecutive blocks and tensor (``copyto`` has a
+    third of torch ``copy_``'s fixed cost per call)."""
+    arrays = group.host_arrays
+    assert arrays is not None
+    if _move_pieces is not None:
+        pos, ids = places.arrays()
+        for arr, bb, at_buf in zip(arrays, group.block_bytes, _payload_offsets(group, pos, bpc)):
+            flat = arr.reshape(-1)
+            at_dev = ids * bb
+            if to_staging:
+                _move_pieces(buf, at_buf, flat, at_dev, bb, threads)
+            else:
+                _move_pieces(flat, at_dev, buf, at_buf, bb, threads)
+        return
+    cb = group.chunk_bytes(bpc)
+    base = 0
+    runs = _runs(places.pairs(), bpc if len(arrays) > 1 else None)
+    for arr, bb in zip(arrays, group.block_bytes):
+        for q, b, k in runs:
+            at = (q // bpc) * cb + base + (q % bpc) * bb
+            view = buf[at : at + k * bb]
             dev = arr[b] if k == 1 else arr[b : b + k].reshape(-1)
             if to_staging:
                 _copy(view, dev)
             else:
                 _copy(dev, view)
-        off += n * bb
+        base += bpc * bb
 
 
 #: Host copies at least this large go through the C helper's non-temporal copy (where built).
@@ -289,14 +433,15 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
 
 
-def _runs(placements: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+def _runs(placements: Sequence[tuple[int, int]], bpc: int | None = None) -> list[tuple[int, int, int]]:
     """``(position, block_id, count)`` runs of placements whose positions and block ids both
-    step by one: each run is one contiguous range on both sides (one copy instead of ``count``)."""
+    step by one, never across a chunk's end (every ``bpc`` positions): each run is one contiguous
+    range on both sides (one copy instead of ``count``)."""
     runs: list[tuple[int, int, int]] = []
     for pos, b in placements:
         if runs:
             p0, b0, k = runs[-1]
-            if pos == p0 + k and b == b0 + k:
+            if pos == p0 + k and b == b0 + k and (bpc is None or pos % bpc):
                 runs[-1] = (p0, b0, k + 1)
                 continue
         runs.append((pos, b, 1))

@@ -23,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
@@ -620,6 +621,147 @@ static PyObject *stream_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     return result;
 }
 
+/* ---- scattered blocks: one call per job and tensor (staging.py's host copies) ---- */
+
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    const int64_t *doff, *soff;
+    Py_ssize_t lo, hi; /* items [lo, hi) */
+    size_t piece;
+    int overlap; /* the buffers share memory: memmove, one thread */
+} move_part;
+
+/* The items [lo, hi) of a move_pieces call: runs of items next to each other on both sides move
+ * as one copy; a run of MOVE_STREAM_AT bytes or more streams (non-temporal stores). */
+#define MOVE_STREAM_AT (4 * 1024)
+static void *move_run(void *arg) {
+    const move_part *p = arg;
+    Py_ssize_t i = p->lo;
+    while (i < p->hi) {
+        Py_ssize_t j = i + 1;
+        while (j < p->hi && p->doff[j] == p->doff[j - 1] + (int64_t)p->piece &&
+               p->soff[j] == p->soff[j - 1] + (int64_t)p->piece)
+            j++;
+        size_t n = (size_t)(j - i) * p->piece;
+        uint8_t *d = p->dst + p->doff[i];
+        const uint8_t *s = p->src + p->soff[i];
+        if (p->overlap)
+            memmove(d, s, n);
+#if CAN_STREAM
+        else if (n >= MOVE_STREAM_AT)
+            stream_copy(d, s, n);
+#endif
+        else
+            memcpy(d, s, n);
+        i = j;
+    }
+#if CAN_STREAM
+    _mm_sfence();
+#endif
+    return NULL;
+}
+
+/* An int64 offsets buffer (format 'q', or 'l' where long is 64 bits), contiguous; -1 with a
+ * TypeError when it is not one. */
+static int offsets(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (b->itemsize != 8 || !(strcmp(f, "q") == 0 || (strcmp(f, "l") == 0 && sizeof(long) == 8))) {
+        PyErr_Format(PyExc_TypeError, "move_pieces: %s must be an int64 array, got format %s of %zd bytes", what,
+                     b->format ? b->format : "B", b->itemsize);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+#define MOVE_MAX_THREADS 8
+/* Below this many bytes per thread a second thread costs more than it gives. */
+#define MOVE_THREAD_AT (1024 * 1024)
+
+/* move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied
+ * Copies, for each i, the ``piece`` bytes of ``src`` at src_offsets[i] to ``dst`` at
+ * dst_offsets[i] (int64 arrays of the same length): a job's scattered blocks gathered into
+ * staging, or scattered back, in one call, the GIL released. Every offset is checked before the
+ * first byte moves (a ValueError names the first one out of range; nothing is copied). With
+ * ``threads`` > 1 the items are split among that many threads (this one included) when each gets
+ * MOVE_THREAD_AT bytes or more. Destination ranges must not overlap one another (what lands
+ * there is then the last writer's); buffers that share memory are copied with memmove, in order,
+ * on one thread. */
+static PyObject *move_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 5 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError, "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1)");
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
+    if (piece == -1 && PyErr_Occurred()) return NULL;
+    long threads = nargs == 6 ? PyLong_AsLong(args[5]) : 1;
+    if (threads == -1 && PyErr_Occurred()) return NULL;
+    if (piece <= 0 || threads < 1 || threads > MOVE_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "move_pieces: piece must be > 0 (got %zd) and threads 1..%d (got %ld)", piece,
+                     MOVE_MAX_THREADS, threads);
+        return NULL;
+    }
+    Py_buffer dst, src, db, sb;
+    if (two_buffers(args[0], &dst, PyBUF_WRITABLE, args[2], &src, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *result = NULL;
+    if (offsets(args[1], &db, "dst_offsets") < 0) goto out2;
+    if (offsets(args[3], &sb, "src_offsets") < 0) goto out1;
+    Py_ssize_t count = db.len / 8;
+    if (sb.len / 8 != count) {
+        PyErr_Format(PyExc_ValueError, "move_pieces: %zd destination offsets but %zd source offsets", count,
+                     sb.len / 8);
+        goto out0;
+    }
+    const int64_t *doff = db.buf, *soff = sb.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (doff[i] < 0 || doff[i] > (int64_t)(dst.len - piece) || dst.len < piece) {
+            PyErr_Format(PyExc_ValueError, "move_pieces: destination offset %lld (item %zd) is outside %zd bytes",
+                         (long long)doff[i], i, dst.len);
+            goto out0;
+        }
+        if (soff[i] < 0 || soff[i] > (int64_t)(src.len - piece) || src.len < piece) {
+            PyErr_Format(PyExc_ValueError, "move_pieces: source offset %lld (item %zd) is outside %zd bytes",
+                         (long long)soff[i], i, src.len);
+            goto out0;
+        }
+    }
+    {
+        uintptr_t d0 = (uintptr_t)dst.buf, s0 = (uintptr_t)src.buf;
+        int overlap = d0 < s0 + (uintptr_t)src.len && s0 < d0 + (uintptr_t)dst.len;
+        Py_ssize_t total = count * piece;
+        long nt = overlap ? 1 : threads;
+        while (nt > 1 && total / nt < MOVE_THREAD_AT) nt--;
+        move_part parts[MOVE_MAX_THREADS];
+        pthread_t tids[MOVE_MAX_THREADS];
+        int started[MOVE_MAX_THREADS] = {0};
+        for (long t = 0; t < nt; t++)
+            parts[t] = (move_part){(uint8_t *)dst.buf, (const uint8_t *)src.buf, doff, soff, count * t / nt,
+                                   count * (t + 1) / nt, (size_t)piece, overlap};
+        PyThreadState *state = unlocked(total);
+        for (long t = 1; t < nt; t++) started[t] = pthread_create(&tids[t], NULL, move_run, &parts[t]) == 0;
+        move_run(&parts[0]);
+        for (long t = 1; t < nt; t++) {
+            if (started[t])
+                pthread_join(tids[t], NULL);
+            else
+                move_run(&parts[t]); /* no thread to be had: this one does its share */
+        }
+        relock(state);
+        result = PyLong_FromSsize_t(total);
+    }
+out0:
+    PyBuffer_Release(&sb);
+out1:
+    PyBuffer_Release(&db);
+out2:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 /* ---- records in record files (the LMDB tier's large batches, written by format.write_records) ---- */
 
 /* The reads of read_records and read_placed, the GIL let go by the caller: item i is the record of
@@ -890,6 +1032,8 @@ static PyMethodDef methods[] = {
      "sum_heads(heads, keys, payloads) -> None: each header's checksum written in (the LMDB put)"},
     {"stream_into", (PyCFunction)(void (*)(void))stream_into, METH_FASTCALL,
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
+    {"move_pieces", (PyCFunction)(void (*)(void))move_pieces, METH_FASTCALL,
+     "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied (scattered blocks)"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,
      "read_placed(directory, entries, keys, dsts, layout) -> list: read_records of records placed by index entries"},
     {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,

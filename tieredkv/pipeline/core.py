@@ -56,7 +56,7 @@ class Pipeline:
         self.tiers = {t.name: t for t in tiers}
         self.policy = policy
         self.staging = staging or StagingPool(int(self.cfg.staging_bytes))
-        self.copier = Copier()
+        self.copier = Copier(threads=self.cfg.copy_threads)
         self.loop = LoopThread(use_uvloop=self.cfg.uvloop)
         self.inflight = InFlight()
         self.counters: collections.Counter[str] = collections.Counter()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -108,6 +109,19 @@ class Transfers:
         #: Where slots published are recorded (KV events), once asked for; None: nowhere.
         self.events: TierEvents | None = None
 
+    def _scatter(self, grp: GroupBinding, job: LoadJob, chunks: list[int], places: dict[int, Any], span: Any) -> Any:
+        """Scatter the payloads of ``chunks`` (of ``job``), back to back in ``span``, into their blocks."""
+        bpc = grp.blocks_per_chunk
+        if all(places[x] is None for x in chunks):  # whole chunks in order: their ids are the placements
+            ids = list(itertools.chain.from_iterable(job.chunks[x].block_ids for x in chunks))
+            return self.copier.scatter_blocks(grp.tensors, ids, span, bpc)
+        merged = [
+            (c * bpc + p, blk)
+            for c, x in enumerate(chunks)
+            for p, blk in (enumerate(job.chunks[x].block_ids) if places[x] is None else places[x])
+        ]
+        return self.copier.scatter(grp.tensors, merged, span, bpc)
+
     def slot_tier(self, tiers: Sequence[str]) -> SlotTier | None:
         """The route's first tier when it offers slots and its breaker lets work through."""
         lane = self.lanes[tiers[0]]
@@ -139,10 +153,12 @@ class Transfers:
             return [], {tier.name: 0}
         try:
             ev = None
-            full = all(len(c.block_ids) == grp.blocks_per_chunk for c in job.chunks)
-            for a, b, span in _slot_runs(tier, slots, grp, merge=full):
-                ids = [bid for c in job.chunks[a:b] for bid in c.block_ids]
-                ev = self.copier.gather(grp.tensors, ids, span, after=ready if a == 0 else None)
+            bpc = grp.blocks_per_chunk
+            full = all(len(c.block_ids) == bpc for c in job.chunks)
+            for a, b, span in _slot_runs(tier, slots, merge=full):
+                ids = _flat_ids(job.chunks, a, b)
+                after = ready if a == 0 else None
+                ev = self.copier.gather(grp.tensors, ids, span, after=after, chunk_blocks=bpc if full else None)
             await wait_event(ev)
         except BaseException:
             tier.abort(slots)
@@ -162,15 +178,29 @@ class Transfers:
         written: dict[str, int] = {}
         direct = grp.direct_views(job.chunks, load=False)
         copied = not all(direct)  # else every chunk is written straight from its blocks
+        bpc = grp.blocks_per_chunk
         for part in parts(len(job.chunks), buf.nbytes // cb):  # one part unless the job is larger than the pool
             ev = None
             views = [] if copied else direct[part.start : part.stop]
+            run = -1  # where the current run of chunks to gather starts in the part (-1: none)
             for j, i in enumerate(part if copied else ()):
                 view = direct[i]
                 if view is None:
-                    ev = self.copier.gather(grp.tensors, job.chunks[i].block_ids, buf.view(j * cb, cb), after=ready)
+                    if len(job.chunks[i].block_ids) != bpc:  # a short chunk: a gather of its own
+                        ev = self.copier.gather(grp.tensors, job.chunks[i].block_ids, buf.view(j * cb, cb), after=ready)
+                    elif run < 0:
+                        run = j
                     view = buf.mview(j * cb, cb)
                 views.append(view)
+                # a run of whole chunks to gather ends here: one call moves all of its blocks
+                if run >= 0 and (
+                    j + 1 == len(part) or direct[part[j + 1]] is not None or _short(job, part[j + 1], bpc)
+                ):
+                    ids = _flat_ids(job.chunks, part[run], i + 1)
+                    ev = self.copier.gather(
+                        grp.tensors, ids, buf.view(run * cb, (j + 1 - run) * cb), ready, chunk_blocks=bpc
+                    )
+                    run = -1
             await wait_event(ev)
             part_keys = keys if len(part) == len(keys) else [keys[i] for i in part]
             got, w = await self.writeback.write(job.route or grp.route, part_keys, views, job.tenant)
@@ -201,8 +231,10 @@ class Transfers:
             # where each chunk's blocks go, for those copied (not read straight into their blocks)
             copied = not all(direct) or bool(borrowed)  # else every chunk is read straight into its blocks
             null = grp.null_block
+            # per chunk copied (not read straight into its blocks): None when its block ids are a
+            # whole chunk's in order (moved with other such chunks in one call), else its placements
             places = (
-                {i: job.placements(i, bpc, null) for i, view in enumerate(direct) if view is None} if copied else {}
+                {i: _placements(job, i, bpc, null) for i, view in enumerate(direct) if view is None} if copied else {}
             )
             lower = route.tiers[1:] if slots is not None else route.tiers
             complete = True  # every chunk so far was found: keep copying
@@ -225,17 +257,27 @@ class Transfers:
                     continue
                 ev = None
                 lent: list[int] = []  # a run of consecutive borrowed chunks, copied together
+                run = -1  # where the current run of whole chunks read into the buffer starts (-1: none)
                 for j, i in enumerate(part if copied else ()):
                     if i in borrowed:
                         lent.append(i)
                         if j + 1 < len(part) and part[j + 1] in borrowed:
                             continue
-                        for a, b, span in _slot_runs(cast(SlotTier, slots), [borrowed[x] for x in lent], grp):
-                            merged = [(c * bpc + p, blk) for c, x in enumerate(lent[a:b]) for p, blk in places[x]]
-                            ev = self.copier.scatter(grp.tensors, merged, span, (b - a) * bpc)
+                        for a, b, span in _slot_runs(cast(SlotTier, slots), [borrowed[x] for x in lent]):
+                            ev = self._scatter(grp, job, lent[a:b], places, span)
                         lent = []
                     elif direct[i] is None:
-                        ev = self.copier.scatter(grp.tensors, places[i], buf.view(j * cb, cb), bpc)
+                        if places[i] is not None:  # not a whole chunk in order: on its own
+                            ev = self.copier.scatter(grp.tensors, places[i], buf.view(j * cb, cb), bpc)
+                            continue
+                        run = j if run < 0 else run
+                        nxt = part[j + 1] if j + 1 < len(part) else -1
+                        if nxt < 0 or nxt in borrowed or direct[nxt] is not None or places[nxt] is not None:
+                            ids = _flat_ids(job.chunks, part[run], i + 1)
+                            ev = self.copier.scatter_blocks(
+                                grp.tensors, ids, buf.view(run * cb, (j + 1 - run) * cb), bpc
+                            )
+                            run = -1
                 await wait_event(ev)
                 first = route.tiers[0]
                 if route.promote and len(route.tiers) > 1 and any(found_in[i] != first for i in part):
@@ -251,15 +293,12 @@ class Transfers:
                 cast(SlotTier, slots).give_back([keys[i] for i in borrowed], list(borrowed.values()))
 
 
-def _slot_runs(
-    tier: SlotTier, slots: Sequence[Any], grp: GroupBinding, *, merge: bool = True
-) -> list[tuple[int, int, Any]]:
+def _slot_runs(tier: SlotTier, slots: Sequence[Any], *, merge: bool = True) -> list[tuple[int, int, Any]]:
     """``(start, stop, view)``: runs of a job's chunks whose slots lie back to back, with one view
-    over each run's slots, so a run moves as one chunk of ``stop - start`` chunks' blocks. Only
-    for a group of one tensor (its payload is the blocks in order, so chunks concatenate);
-    otherwise (or without ``merge``) one run per chunk."""
+    over each run's slots (their payloads back to back), so a run moves in one call; without
+    ``merge``, one run per chunk."""
     n = len(slots)
-    if not merge or len(grp.tensors.tensors) != 1:
+    if not merge:
         return [(i, i + 1, tier.slot_view(slots[i])) for i in range(n)]
     whole = tier.span_view(slots)
     if whole is not None:
@@ -271,6 +310,26 @@ def _slot_runs(
             runs.append((a, i, tier.span_view(slots[a:i])))
             a = i
     return runs
+
+
+def _flat_ids(chunks: Sequence[ChunkRef], a: int, b: int) -> list[int]:
+    """The block ids of chunks ``a .. b-1``, one after another."""
+    if b - a == 1:
+        return list(chunks[a].block_ids)
+    return list(itertools.chain.from_iterable(c.block_ids for c in chunks[a:b]))
+
+
+def _short(job: StoreJob, i: int, bpc: int) -> bool:
+    return len(job.chunks[i].block_ids) != bpc
+
+
+def _placements(job: LoadJob, i: int, bpc: int, null: int | None) -> list[tuple[int, int]] | None:
+    """None when chunk ``i``'s block ids are a whole chunk's, every one copied (the common case,
+    once per chunk: C calls only), else :meth:`LoadJob.placements`."""
+    ids = job.chunks[i].block_ids
+    if len(ids) == bpc and (null is None or null not in ids):
+        return None
+    return job.placements(i, bpc, null)
 
 
 def tiers_read(found_in: dict[int, str]) -> dict[str, int]:

@@ -16,6 +16,7 @@ import sys
 
 from tieredkv.backends.registry import config_model
 from tieredkv.bench import (
+    LAYOUTS,
     BenchResult,
     KiB,
     MiB,
@@ -48,13 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu,lmdb,lmdb:sync_mode=durable,fs,redis",
         help="tier kinds, each with its defaults; kind:field=value[:field=value] sets fields (and names it)",
     )
+    ap.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help="block-id layouts, the first the default figure: permuted (a churned pool), fragmented"
+        " (short runs), consecutive (a fresh pool, the best case)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     sizes, total, reps = run_plan(a)
     steady_malloc()  # this process is a bench: raw baselines at the medium's limit
     with RedisServer() as srv:
         tiers = [tier_config(kind, srv.url) for kind in a.tiers.split(",")]
-        results = run_tier_bench(tiers, sizes, total, reps, log=lambda m: print(m, file=sys.stderr))
+        results = run_tier_bench(
+            tiers, sizes, total, reps, log=lambda m: print(m, file=sys.stderr), layouts=a.layouts.split(",")
+        )
     print_table(results)
     os.makedirs(a.out, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -65,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": machine_info(),
                 "total_bytes_per_figure": total,
                 "reps": reps,
+                "layouts": a.layouts.split(","),
                 "results": [result_row(r) for r in results],
             },
             f,

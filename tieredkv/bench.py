@@ -81,6 +81,15 @@ __all__ = [
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 OPS = ("store", "load")
+#: Blocks per chunk of the bench's KV group (a chunk of 64 KiB is 4 blocks of 16 KiB).
+BLOCKS_PER_CHUNK = 4
+#: How a job's block ids are drawn (:func:`block_ids`). The first is the default layout, whose
+#: figures are ``<label>.store|load``; the others' are ``<label>@<layout>.store|load``.
+#: ``permuted``: a churned engine pool, whose free queue hands blocks out in the order they were
+#: freed (vLLM's ``FreeKVCacheBlockQueue``): a random permutation of the pool. ``fragmented``: a
+#: free list of short runs (1 to 8 consecutive blocks, in random order). ``consecutive``: a fresh
+#: pool, ids in order, the best case (every chunk's blocks are one range).
+LAYOUTS = ("permuted", "fragmented", "consecutive")
 
 
 @dataclass
@@ -97,36 +106,95 @@ class BenchResult:
     #: ``"<label>.store|load"`` → the raw figure of the same medium with the integrity work alone
     #: (:attr:`~tieredkv.backends.base.RawLimits.floor`): the most a checked tier could do there.
     floors: dict[str, str] = field(default_factory=dict)
+    #: Block-id layouts measured (:data:`LAYOUTS`), the default first.
+    layouts: list[str] = field(default_factory=lambda: [LAYOUTS[0]])
+    #: ``"<label>.store|load"`` → the raw figures its limit is the strongest of (each tier's
+    #: :attr:`~tieredkv.backends.base.RawLimits.baseline`); :attr:`baselines` names the one that
+    #: measured highest at this size.
+    candidates: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, name: str, samples: list[float]) -> None:
         self.reps[name] = [round(x, 3) for x in samples]
         self.gbps[name] = round(statistics.median(samples), 3)
 
+    def settle_limits(self) -> None:
+        """Each tier figure's limit: the strongest (highest median) of its candidates measured."""
+        for key, names in self.candidates.items():
+            got = [c for c in names if c in self.gbps]
+            if got:
+                self.baselines[key] = max(got, key=self.gbps.__getitem__)
+
+
+def figure(label: str, layout: str, op: str, default: str = LAYOUTS[0]) -> str:
+    """A tier figure's name: ``<label>.<op>`` for the default layout, else ``<label>@<layout>.<op>``."""
+    return f"{label}.{op}" if layout == default else f"{label}@{layout}.{op}"
+
+
+def block_ids(layout: str, count: int, first: int, rng: Any) -> list[int]:
+    """``count`` distinct block ids from ``first .. first+count-1`` in the order a pool with
+    ``layout`` (:data:`LAYOUTS`) hands them out; ``rng`` a ``numpy.random.Generator``."""
+    import numpy as np
+
+    if layout == "consecutive":
+        return list(range(first, first + count))
+    if layout == "permuted":
+        return (rng.permutation(count) + first).tolist()
+    if layout == "fragmented":
+        cuts = np.cumsum(rng.integers(1, 9, size=count))  # runs of 1-8 blocks
+        starts = np.concatenate([[0], cuts[cuts < count]])
+        ends = np.append(starts[1:], count)
+        order = rng.permutation(len(starts))
+        return [first + i for k in order for i in range(int(starts[k]), int(ends[k]))]
+    raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+
 
 # ---- through the pipeline -----------------------------------------------------------------------
 
 
-def bench_blocks(src: torch.Tensor) -> torch.Tensor:
-    """The engine's block tensor for :func:`pipeline_store_load`: the null block, ``src``, and room
-    for the load. Allocate it once per size and pass it to every run (the raw baselines copy into
+def bench_blocks(src: torch.Tensor, blocks_per_chunk: int = BLOCKS_PER_CHUNK) -> torch.Tensor:
+    """The engine's block tensor for :func:`pipeline_store_load`: the null block, room for the
+    chunks of ``src`` as blocks of ``size / blocks_per_chunk`` bytes, and room for the load.
+    Allocate it once per size and pass it to every run (the raw baselines copy into
     preallocated tensors too; a fresh 3 x 256 MiB per run costs page faults that land on the
     next run's time here)."""
-    return torch.cat([torch.zeros(1, src.shape[1], dtype=torch.uint8), src, torch.zeros_like(src)])
+    n, size = src.shape
+    if size % blocks_per_chunk:
+        raise ValueError(f"chunk size {size} is not a multiple of {blocks_per_chunk} blocks")
+    return torch.zeros(1 + 2 * n * blocks_per_chunk, size // blocks_per_chunk, dtype=torch.uint8)
 
 
 def pipeline_store_load(
-    tier: Tier, src: torch.Tensor, dst: torch.Tensor, ns: Namespace, blocks: torch.Tensor | None = None
+    tier: Tier,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    ns: Namespace,
+    blocks: torch.Tensor | None = None,
+    *,
+    layout: str = LAYOUTS[0],
+    seed: int = 0,
 ) -> tuple[float, float]:
     """(store seconds, load seconds) of every chunk of ``src`` through a one-tier store; bytes verified.
 
-    Row ``i`` of ``src`` is device block ``i + 1`` of ``blocks`` (:func:`bench_blocks`; block 0 is
-    the engine's null block); it loads back into block ``n + 1 + i``, zeroed first. Every key it
-    writes is deleted again (a shared tier is left as it was found)."""
+    The KV group is ``blocks`` (:func:`bench_blocks`; block 0 is the engine's null block), chunks
+    of :data:`BLOCKS_PER_CHUNK` blocks. Chunk ``i`` of ``src`` is placed (untimed) in the blocks a
+    pool of ``layout`` hands out (:func:`block_ids`, drawn from ``seed``) among blocks
+    ``1 .. N``, stored from there, and loaded into blocks drawn the same way among ``N+1 .. 2N``,
+    zeroed first. Every key it writes is deleted again (a shared tier is left as it was found)."""
+    import numpy as np
+
     n, size = src.shape
     if blocks is None:
         blocks = bench_blocks(src)
-    else:
-        blocks[n + 1 :].zero_()
+    bpc = (blocks.shape[0] - 1) // (2 * n)
+    nb = n * bpc
+    if bpc < 1 or blocks.shape[1] * bpc != size:
+        raise ValueError(f"blocks of shape {tuple(blocks.shape)} do not hold {n} chunks of {size} bytes")
+    rng = np.random.default_rng(seed)
+    store_ids = block_ids(layout, nb, 1, rng)
+    load_ids = block_ids(layout, nb, 1 + nb, rng)
+    rows = blocks.numpy()
+    rows[np.asarray(store_ids)] = src.numpy().reshape(nb, -1)  # the engine wrote its KV here
+    blocks[1 + nb :].zero_()
     per = max(1, BATCH_BYTES // size)
     pipeline = PipelineConfig(
         max_batch_bytes=BATCH_BYTES,
@@ -138,12 +206,13 @@ def pipeline_store_load(
     store = TieredStore(cfg, namespace=ns, tiers=[tier])
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
     with store.start():
-        store.register_group(0, [blocks])
+        store.register_group(0, [blocks], blocks_per_chunk=bpc)
 
-        def run(submit: Callable[[list[tuple[bytes, Sequence[int]]]], int | None], first: int) -> float:
+        def run(submit: Callable[[list[tuple[bytes, Sequence[int]]]], int | None], ids: list[int]) -> float:
+            chunked = [tuple(ids[i * bpc : (i + 1) * bpc]) for i in range(n)]  # as the scheduler holds them
             t0 = time.perf_counter()
             for b in range(0, n, per):
-                chunks: list[tuple[bytes, Sequence[int]]] = [(keys[i], (first + i,)) for i in range(b, min(n, b + per))]
+                chunks: list[tuple[bytes, Sequence[int]]] = list(zip(keys[b : b + per], chunked[b : b + per]))
                 while submit(chunks) is None:  # staging full: wait for room (back-pressure)
                     time.sleep(0.0005)
             if not store.drain(600):
@@ -156,11 +225,11 @@ def pipeline_store_load(
 
         try:
             warm_free_pages(src)  # as every raw baseline does before it writes
-            ts = run(lambda chunks: store.store(0, chunks), 1)
-            tl = run(lambda chunks: store.load(0, chunks), n + 1)
+            ts = run(lambda chunks: store.store(0, chunks), store_ids)
+            tl = run(lambda chunks: store.load(0, chunks), load_ids)
         finally:
             store.run(tier.delete_many(keys), timeout=120)
-    if not torch.equal(blocks[n + 1 :], src):
+    if not np.array_equal(rows[np.asarray(load_ids)].reshape(n, size), src.numpy()):
         raise RuntimeError(f"tier {tier.name!r}: loaded bytes differ from stored bytes")
     return ts, tl
 
@@ -199,10 +268,15 @@ def run_tier_bench(
     *,
     workdir: str | None = None,
     log: Callable[[str], None] = print,
+    layouts: Sequence[str] = LAYOUTS,
 ) -> list[BenchResult]:
-    """Bench every tier config of ``tiers`` (a config's ``tiers``) at each chunk size; returns one
+    """Bench every tier config of ``tiers`` (a config's ``tiers``) at each chunk size, with the
+    block ids of each of ``layouts`` (the first is the default figure); returns one
     :class:`BenchResult` per size. Raw limits are measured once per tier class and repetition
     (with the first config of that class)."""
+    for lay in layouts:
+        if lay not in LAYOUTS:
+            raise ValueError(f"layout {lay!r}: expected one of {', '.join(LAYOUTS)}")
     torch.set_num_threads(1)  # the copy path runs single-threaded (machine-limits finding 3)
     work = workdir or tempfile.mkdtemp(prefix="tieredkv-bench-")
     ns = Namespace(model="tieredkv-bench", tenant_salt=uuid.uuid4().hex)
@@ -210,7 +284,7 @@ def run_tier_bench(
     out = []
     for size in sizes:
         n = max(4, total_bytes // size)
-        res = BenchResult(size, n, tiers=[t.label for t in tiers])
+        res = BenchResult(size, n, tiers=[t.label for t in tiers], layouts=list(layouts))
         _bench_size(res, tiers, reps, work, ns, notes, log)
         log(f"{size // KiB:>5} KiB: " + ", ".join(f"{k}={v:.2f}" for k, v in res.gbps.items()))
         out.append(res)
@@ -310,30 +384,37 @@ def _bench_size(
                         log(f"note: {note}")
                     for label in labels:
                         for op in OPS:
-                            if op in raw.baseline:
-                                res.baselines[f"{label}.{op}"] = _suffixed(raw.baseline[op], suffix)
-                            if op in raw.floor:
-                                res.floors[f"{label}.{op}"] = _suffixed(raw.floor[op], suffix)
+                            for lay in res.layouts:
+                                key = figure(label, lay, op, res.layouts[0])
+                                if op in raw.baseline:
+                                    res.candidates[key] = [_suffixed(c, suffix) for c in raw.limit(op)]
+                                if op in raw.floor:
+                                    res.floors[key] = _suffixed(raw.floor[op], suffix)
 
                 if rep % 2 == 0:
                     measure_raw()
                 for label in labels:
                     tcfg = by_label[label]
-                    # Its own directory, removed right after (as each raw run removes its file): dirty
-                    # pages of one run are never written back on the next run's time.
-                    own = tempfile.mkdtemp(dir=work)
-                    try:
-                        ts, tl = pipeline_store_load(make_tier(tcfg, size, n, own), src, dst, ns, blocks)
-                    finally:
-                        shutil.rmtree(own, ignore_errors=True)
-                    if rep:
-                        samples.setdefault(f"{label}.store", []).append(n * size / ts / 1e9)
-                        samples.setdefault(f"{label}.load", []).append(n * size / tl / 1e9)
+                    for lay in res.layouts:
+                        # Its own directory, removed right after (as each raw run removes its file):
+                        # dirty pages of one run are never written back on the next run's time.
+                        own = tempfile.mkdtemp(dir=work)
+                        try:
+                            tier = make_tier(tcfg, size, n, own)
+                            ts, tl = pipeline_store_load(tier, src, dst, ns, blocks, layout=lay, seed=rep)
+                        finally:
+                            shutil.rmtree(own, ignore_errors=True)
+                        if rep:
+                            for op, secs in (("store", ts), ("load", tl)):
+                                samples.setdefault(figure(label, lay, op, res.layouts[0]), []).append(
+                                    n * size / secs / 1e9
+                                )
                 if rep % 2 == 1:
                     measure_raw()
 
     for name, xs in samples.items():
         res.add(name, xs)
+    res.settle_limits()
 
 
 def _by_class(
@@ -388,13 +469,18 @@ def result_row(res: BenchResult) -> dict[str, Any]:
         "baselines": res.baselines,
         "floor_ratios": floor_ratios(res),
         "floors": res.floors,
+        "layouts": res.layouts,
+        "limit_candidates": res.candidates,
     }
 
 
-def tier_figures(results: Sequence[BenchResult]) -> list[str]:
-    """Every ``"<label>.store|load"`` figure of ``results``, tier by tier in config order."""
+def tier_figures(results: Sequence[BenchResult], *, layouts: bool = True) -> list[str]:
+    """Every tier figure of ``results`` (:func:`figure`), tier by tier in config order, each
+    layout's after the default's (``layouts`` False: the default layout's only)."""
     labels = list(dict.fromkeys(label for r in results for label in r.tiers))
-    return [f"{label}.{op}" for label in labels for op in OPS]
+    lays = list(dict.fromkeys(lay for r in results for lay in r.layouts)) or [LAYOUTS[0]]
+    first = lays[0]
+    return [figure(label, lay, op, first) for label in labels for lay in (lays if layouts else lays[:1]) for op in OPS]
 
 
 def raw_figures(results: Sequence[BenchResult]) -> list[str]:

@@ -53,18 +53,30 @@ def test_a_tier_class_without_the_hook_gets_figures_and_no_ratio(tmp_path: Path,
     assert res.tiers == ["slab", "files", "nvme"] and res.chunks == 16
     for key in ("slab.store", "slab.load", "files.store", "files.load", "nvme.store", "nvme.load"):
         assert res.gbps[key] > 0, key
-    assert res.baselines == {
-        "slab.store": "memcpy",
-        "slab.load": "memcpy",
-        "nvme.store": "lmdb_raw.store",
-        "nvme.load": "lmdb_raw.load",
-    }
+    # every layout of each tier with a hook is judged against the strongest of its medium's figures
+    assert res.layouts == list(bench.LAYOUTS) == ["permuted", "fragmented", "consecutive"]
+    judged = {bench.figure(t, lay, op) for t in ("slab", "nvme") for lay in bench.LAYOUTS for op in ("store", "load")}
+    assert set(res.baselines) == set(res.candidates) == judged
+    assert res.candidates["slab.store"] == res.candidates["slab@consecutive.load"] == ["gather", "copy", "copy_2t_nt"]
+    assert res.candidates["nvme.store"] == ["file_pagecache.store", "lmdb_raw.store"]
+    assert res.candidates["nvme@fragmented.load"] == ["file.load", "lmdb_raw.load"]
+    for key, names in res.candidates.items():
+        assert res.baselines[key] == max(names, key=res.gbps.__getitem__), key  # the strongest measured
     assert set(bench.ratios(res)) == set(res.baselines)  # files: figures, no ratio
     assert re.fullmatch(r"[\d.]+", bench.cell(res, "files.store"))
     assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.load"))
-    assert bench.tier_figures([res]) == [f"{t}.{op}" for t in ("slab", "files", "nvme") for op in ("store", "load")]
+    assert bench.tier_figures([res], layouts=False) == [
+        f"{t}.{op}" for t in ("slab", "files", "nvme") for op in ("store", "load")
+    ]
+    assert bench.tier_figures([res]) == [
+        bench.figure(t, lay, op) for t in ("slab", "files", "nvme") for lay in bench.LAYOUTS for op in ("store", "load")
+    ]
+    for lay in bench.LAYOUTS:
+        assert res.gbps[bench.figure("files", lay, "load")] > 0
     # only the LMDB tier's records leave the process: only it has an integrity floor
-    assert bench.floored_figures([res]) == ["nvme.store", "nvme.load"]
+    assert bench.floored_figures([res]) == [
+        bench.figure("nvme", lay, op) for lay in bench.LAYOUTS for op in ("store", "load")
+    ]
     assert re.fullmatch(r"[\d.]+/[\d.]+ \([\d.]+x\)", bench.cell(res, "nvme.store", res.floors))
     assert bench.cell(res, "slab.store", res.floors) == f"{res.gbps['slab.store']:.2f}"
     (row,) = bench.ratio_rows([res], ["nvme.store", "files.load"])  # one row per size, label first
@@ -83,11 +95,18 @@ def test_builtin_tiers_declare_their_raw_baseline_measured_on_the_same_bytes(tmp
     src = torch.randint(0, 256, (8, 64 * KiB), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     cpu = CPUTier.raw_limits(CPUTierConfig(), src, dst, workdir=str(tmp_path))
-    assert cpu.baseline == {"store": "memcpy", "load": "memcpy"} and cpu.gbps["memcpy"] > 0
-    assert torch.equal(dst, src)  # the copy really happened
+    assert cpu.limit("store") == cpu.limit("load") == ("gather", "copy", "copy_2t_nt")
+    assert set(cpu.gbps) == {"gather", "copy", "copy_2t_nt"} and all(v > 0 for v in cpu.gbps.values())
+    assert torch.equal(dst, src)  # the copies really happened (the last one whole)
     dst.zero_()
     disk = LMDBTier.raw_limits(LMDBTierConfig(sync_mode="durable"), src, dst, workdir=str(tmp_path))
-    assert disk.baseline == {"store": "lmdb_raw.store", "load": "lmdb_raw.load"}
+    # durable: the strongest of a file write that syncs and a py-lmdb put that syncs
+    assert disk.limit("store") == ("file_durable.store", "lmdb_raw.store")
+    assert disk.limit("load") == ("file.load", "lmdb_raw.load")
+    assert LMDBTier.raw_limits(LMDBTierConfig(), src, dst, workdir=str(tmp_path)).limit("store") == (
+        "file_pagecache.store",
+        "lmdb_raw.store",
+    )
     assert disk.floor == {"store": "lmdb_checked.store", "load": "lmdb_checked.load"}
     assert set(disk.gbps) == {
         "file_pagecache.store",
@@ -111,9 +130,13 @@ def test_the_fs_tier_is_judged_against_one_file_per_record_and_its_own_calls_wit
     src = torch.randint(0, 256, (8, 64 * KiB), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     raw = FSTier.raw_limits(FSTierConfig(), src, dst, workdir=str(tmp_path))
-    assert raw.baseline == {"store": "pwrite.store", "load": "pread.load"}
+    # the strongest of one file per record and of one file for every record (the disk's best)
+    assert raw.limit("store") == ("pwrite.store", "file_pagecache.store")
+    assert raw.limit("load") == ("pread.load", "file.load")
     assert raw.floor == {"store": "tier_calls_no_aiofiles.store", "load": "tier_calls_no_aiofiles.load"}
     assert set(raw.gbps) == {
+        "file_pagecache.store",
+        "file.load",
         "pwrite.store",
         "pread.load",
         "pwrite_durable.store",
@@ -124,20 +147,24 @@ def test_the_fs_tier_is_judged_against_one_file_per_record_and_its_own_calls_wit
     assert all(v > 0 for v in raw.gbps.values())
     assert torch.equal(dst, src) and list(tmp_path.iterdir()) == []
     durable = FSTier.raw_limits(FSTierConfig(sync_mode="durable"), src, dst, workdir=str(tmp_path))
-    assert durable.baseline == {"store": "pwrite_durable.store", "load": "pread.load"}
+    assert durable.limit("store") == ("pwrite_durable.store", "file_durable.store")
+    assert "file_durable.store" in durable.gbps and "file_pagecache.store" not in durable.gbps
 
     (res,) = bench.run_tier_bench(
-        [FSTierConfig(name="shared")], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None
-    )
-    assert res.baselines == {"shared.store": "pwrite.store", "shared.load": "pread.load"}
+        [FSTierConfig(name="shared")], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None,
+        layouts=["permuted"],
+    )  # fmt: skip
+    store = max(("pwrite.store", "file_pagecache.store"), key=res.gbps.__getitem__)
+    load = max(("pread.load", "file.load"), key=res.gbps.__getitem__)
+    assert res.baselines == {"shared.store": store, "shared.load": load}
     assert res.floors == {"shared.store": "tier_calls_no_aiofiles.store", "shared.load": "tier_calls_no_aiofiles.load"}
     assert bench.raw_figures([res]) == sorted(raw.gbps, key=list(res.gbps).index)
     rows = {name: cells for name, *cells in bench.raw_rows([res], bench.raw_figures([res]))}
-    assert rows["pwrite.store (baseline)"] == [f"{res.gbps['pwrite.store']:.2f}"]
+    assert rows[f"{store} (baseline)"] == [f"{res.gbps[store]:.2f}"]
     assert rows["tier_calls_no_aiofiles.load (floor)"] == [f"{res.gbps['tier_calls_no_aiofiles.load']:.2f}"]
     assert rows["pwrite_rename.store"] == [f"{res.gbps['pwrite_rename.store']:.2f}"]
     assert bench.judged_lines([res]) == [
-        "baselines: shared.store vs pwrite.store, shared.load vs pread.load",
+        f"baselines: shared.store vs {store}, shared.load vs {load}",
         "floors: shared.store vs tier_calls_no_aiofiles.store, shared.load vs tier_calls_no_aiofiles.load",
     ]
 
@@ -176,7 +203,8 @@ def test_redis_raw_limits_leave_the_server_as_found(redis_server: RedisServer) -
         raw = RedisTier.raw_limits(
             RedisTierConfig(url=redis_server.url, cluster=True), src, dst, workdir="/nonexistent"
         )
-        assert raw.baseline == {"store": "redis_py.store", "load": "redis_py.load"}
+        assert raw.limit("store") == ("redis_py.store", "redis_benchmark.store")
+        assert raw.limit("load") == ("redis_py.load", "redis_benchmark.load")
         assert raw.floor == {"store": "redis_checked.store", "load": "redis_checked.load"}
         for figure in ("redis_py.store", "redis_py.load", "redis_checked.store", "redis_checked.load"):
             assert raw.gbps[figure] > 0, figure
@@ -340,9 +368,10 @@ def test_an_lmdb_tier_in_durable_mode_is_judged_against_a_durable_raw_put(
     )
     # warm-up rep and one kept rep, each raw run once plain and once checked, with its tier's flags
     assert syncs == [(False, False), (False, True), (True, False), (True, True)] * 2
-    assert res.baselines["lmdb.store"] == "lmdb_raw.store"
-    assert res.baselines["lmdb-durable.store"] == "lmdb_raw[lmdb-durable].store"
-    assert res.baselines["lmdb-durable.load"] == "lmdb_raw[lmdb-durable].load"
+    assert res.candidates["lmdb.store"] == ["file_pagecache.store", "lmdb_raw.store"]
+    assert res.candidates["lmdb-durable.store"] == ["file_durable[lmdb-durable].store", "lmdb_raw[lmdb-durable].store"]
+    assert res.candidates["lmdb-durable.load"] == ["file[lmdb-durable].load", "lmdb_raw[lmdb-durable].load"]
+    assert res.baselines["lmdb-durable@consecutive.load"] in res.candidates["lmdb-durable.load"]
     assert res.floors["lmdb-durable.store"] == "lmdb_checked[lmdb-durable].store"
     assert res.floors["lmdb.load"] == "lmdb_checked.load"
     for figure in ("lmdb_raw.store", "lmdb_raw[lmdb-durable].store", "lmdb.store", "lmdb-durable.store"):
@@ -374,10 +403,11 @@ def test_each_medium_runs_beside_its_raw_baseline_first_and_second_in_turn(
     monkeypatch.setattr(bench, "pipeline_store_load", run)
     durable = LMDBTierConfig(name="lmdb-durable", sync_mode="durable")
     bench.run_tier_bench([LMDBTierConfig(), durable], [64 * KiB], 1 << 20, 2, workdir=str(tmp_path), log=lambda m: None)
+    lmdb, durable_ = ("lmdb",) * 3, ("lmdb-durable",) * 3  # a run per layout, back to back
     assert events == [
-        *("raw", "lmdb", "raw-durable", "lmdb-durable"),  # warm-up rep: raw first
-        *("lmdb", "raw", "lmdb-durable", "raw-durable"),  # rep 1: tiers first
-        *("raw", "lmdb", "raw-durable", "lmdb-durable"),  # rep 2: raw first again
+        *("raw", *lmdb, "raw-durable", *durable_),  # warm-up rep: raw first
+        *(*lmdb, "raw", *durable_, "raw-durable"),  # rep 1: tiers first
+        *("raw", *lmdb, "raw-durable", *durable_),  # rep 2: raw first again
     ]
 
 
@@ -412,8 +442,8 @@ def test_every_timed_write_starts_on_freshly_backed_free_pages(tmp_path: Path, m
     monkeypatch.setattr(bench, "warm_free_pages", warm)
     bench.run_tier_bench([LMDBTierConfig()], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None)
     # Warm-up rep and one timed rep, each: raw file (page cache), raw file (durable), raw py-lmdb,
-    # raw py-lmdb checked, the tier.
-    assert warmed == [1 << 20] * 10
+    # raw py-lmdb checked, the tier in each of the three layouts.
+    assert warmed == [1 << 20] * 14
 
 
 def test_steady_malloc_is_reported_with_the_results() -> None:
@@ -532,3 +562,42 @@ def test_peers_bench_runs_lmcache_a_step_at_a_time_between_its_own_rounds(
     assert [key[1:] for key in open_at] == [("2048", "1")]  # the step that died
     assert len(spans) == len(sizes) * (reps + 1) + 1  # size 2048's warm-up ran twice (a fresh engine)
     assert all(e <= a or s >= b for s, e in spans for a, b in mine)
+
+
+def test_block_id_layouts_are_what_an_engine_pool_hands_out() -> None:
+    """``permuted``: every block once in a random order (a churned pool's free queue);
+    ``fragmented``: every block once, in runs of 1-8 consecutive ids in random order;
+    ``consecutive``: in order. Same seed, same ids (every tier of a rep gets the same layout)."""
+    import numpy as np
+
+    n, first = 4096, 7
+    for lay in bench.LAYOUTS:
+        ids = bench.block_ids(lay, n, first, np.random.default_rng(3))
+        assert sorted(ids) == list(range(first, first + n)), lay
+        assert ids == bench.block_ids(lay, n, first, np.random.default_rng(3)), lay
+    assert bench.block_ids("consecutive", n, first, np.random.default_rng(0)) == list(range(first, first + n))
+    perm = bench.block_ids("permuted", n, first, np.random.default_rng(0))
+    steps = np.diff(perm)
+    assert (steps == 1).mean() < 0.01  # hardly a chunk of it consecutive
+    frag = bench.block_ids("fragmented", n, first, np.random.default_rng(0))
+    breaks = np.flatnonzero(np.diff(frag) != 1)
+    runs = np.diff(np.concatenate([[-1], breaks, [n - 1]]))
+    assert runs.max() <= 8 * 2 and 2.5 < runs.mean() < 6  # short runs (two may happen to abut)
+    with pytest.raises(ValueError, match="layout 'shuffled'"):
+        bench.block_ids("shuffled", 4, 1, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("layout", ["permuted", "fragmented", "consecutive"])
+def test_the_bench_moves_chunks_from_and_into_the_layouts_blocks(tmp_path: Path, layout: str) -> None:
+    """The bench's chunks live in the KV group's blocks at the layout's ids (4 blocks a chunk), go
+    through a one-tier store and come back into other blocks of the same layout, byte-exact (a
+    slip of one block's position would fail the comparison), for the slab's path and a staged one."""
+    src = torch.randint(0, 256, (48, 16 * KiB), dtype=torch.uint8)
+    blocks = bench.bench_blocks(src)
+    assert tuple(blocks.shape) == (1 + 2 * 48 * 4, 4 * KiB)
+    ns = bench.Namespace(model="layouts")
+    for tcfg in (CPUTierConfig(name="slab"), LMDBTierConfig(name="nvme")):
+        tier = bench.make_tier(tcfg, 16 * KiB, 48, str(tmp_path))
+        ts, tl = bench.pipeline_store_load(tier, src, torch.zeros_like(src), ns, blocks, layout=layout, seed=5)
+        assert ts > 0 and tl > 0 and tier.counters["hits"] == 48
+    assert int(blocks[0].sum()) == 0  # the null block is never written

@@ -28,6 +28,7 @@ __all__ = [
     "REDIS_BENCHMARK_KEYS",
     "gbps",
     "raw_file",
+    "raw_host_memory",
     "raw_lmdb",
     "raw_memcpy",
     "raw_redis",
@@ -114,13 +115,55 @@ def run_loop(coro: Any) -> Any:
 
 
 def raw_memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
-    """Seconds to ``copy_`` every chunk into a preallocated tensor (the CPU slab's limit)."""
+    """Seconds to ``copy_`` every chunk into a preallocated tensor, one call per chunk."""
 
     def run() -> None:
         for i in range(src.shape[0]):
             dst[i].copy_(src[i])
 
     return _timed(run)
+
+
+def raw_host_memory(src: torch.Tensor, dst: torch.Tensor, blocks_per_chunk: int = 4) -> dict[str, float]:
+    """GB/s of what host memory itself moves on the bytes of ``src`` into ``dst`` (both
+    ``(chunks, size)``), the strongest a CPU tier could be held to:
+
+    * ``gather``: one ``index_select`` of ``src``'s blocks (``size / blocks_per_chunk`` bytes each,
+      the bench's KV blocks) in a random order into ``dst``, contiguous: an engine's scattered
+      block ids gathered by one vectorized call (torch's intra-op threads as set, the bench: one);
+    * ``copy``: one ``copy_`` of the whole of ``src`` into ``dst`` (one thread);
+    * ``copy_2t_nt``: the same bytes copied by two threads with non-temporal stores (the C
+      helper's ``stream_into``, the GIL released; NumPy's copy without the helper): the best copy
+      this kind of machine gives (both cores; writing the destination without reading it first).
+    """
+    import threading
+
+    import numpy as np
+    import torch
+
+    n, size = src.shape
+    nbytes = src.numel()
+    bs = size // blocks_per_chunk
+    rows = src.view(-1, bs)
+    order = torch.from_numpy(np.random.default_rng(n).permutation(rows.shape[0]))
+    out = dst.view(-1, bs)
+    figures = {"gather": gbps(nbytes, _timed(lambda: torch.index_select(rows, 0, order, out=out)))}
+    figures["copy"] = gbps(nbytes, _timed(lambda: dst.copy_(src)))
+    try:
+        from tieredkv._fastrec import stream_into as copy_fn
+    except ImportError:  # without the helper: NumPy's copy
+        copy_fn = np.copyto
+    s, d = src.numpy().reshape(-1), dst.numpy().reshape(-1)
+    half = nbytes // 2 // 64 * 64
+
+    def two() -> None:
+        other = threading.Thread(target=copy_fn, args=(d[half:], s[half:]))
+        other.start()
+        copy_fn(d[:half], s[:half])
+        other.join()
+
+    figures["copy_2t_nt"] = gbps(nbytes, _timed(two))
+    return figures
 
 
 # ---- local disk ----------------------------------------------------------------------------------

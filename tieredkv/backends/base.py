@@ -164,8 +164,10 @@ class RawLimits:
     #: for a figure that bounds both (``"memcpy"``). Names are the medium's, never a tier's label.
     gbps: dict[str, float]
     #: ``"store"`` / ``"load"`` → the figure in :attr:`gbps` the tier is judged against (ratio =
-    #: tier GB/s / that figure); a direction left out gets figures without a ratio.
-    baseline: dict[str, str] = field(default_factory=dict)
+    #: tier GB/s / that figure), or several: the limit is then the strongest of them as measured
+    #: (the bench takes the one with the highest median); a direction left out gets figures
+    #: without a ratio.
+    baseline: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     #: Caveats printed once with the results ("the raw Redis figures use one node of the cluster").
     notes: tuple[str, ...] = ()
     #: ``"store"`` / ``"load"`` → the figure in :attr:`gbps` of the same medium doing the integrity
@@ -174,6 +176,11 @@ class RawLimits:
     #: that keeps integrity could do here. Reported beside the baseline (:func:`tieredkv.bench.
     #: floor_ratios`), never instead of it; empty for a medium whose records never leave the process.
     floor: dict[str, str] = field(default_factory=dict)
+
+    def limit(self, op: str) -> tuple[str, ...]:
+        """The figures ``op``'s limit is the strongest of (empty: none declared)."""
+        got = self.baseline.get(op, ())
+        return (got,) if isinstance(got, str) else tuple(got)
 
 
 class Tier(ABC):

@@ -91,15 +91,22 @@ def register(app: typer.Typer) -> None:
         sizes: str = typer.Option("64,256,1024,4096", help="Chunk sizes in KiB, comma-separated."),
         total_mib: int = typer.Option(256, min=1, help="MiB moved per size and figure."),
         reps: int = typer.Option(3, min=1, help="Repetitions; each figure is their median."),
+        layouts: str = typer.Option(
+            "permuted,fragmented,consecutive",
+            help="Block-id layouts, comma-separated, the first the default figure: permuted (a churned"
+            " engine pool), fragmented (short runs), consecutive (a fresh pool, the best case).",
+        ),
         out_dir: Path = _OutDirOpt,
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     ) -> None:
-        """Measure the configured tiers through the pipeline against their media's raw limits
-        (each tier class's own: memcpy, file and py-lmdb writes/reads, one file per record with pwrite /
-        pread, redis-py and redis-benchmark), the raw figures and each tier's integrity floor printed too.
-        Local tiers run in temporary directories beside the configured path; shared ones under a
-        fresh namespace, deleting only their own keys. Writes results JSON and a PNG plot."""
-        run(lambda: _bench(config, tier, sizes, total_mib, reps, out_dir, as_json))
+        """Measure the configured tiers through the pipeline, on the block ids a churned engine
+        pool hands out, against the strongest raw figure of each medium measured in the same run
+        (host memory: one gather of scattered blocks, one copy, two threads' non-temporal copy;
+        disk: a page-cache file write, py-lmdb, one file per record; Redis: redis-py and
+        redis-benchmark), the raw figures and each tier's integrity floor printed too. Local tiers
+        run in temporary directories beside the configured path; shared ones under a fresh
+        namespace, deleting only their own keys. Writes results JSON and a PNG plot."""
+        run(lambda: _bench(config, tier, sizes, total_mib, reps, out_dir, as_json, layouts))
 
 
 def _demo(
@@ -235,7 +242,14 @@ def _print_demo(s: dict[str, Any], data_dir: Path | None) -> None:
 
 
 def _bench(
-    config: Path | None, names: list[str] | None, sizes: str, total_mib: int, reps: int, out_dir: Path, as_json: bool
+    config: Path | None,
+    names: list[str] | None,
+    sizes: str,
+    total_mib: int,
+    reps: int,
+    out_dir: Path,
+    as_json: bool,
+    layouts: str = "permuted,fragmented,consecutive",
 ) -> None:
     import datetime as dt
     import shutil
@@ -251,6 +265,11 @@ def _bench(
         size_list = [int(x) * 1024 for x in sizes.split(",")]
     except ValueError:
         raise CLIError(EXIT_BAD_INPUT, f"--sizes: got {sizes!r}; expected KiB numbers like 64,256,1024") from None
+    lays = [x.strip() for x in layouts.split(",") if x.strip()]
+    if not lays or any(x not in b.LAYOUTS for x in lays):
+        raise CLIError(
+            EXIT_BAD_INPUT, f"--layouts: got {layouts!r}; expected some of {','.join(b.LAYOUTS)}, comma-separated"
+        )
     local = next((p for t in tiers if (p := local_path(t))), None)
     workdir = None
     if local is not None:  # raw disk figures and bench copies of local tiers on the configured disk
@@ -266,6 +285,7 @@ def _bench(
             reps,
             workdir=workdir,
             log=lambda m: render.say(m, console=render.err),
+            layouts=lays,
         )
     finally:
         if workdir:

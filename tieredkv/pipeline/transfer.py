@@ -267,8 +267,9 @@ class Transfers:
                             ev = self._scatter(grp, job, lent[a:b], places, span)
                         lent = []
                     elif direct[i] is None:
-                        if places[i] is not None:  # not a whole chunk in order: on its own
-                            ev = self.copier.scatter(grp.tensors, places[i], buf.view(j * cb, cb), bpc)
+                        own = places[i]
+                        if own is not None:  # not a whole chunk in order: on its own
+                            ev = self.copier.scatter(grp.tensors, own, buf.view(j * cb, cb), bpc)
                             continue
                         run = j if run < 0 else run
                         nxt = part[j + 1] if j + 1 < len(part) else -1

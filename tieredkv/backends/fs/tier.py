@@ -102,10 +102,15 @@ class FSTier(FSSpace):
         back, the baseline; the same with a temporary name and ``rename``; and this tier's own
         sequence of calls (header, checksum, temporary file, rename, the check on load) made
         directly on one thread, without aiofiles: what aiofiles costs is the tier against it."""
-        from tieredkv.backends._rawbench import gbps, raw_record_files
+        from tieredkv.backends._rawbench import gbps, raw_file, raw_record_files
 
         nbytes = src.numel()
-        figures: dict[str, float] = {}
+        durable = config.sync_mode == "durable"
+        w, r = raw_file(src, dst, workdir, durable=durable)  # the medium's strongest: one file
+        figures: dict[str, float] = {
+            ("file_durable.store" if durable else "file_pagecache.store"): gbps(nbytes, w),
+            "file.load": gbps(nbytes, r),
+        }
         for label, how in (
             ("pwrite", {}),
             ("pwrite_durable", {"durable": True}),
@@ -116,10 +121,11 @@ class FSTier(FSSpace):
             figures[f"{label}.store"] = gbps(nbytes, w)
             if label in ("pwrite", "tier_calls_no_aiofiles"):
                 figures[f"{label.replace('pwrite', 'pread')}.load"] = gbps(nbytes, r)
-        store = "pwrite_durable.store" if config.sync_mode == "durable" else "pwrite.store"
+        store = "pwrite_durable.store" if durable else "pwrite.store"
+        one_file = "file_durable.store" if durable else "file_pagecache.store"
         return RawLimits(
-            figures,
-            baseline={"store": store, "load": "pread.load"},
+            figures,  # the strongest of one file per record and one file for all
+            baseline={"store": (store, one_file), "load": ("pread.load", "file.load")},
             floor={"store": "tier_calls_no_aiofiles.store", "load": "tier_calls_no_aiofiles.load"},
             notes=("fs: one file per record in fanned-out directories, as the tier writes them",),
         )

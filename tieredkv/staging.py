@@ -136,6 +136,15 @@ class StagingPool:
                     merged.append((off, size))
             self._free = merged
 
+    def prefault(self) -> None:
+        """Touch every page of the slab now (pinned memory already is resident): the state of
+        a pool that has moved its capacity once, as an engine's has after its first minutes.
+        For benches, whose fresh stores would otherwise time first-touch faults (several
+        hundred MiB here, at the speed the VM backs pages) that a running engine never pays."""
+        with self._lock:
+            if not self.pinned and self.capacity:
+                self._slab.zero_()
+
     def free(self) -> None:
         """Give the memory back (the pool refuses everything after)."""
         with self._lock:

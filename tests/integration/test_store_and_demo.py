@@ -375,8 +375,8 @@ def test_bench_command_labels_figures_by_tier_and_judges_each_against_its_medium
     assert {k: cands[k] for k in ("slab.store", "nvme.store", "nvme.load", "shared.store", "shared.load")} == {
         "slab.store": ["gather", "copy", "copy_2t_nt"],
         "nvme.store": ["file_pagecache.store", "lmdb_raw.store"], "nvme.load": ["file.load", "lmdb_raw.load"],
-        "shared.store": ["redis_py.store", "redis_benchmark.store"],
-        "shared.load": ["redis_py.load", "redis_benchmark.load"],
+        "shared.store": ["redis_py.store", "redis_benchmark.store", "redis_benchmark_pipelined.store"],
+        "shared.load": ["redis_py.load", "redis_benchmark.load", "redis_benchmark_pipelined.load"],
     }  # fmt: skip
     assert len(row["baselines"]) == 3 * 3 * 2 and "shared@consecutive.load" in row["baselines"]
     for key, limit in row["baselines"].items():

@@ -203,8 +203,8 @@ def test_redis_raw_limits_leave_the_server_as_found(redis_server: RedisServer) -
         raw = RedisTier.raw_limits(
             RedisTierConfig(url=redis_server.url, cluster=True), src, dst, workdir="/nonexistent"
         )
-        assert raw.limit("store") == ("redis_py.store", "redis_benchmark.store")
-        assert raw.limit("load") == ("redis_py.load", "redis_benchmark.load")
+        assert raw.limit("store") == ("redis_py.store", "redis_benchmark.store", "redis_benchmark_pipelined.store")
+        assert raw.limit("load") == ("redis_py.load", "redis_benchmark.load", "redis_benchmark_pipelined.load")
         assert raw.floor == {"store": "redis_checked.store", "load": "redis_checked.load"}
         for figure in ("redis_py.store", "redis_py.load", "redis_checked.store", "redis_checked.load"):
             assert raw.gbps[figure] > 0, figure

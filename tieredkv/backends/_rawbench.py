@@ -369,8 +369,12 @@ def redis_benchmark_keys(n: int) -> list[str]:
     return [*REDIS_BENCHMARK_KEYS, *(f"key:{i:012d}" for i in range(n))]
 
 
-def redis_benchmark(port: int, size: int, n: int, host: str = "127.0.0.1") -> tuple[float, float] | None:
-    """GB/s of SET and GET from ``redis-benchmark`` (-P1 -c1: the best setting for big values here).
+def redis_benchmark(
+    port: int, size: int, n: int, host: str = "127.0.0.1", pipeline: int = 1
+) -> tuple[float, float] | None:
+    """GB/s of SET and GET from ``redis-benchmark`` over one connection (``-c 1``), ``pipeline``
+    requests in flight (``-P``; 1 was the best setting for big values here, the tier's own
+    pipelining is measured beside it).
 
     SET is timed with ``-r n``: random keys among ``n``, so the server allocates new values as
     the tiers' stores make it do (without ``-r`` every SET overwrites one key and the server
@@ -392,7 +396,7 @@ def redis_benchmark(port: int, size: int, n: int, host: str = "127.0.0.1") -> tu
         if any(client.exists(*keys[b : b + 1000]) for b in range(0, len(keys), 1000)):
             return None  # never overwrite (and then delete) a key that is not ours
         try:
-            return _run_redis_benchmark(exe, host, port, size, n)
+            return _run_redis_benchmark(exe, host, port, size, n, pipeline)
         finally:
             for b in range(0, len(keys), 1000):
                 client.delete(*keys[b : b + 1000])
@@ -400,8 +404,10 @@ def redis_benchmark(port: int, size: int, n: int, host: str = "127.0.0.1") -> tu
         client.close()
 
 
-def _run_redis_benchmark(exe: str, host: str, port: int, size: int, n: int) -> tuple[float, float] | None:
-    argv = [exe, "-h", host, "-p", str(port), "-d", str(size), "-P", "1", "-c", "1", "-q"]
+def _run_redis_benchmark(
+    exe: str, host: str, port: int, size: int, n: int, pipeline: int = 1
+) -> tuple[float, float] | None:
+    argv = [exe, "-h", host, "-p", str(port), "-d", str(size), "-P", str(pipeline), "-c", "1", "-q"]
     store = _rps(argv + ["-t", "set", "-r", str(n)], "SET", n)  # new keys
     load = _rps(argv + ["-t", "set,get"], "GET", n)  # the literal key, read back at full size
     if store is None or load is None:

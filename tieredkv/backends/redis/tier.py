@@ -65,7 +65,8 @@ class RedisTier(RedisReads, RedisWrites, RedisAdmin):
         """The server at ``config.url``: redis-py pipelined SET/GET of the chunks (the baseline:
         the same client library and loop as the tier, without records or hash tags) and, for a
         plain ``redis://`` URL without a password, ``redis-benchmark`` (the server's own limit
-        over one connection); and the redis-py run with an xxh3 of every payload on both paths,
+        over one connection, one request in flight and as many as the tier pipelines); the
+        limit is the strongest of them. And the redis-py run with an xxh3 of every payload on both paths,
         the floor: what that client does with records whose integrity is checked. All delete every
         key they wrote; see :func:`~tieredkv.backends._rawbench.redis_benchmark` for how a user's
         key is spared."""
@@ -79,13 +80,21 @@ class RedisTier(RedisReads, RedisWrites, RedisAdmin):
         figures |= {"redis_checked.store": gbps(nbytes, w), "redis_checked.load": gbps(nbytes, r)}
         parts = urlsplit(config.url)
         if parts.scheme == "redis" and parts.password is None and config.password is None:
-            rb = redis_benchmark(parts.port or 6379, size, min(n, 2000), host=parts.hostname or "127.0.0.1")
+            host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+            rb = redis_benchmark(port, size, min(n, 2000), host=host)
             if rb:
                 figures |= {"redis_benchmark.store": rb[0], "redis_benchmark.load": rb[1]}
+            depth = max(1, min(64, (8 << 20) // size))  # the tier's pipelines: up to 64 values, 8 MiB
+            rb = redis_benchmark(port, size, min(n, 2000), host=host, pipeline=depth)
+            if rb:
+                figures |= {"redis_benchmark_pipelined.store": rb[0], "redis_benchmark_pipelined.load": rb[1]}
         notes = ("the raw Redis figures use one node of the cluster",) if config.cluster else ()
         return RawLimits(
             figures,  # the strongest of redis-py and the server's own client
-            {"store": ("redis_py.store", "redis_benchmark.store"), "load": ("redis_py.load", "redis_benchmark.load")},
+            {
+                "store": ("redis_py.store", "redis_benchmark.store", "redis_benchmark_pipelined.store"),
+                "load": ("redis_py.load", "redis_benchmark.load", "redis_benchmark_pipelined.load"),
+            },
             notes,
             floor={"store": "redis_checked.store", "load": "redis_checked.load"},
         )

@@ -31,8 +31,9 @@ Options (defaults: CUDA / CPU dry run):
   --blocks-per-chunk N    blocks per chunk of parts 2 and 3 (4)
   --figure-mib N          bytes moved per figure of part 2, MiB (256 / 8)
   --job-mib N             bytes per Copier call of part 2 (a job of whole chunks), MiB (16 / 1)
-  --multi-kib A,B,...     block KiB of each tensor of part 2's multi-tensor group
-                          (64,64,64,64,32,32 / 16,16,8)
+  --multi-kib A,B,...     block KiB of each tensor of part 2's multi-tensor group, ``KxN`` for N
+                          tensors of K KiB (32x12,16x4: 16 per-layer tensors / 16,16,8); each
+                          tensor costs its own gather/scatter kernels per job on CUDA
   --copy-threads N        Copier(threads=N): host copies split over N threads (CPU dry run only) (1)
   --repeats N             timed runs per figure (5)
   --json PATH             also write the result here
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -262,7 +264,8 @@ def engine_layout(
         "raw_pinned_h2d_gbps": limit["h2d_gbps"],
         "layouts": {},
     }
-    sizes = ",".join(f"{bb / 1024:g}" for bb in block_bytes)
+    counts = [(bb, len(list(same))) for bb, same in itertools.groupby(block_bytes)]
+    sizes = ",".join(f"{bb / 1024:g}" + (f"x{k}" if k > 1 else "") for bb, k in counts)  # 32x12,16x4
     lines.append(
         f"engine layout, {name}: {len(block_bytes)} tensor(s) of {sizes} KiB per block, {bpc} blocks/chunk,"
         f" {len(jobs)} jobs of {job_chunks * cb / _MIB:.2f} MiB, {nbytes / _MIB:.1f} MiB per figure"
@@ -392,6 +395,15 @@ def vllm_path(dev: torch.device, block_bytes: int, num_blocks: int, n: int, bpc:
     }
 
 
+def _kib_list(spec: str) -> list[int]:
+    """Block bytes of ``"32x12,16x4,8"``: 12 tensors of 32 KiB, 4 of 16 KiB, one of 8 KiB."""
+    out: list[int] = []
+    for item in spec.split(","):
+        kib, _, count = item.partition("x")
+        out += [int(kib) << 10] * int(count or 1)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -402,7 +414,9 @@ def main() -> int:
     ap.add_argument("--figure-mib", type=int, default=None, help="MiB per engine-layout figure (256 CUDA, 8 CPU)")
     ap.add_argument("--job-mib", type=int, default=None, help="MiB per Copier call (16 CUDA, 1 CPU)")
     ap.add_argument(
-        "--multi-kib", default=None, help="block KiB per tensor of the multi-tensor group (64,64,64,64,32,32 / 16,16,8)"
+        "--multi-kib",
+        default=None,
+        help="block KiB per tensor of the multi-tensor group, KxN: N of them (32x12,16x4 / 16,16,8)",
     )
     ap.add_argument("--copy-threads", type=int, default=1, help="Copier(threads=...) (host copies only)")
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -416,7 +430,7 @@ def main() -> int:
     num_blocks = 2 * n + 2
     figure = (a.figure_mib or (256 if cuda else 8)) * _MIB
     job = (a.job_mib or (16 if cuda else 1)) * _MIB
-    multi = [int(x) << 10 for x in (a.multi_kib or ("64,64,64,64,32,32" if cuda else "16,16,8")).split(",")]
+    multi = _kib_list(a.multi_kib or ("32x12,16x4" if cuda else "16,16,8"))
     bpc = a.blocks_per_chunk
     t0 = time.perf_counter()
     lines: list[str] = []

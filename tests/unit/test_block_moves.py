@@ -1,0 +1,588 @@
+"""Block moves between KV tensors and staging: the C helper's ``move_pieces`` fed hostile input,
+and :class:`Copier` on CPU tensors byte for byte against a pure-torch reference, on every host
+path (C helper, NumPy runs, NumPy without the stream copy) and on the device path's logic
+(``_move_indexed`` and the per-run copies) run on CPU tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tieredkv import staging
+from tieredkv.staging import Copier, KVGroupTensors, _move_indexed, _Places
+
+# ---------------------------------------------------------------------------------------------
+# move_pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def move_pieces() -> Callable[..., int]:
+    """The C helper's ``move_pieces``: fail where it should have been built, skip elsewhere."""
+    from tests.unit.test_keys_format import CAN_BUILD
+
+    if staging._move_pieces is None:
+        if CAN_BUILD:
+            pytest.fail("the C helper is not built here although it can be (reinstall: pip install -e .)")
+        pytest.skip("no C compiler on this machine: the NumPy path is the one in use")
+    return staging._move_pieces
+
+
+def _i64(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
+
+
+def _ref_move(dst: np.ndarray, doff: np.ndarray, src: np.ndarray, soff: np.ndarray, piece: int) -> None:
+    """What ``move_pieces`` must do, item by item in order."""
+    for d, s in zip(doff.tolist(), soff.tolist()):
+        dst[d : d + piece] = src[s : s + piece].copy()
+
+
+_BAD_OFFSETS = [
+    ("dst", _i64(0, -1)),
+    ("dst", _i64(0, 64 - 8 + 1)),  # ends one byte past the end
+    ("dst", _i64(0, 64)),
+    ("dst", _i64(0, 2**63 - 1)),  # offset + piece overflows int64
+    ("dst", _i64(0, -(2**63))),
+    ("src", _i64(0, -1)),
+    ("src", _i64(0, 96 - 8 + 1)),
+    ("src", _i64(0, 2**63 - 1)),
+]
+
+
+@pytest.mark.parametrize(("side", "bad"), _BAD_OFFSETS)
+def test_move_pieces_refuses_offsets_out_of_range_and_copies_nothing(
+    move_pieces: Callable[..., int], side: str, bad: np.ndarray
+) -> None:
+    """Item 0 is valid, item 1 is not: the ValueError comes before any byte moves."""
+    dst = np.full(64, 0xEE, dtype=np.uint8)
+    src = np.arange(96, dtype=np.uint8)
+    before = dst.copy()
+    good = _i64(0, 8)
+    doff, soff = (bad, good) if side == "dst" else (good, bad)
+    with pytest.raises(ValueError, match="outside"):
+        move_pieces(dst, doff, src, soff, 8)
+    assert np.array_equal(dst, before)
+    move_pieces(dst, good, src, good, 8)  # the same call with valid offsets does copy item 0
+    assert not np.array_equal(dst, before)
+
+
+@pytest.mark.parametrize("bigger", ["dst", "src"])
+def test_move_pieces_refuses_a_piece_larger_than_a_buffer(move_pieces: Callable[..., int], bigger: str) -> None:
+    dst = np.full(32, 7, dtype=np.uint8)
+    src = np.arange(32, dtype=np.uint8)
+    piece = 33
+    if bigger == "src":  # the destination can hold it, the source cannot
+        dst = np.full(64, 7, dtype=np.uint8)
+    before = dst.copy()
+    with pytest.raises(ValueError, match="outside"):
+        move_pieces(dst, _i64(0), src, _i64(0), piece)
+    assert np.array_equal(dst, before)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        np.array([0], dtype=np.int32),
+        np.array([0.0], dtype=np.float64),
+        np.array([0], dtype=np.uint64),
+        np.array([0], dtype=">i8"),  # int64 of the other byte order would be misread
+        [0],
+        (0,),
+    ],
+    ids=["int32", "float64", "uint64", "big-endian", "list", "tuple"],
+)
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_move_pieces_wants_int64_offset_arrays(move_pieces: Callable[..., int], offsets: Any, side: str) -> None:
+    dst = np.zeros(16, dtype=np.uint8)
+    src = np.arange(16, dtype=np.uint8)
+    doff, soff = (offsets, _i64(0)) if side == "dst" else (_i64(0), offsets)
+    with pytest.raises(TypeError):
+        move_pieces(dst, doff, src, soff, 4)
+    assert not dst.any()
+
+
+def test_move_pieces_refuses_strided_offsets(move_pieces: Callable[..., int]) -> None:
+    dst = np.zeros(16, dtype=np.uint8)
+    with pytest.raises((ValueError, BufferError)):
+        move_pieces(dst, (np.arange(4, dtype=np.int64) * 4)[::2], np.arange(16, dtype=np.uint8), _i64(0, 4), 4)
+    assert not dst.any()
+
+
+def test_move_pieces_refuses_offset_arrays_of_different_lengths(move_pieces: Callable[..., int]) -> None:
+    dst = np.zeros(16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="offsets"):
+        move_pieces(dst, _i64(0, 4), np.arange(16, dtype=np.uint8), _i64(0), 4)
+    with pytest.raises(ValueError, match="offsets"):
+        move_pieces(dst, _i64(0), np.arange(16, dtype=np.uint8), _i64(0, 4), 4)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize(("piece", "threads"), [(0, 1), (-4, 1), (4, 0), (4, 9), (4, -1)])
+def test_move_pieces_bounds_piece_and_threads(move_pieces: Callable[..., int], piece: int, threads: int) -> None:
+    dst = np.zeros(16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="piece must be > 0"):
+        move_pieces(dst, _i64(0), np.arange(1, 17, dtype=np.uint8), _i64(0), piece, threads)
+    assert not dst.any()
+    assert move_pieces(dst, _i64(0), np.arange(1, 17, dtype=np.uint8), _i64(0), 4, 8) == 4  # 8 is allowed
+    assert dst[:4].tolist() == [1, 2, 3, 4]
+
+
+def test_move_pieces_refuses_a_read_only_destination(move_pieces: Callable[..., int]) -> None:
+    src = np.arange(16, dtype=np.uint8)
+    dst = bytes(16)
+    with pytest.raises(BufferError):
+        move_pieces(dst, _i64(0), src, _i64(0), 4)
+    assert dst == bytes(16)
+    frozen = np.zeros(16, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        move_pieces(frozen, _i64(0), src, _i64(0), 4)
+    assert not frozen.any()
+    with pytest.raises(BufferError):
+        move_pieces(memoryview(bytes(16)), _i64(0), src, _i64(0), 4)
+
+
+@pytest.mark.parametrize("shift", [-5, -1, 1, 3, 8])
+def test_move_pieces_between_views_of_one_array_is_a_memmove(move_pieces: Callable[..., int], shift: int) -> None:
+    """One piece whose source and destination overlap: the bytes land as memmove leaves them."""
+    base = np.arange(64, dtype=np.uint8)
+    want = base.copy()
+    src, dst = base[8:56], base[8 + shift : 56 + shift]  # the same memory, ``shift`` bytes apart
+    ref_src, ref_dst = want[8:56], want[8 + shift : 56 + shift]
+    ref_dst[:] = ref_src.copy()
+    assert move_pieces(dst, _i64(0), src, _i64(0), 48) == 48
+    assert np.array_equal(base, want)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_move_pieces_on_shared_memory_is_in_order_on_one_thread(move_pieces: Callable[..., int], threads: int) -> None:
+    """A chain: item i copies slot a[i] to slot a[i+1], so every slot of the chain ends with the
+    first slot's bytes only when the items run in order. Large enough that four threads would
+    each get over 1 MiB if the buffers did not share memory."""
+    piece = 4096 + 3
+    slots = 2048
+    rng = np.random.default_rng(5)
+    chain = rng.permutation(slots)
+    # no item next to the previous on both sides (those merge into one memmove)
+    assert not any(chain[i + 1] == chain[i] + 1 and chain[i + 2] == chain[i + 1] + 1 for i in range(slots - 2))
+    base = rng.integers(0, 256, slots * piece + 9, dtype=np.uint8)
+    want = base.copy()
+    dst, src = base[9:], base[:]  # views of the same array, 9 bytes apart
+    doff = (chain[1:] * piece).astype(np.int64)
+    soff = (chain[:-1] * piece + 9).astype(np.int64)  # slot a[i] of ``dst``, seen through ``src``
+    _ref_move(want[9:], doff, want, soff, piece)
+    assert move_pieces(dst, doff, src, soff, piece, threads) == (slots - 1) * piece
+    assert np.array_equal(base, want)
+    first = want[9 + chain[0] * piece : 9 + (chain[0] + 1) * piece]
+    assert np.array_equal(want[9 + chain[-1] * piece :][:piece], first)  # the chain carried slot a[0]
+
+
+def _scattered_items(rng: np.random.Generator, count: int, piece: int, src_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets for ``count`` items: destination slots a shuffled set of runs of 1..8 consecutive
+    slots (no two overlapping), each run read from a random place of the source (runs merge in C;
+    the rest are single pieces)."""
+    doff, soff = [], []
+    cuts = np.cumsum(rng.integers(1, 9, count))
+    starts = np.concatenate([[0], cuts[cuts < count]])
+    runs = [(int(a), int(min(b, count))) for a, b in zip(starts, np.append(starts[1:], count)) if a < count]
+    for i in rng.permutation(len(runs)):
+        a, b = runs[i]
+        s = int(rng.integers(0, src_len - (b - a) * piece + 1))
+        doff += [k * piece for k in range(a, b)]
+        soff += [s + k * piece for k in range(b - a)]
+    return np.array(doff, dtype=np.int64), np.array(soff, dtype=np.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("piece", "count"),
+    [(1, 3000), (100, 2000), (4096, 1600), (5003, 1300), (65539, 100)],
+)
+def test_move_pieces_is_byte_exact_against_numpy(
+    move_pieces: Callable[..., int], threads: int, piece: int, count: int
+) -> None:
+    """Random offsets, runs and single pieces, off the 16-byte grid on both sides; the three
+    largest cases are over 4 MiB so that 2 and 4 threads each get their 1 MiB and split."""
+    rng = np.random.default_rng(piece * 10 + threads)
+    src_len = count * piece + 777
+    src = rng.integers(0, 256, src_len + 3, dtype=np.uint8)[3:]
+    dst = rng.integers(0, 256, count * piece + 129, dtype=np.uint8)[5:]
+    doff, soff = _scattered_items(rng, count, piece, src_len)
+    doff += 13  # off the grid, and bytes before the first slot that nothing writes
+    want = dst.copy()
+    _ref_move(want, doff, src, soff, piece)
+    if piece >= 4096:
+        assert count * piece // threads >= 1 << 20  # the C code splits at >= 1 MiB per thread
+    assert move_pieces(dst, doff, src, soff, piece, threads) == count * piece
+    assert np.array_equal(dst, want)
+
+
+def test_move_pieces_with_no_items_copies_nothing(move_pieces: Callable[..., int]) -> None:
+    dst = np.zeros(16, dtype=np.uint8)
+    empty = np.empty(0, dtype=np.int64)
+    assert move_pieces(dst, empty, np.arange(16, dtype=np.uint8), empty, 4) == 0
+    assert move_pieces(dst, empty, np.arange(16, dtype=np.uint8), empty, 1 << 20, 4) == 0  # no item to check
+    assert not dst.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Copier on CPU tensors, against a pure-torch reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (blocks, block bytes) ``uint8`` over the same memory."""
+    return t.view(t.shape[0], -1).view(torch.uint8)
+
+
+def ref_payload(tensors: Sequence[torch.Tensor], ids: Sequence[int], bpc: int) -> torch.Tensor:
+    """Chunks of ``bpc`` blocks back to back; each chunk, tensor by tensor, its blocks' bytes."""
+    rows = [_rows(t) for t in tensors]
+    parts = []
+    for c in range(len(ids) // bpc):
+        chunk = torch.tensor(ids[c * bpc : (c + 1) * bpc])
+        parts += [r[chunk].reshape(-1) for r in rows]
+    return torch.cat(parts)
+
+
+def ref_scatter(
+    tensors: Sequence[torch.Tensor], placements: Sequence[tuple[int, int]], src: torch.Tensor, bpc: int
+) -> None:
+    """Position ``q`` (block ``q % bpc`` of chunk ``q // bpc``) of the payloads into block ``b``."""
+    rows = [_rows(t) for t in tensors]
+    bbs = [r.shape[1] for r in rows]
+    cb = bpc * sum(bbs)
+    for q, b in placements:
+        c, j = divmod(q, bpc)
+        base = 0
+        for r, bb in zip(rows, bbs):
+            at = c * cb + base + j * bb
+            r[b] = src[at : at + bb]
+            base += bpc * bb
+
+
+def _tensors(layout: str, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if layout == "one":  # one tensor, 512-byte blocks
+        return [torch.randn(num_blocks, 2, 8, 16, generator=g).to(torch.float16)]
+    if layout == "hybrid":  # K/V of a full-attention layer and a smaller state, odd sizes
+        return [
+            torch.randn(num_blocks, 4, 16, generator=g).to(torch.bfloat16),  # 128 B
+            torch.randn(num_blocks, 3, 7, generator=g),  # 84 B
+            torch.randint(0, 256, (num_blocks, 33), dtype=torch.uint8, generator=g),  # 33 B
+        ]
+    raise AssertionError(layout)
+
+
+def _ids(kind: str, rng: np.random.Generator, num_blocks: int, n: int) -> list[int]:
+    """``n`` distinct block ids of 1..num_blocks-1 (0 is the null block)."""
+    if kind == "consecutive":
+        return list(range(3, 3 + n))
+    if kind == "permutation":
+        return [int(x) + 1 for x in rng.permutation(num_blocks - 1)[:n]]
+    if kind == "runs":  # a fragmented free list: the pool cut into runs of 1..4 ids, shuffled
+        runs: list[list[int]] = []
+        b = 1
+        while b < num_blocks:
+            k = int(rng.integers(1, 5))
+            runs.append(list(range(b, min(b + k, num_blocks))))
+            b += k
+        out = [x for i in rng.permutation(len(runs)) for x in runs[i]]
+        assert len(out) >= n
+        return out[:n]
+    raise AssertionError(kind)
+
+
+PATHS = ["c", "numpy", "numpy-plain", "device-logic"]
+
+
+@pytest.fixture(params=PATHS)
+def make_group(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[..., KVGroupTensors]:
+    """A :class:`KVGroupTensors` whose moves take one path: ``c`` the C helper's ``move_pieces``;
+    ``numpy`` one copy per run (the C stream copy for large runs); ``numpy-plain`` NumPy only;
+    ``device-logic`` the CUDA branch of ``Copier._move`` (per-run ``copy_``, or ``_move_indexed``
+    past two runs) on CPU tensors."""
+    path = request.param
+    if path == "c":
+        request.getfixturevalue("move_pieces")
+    if path in ("numpy", "numpy-plain"):
+        monkeypatch.setattr(staging, "_move_pieces", None)
+    if path == "numpy-plain":
+        monkeypatch.setattr(staging, "_stream_into", None)
+
+    def make(tensors: Sequence[torch.Tensor]) -> KVGroupTensors:
+        group = KVGroupTensors(tensors)
+        if path == "device-logic":
+            group.host_arrays = None
+            group.host_bytes = None
+        return group
+
+    return make
+
+
+def _staging(nbytes: int, pad: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
+    """A staging view of ``nbytes`` off the 16-byte grid inside a larger buffer of 0xAB."""
+    whole = torch.full((nbytes + 2 * pad,), 0xAB, dtype=torch.uint8)
+    return whole, whole[pad : pad + nbytes]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("ids_kind", ["consecutive", "permutation", "runs"])
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_gather_of_whole_chunks_is_the_reference_payload(
+    make_group: Callable[..., KVGroupTensors], layout: str, ids_kind: str, threads: int
+) -> None:
+    num_blocks, bpc, chunks = 64, 4, 5
+    tensors = _tensors(layout, num_blocks, seed=1)
+    snapshot = [t.clone() for t in tensors]
+    group = make_group(tensors)
+    ids = _ids(ids_kind, np.random.default_rng(2), num_blocks, bpc * chunks)
+    want = ref_payload(tensors, ids, bpc)
+    whole, buf = _staging(want.numel())
+    assert Copier(threads=threads).gather(group, ids, buf, chunk_blocks=bpc) is None
+    assert torch.equal(buf, want)
+    assert (whole[:37] == 0xAB).all() and (whole[37 + want.numel() :] == 0xAB).all()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, snapshot))  # a gather writes no block
+
+
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_gather_without_chunk_blocks_is_one_chunk(make_group: Callable[..., KVGroupTensors], layout: str) -> None:
+    tensors = _tensors(layout, 40, seed=3)
+    group = make_group(tensors)
+    ids = [9, 2, 3, 4, 31, 17, 18]  # runs and single blocks
+    want = ref_payload(tensors, ids, len(ids))
+    whole, buf = _staging(want.numel())
+    Copier().gather(group, ids, buf)
+    assert torch.equal(buf, want)
+    assert (whole[:37] == 0xAB).all() and (whole[37 + want.numel() :] == 0xAB).all()
+    if layout == "hybrid":  # one chunk of 7 is not the same bytes as 7 chunks of 1
+        assert not torch.equal(want, ref_payload(tensors, ids, 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("ids_kind", ["consecutive", "permutation", "runs"])
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_scatter_blocks_is_the_reference_and_touches_no_other_block(
+    make_group: Callable[..., KVGroupTensors], layout: str, ids_kind: str, threads: int
+) -> None:
+    num_blocks, bpc, chunks = 64, 4, 5
+    rng = np.random.default_rng(4)
+    ids = _ids(ids_kind, rng, num_blocks, bpc * chunks)
+    src_tensors = _tensors(layout, num_blocks, seed=5)
+    payload = ref_payload(src_tensors, list(rng.permutation(num_blocks)[: bpc * chunks].tolist()), bpc)
+    whole, buf = _staging(payload.numel())
+    buf.copy_(payload)
+    tensors = _tensors(layout, num_blocks, seed=6)
+    want = [t.clone() for t in tensors]
+    ref_scatter(want, list(enumerate(ids)), payload, bpc)
+    assert Copier(threads=threads).scatter_blocks(make_group(tensors), ids, buf, bpc) is None
+    for got, exp in zip(tensors, want):
+        assert torch.equal(_rows(got), _rows(exp))
+    assert torch.equal(buf, payload)  # the source is left as it was
+    assert (whole[:37] == 0xAB).all() and (whole[37 + payload.numel() :] == 0xAB).all()
+    untouched = sorted(set(range(num_blocks)) - set(ids))
+    assert torch.equal(_rows(tensors[0])[untouched], _rows(_tensors(layout, num_blocks, seed=6)[0])[untouched])
+
+
+@pytest.mark.parametrize("ids_kind", ["consecutive", "permutation", "runs"])
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_round_trip_of_a_job(make_group: Callable[..., KVGroupTensors], layout: str, ids_kind: str) -> None:
+    """Gather a job's chunks, scatter them into other blocks: the other blocks get the bytes."""
+    num_blocks, bpc = 96, 2
+    rng = np.random.default_rng(7)
+    ids = _ids(ids_kind, rng, num_blocks, 24)
+    others = [b for b in rng.permutation(num_blocks - 1).tolist() if b + 1 not in ids][:24]
+    others = [b + 1 for b in others]
+    tensors = _tensors(layout, num_blocks, seed=8)
+    group = make_group(tensors)
+    _, buf = _staging(group.chunk_bytes(bpc) * 12)
+    copier = Copier()
+    copier.gather(group, ids, buf, chunk_blocks=bpc)
+    copier.scatter_blocks(group, others, buf, bpc)
+    for t in tensors:
+        assert torch.equal(_rows(t)[others], _rows(t)[ids])
+
+
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_scatter_skips_positions_not_listed_so_the_null_block_keeps_its_bytes(
+    make_group: Callable[..., KVGroupTensors], layout: str
+) -> None:
+    """A load whose chunks hold the null block (0) at some positions lists only the others: block
+    0 and every block not listed keep their bytes, listed ones get their positions' bytes, in any
+    order, across several chunks."""
+    num_blocks, bpc, chunks = 48, 4, 4
+    rng = np.random.default_rng(9)
+    ids = [int(x) + 1 for x in rng.permutation(num_blocks - 1)[: bpc * chunks]]
+    ids[0] = ids[5] = ids[6] = ids[15] = 0  # null block in chunks 0, 1 and 3
+    placements = [(q, b) for q, b in enumerate(ids) if b != 0 and q != 9]  # position 9 not asked either
+    placements = [placements[i] for i in rng.permutation(len(placements))]
+    payload = ref_payload(_tensors(layout, num_blocks, seed=10), list(range(bpc * chunks)), bpc)
+    tensors = _tensors(layout, num_blocks, seed=11)
+    before = [t.clone() for t in tensors]
+    want = [t.clone() for t in tensors]
+    ref_scatter(want, placements, payload, bpc)
+    _, buf = _staging(payload.numel())
+    buf.copy_(payload)
+    Copier().scatter(make_group(tensors), placements, buf, bpc)
+    for got, exp, old in zip(tensors, want, before):
+        assert torch.equal(_rows(got), _rows(exp))
+        assert torch.equal(_rows(got)[0], _rows(old)[0])  # the null block
+        assert torch.equal(_rows(got)[ids[9]], _rows(old)[ids[9]])  # the position not asked
+    assert not torch.equal(_rows(tensors[0])[ids[1]], _rows(before[0])[ids[1]])  # a listed one moved
+
+
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_scatter_of_a_short_last_chunk(make_group: Callable[..., KVGroupTensors], layout: str) -> None:
+    """Positions of a partial last chunk: the payloads span only as many chunks as they reach."""
+    bpc = 4
+    tensors = _tensors(layout, 32, seed=12)
+    group = make_group(tensors)
+    placements = [(0, 20), (1, 3), (4, 11), (5, 12)]  # chunk 1 holds 2 of its 4 blocks
+    _, buf = _staging(group.chunk_bytes(bpc) * 2)
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+    want = [t.clone() for t in tensors]
+    ref_scatter(want, placements, buf, bpc)
+    Copier().scatter(group, placements, buf, bpc)
+    assert all(torch.equal(_rows(a), _rows(b)) for a, b in zip(tensors, want))
+    with pytest.raises(ValueError, match="smaller"):
+        Copier().scatter(group, [(8, 1)], buf, bpc)  # position 8 is in a third chunk
+
+
+def test_copier_refuses_ids_that_are_not_whole_chunks_and_small_buffers() -> None:
+    group = KVGroupTensors(_tensors("hybrid", 16, seed=13))
+    buf = torch.zeros(group.chunk_bytes(2) * 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole chunks"):
+        Copier().gather(group, [1, 2, 3], buf, chunk_blocks=2)
+    with pytest.raises(ValueError, match="whole chunks"):
+        Copier().scatter_blocks(group, [1, 2, 3], buf, 2)
+    with pytest.raises(ValueError, match="smaller"):
+        Copier().gather(group, [1, 2, 3, 4, 5, 6], buf, chunk_blocks=2)
+    with pytest.raises(ValueError, match=">= 0"):
+        Copier().scatter(group, [(-1, 3)], buf, 2)
+    assert not buf.any()
+    assert Copier().gather(group, [], buf) is None and not buf.any()
+
+
+def test_the_c_path_refuses_block_ids_outside_the_tensors(move_pieces: Callable[..., int]) -> None:
+    tensors = _tensors("hybrid", 16, seed=14)
+    before = [t.clone() for t in tensors]
+    group = KVGroupTensors(tensors)
+    buf = torch.zeros(group.chunk_bytes(2), dtype=torch.uint8)
+    for ids in ([3, 16], [-1, 3]):
+        with pytest.raises(ValueError, match="outside"):
+            Copier().gather(group, ids, buf)
+        with pytest.raises(ValueError, match="outside"):
+            Copier().scatter_blocks(group, ids, buf, 2)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_host_moves_large_enough_to_split_over_threads(make_group: Callable[..., KVGroupTensors], threads: int) -> None:
+    """A job of 3 MiB for one tensor: with 2 threads the C helper splits its calls (>= 1 MiB each)."""
+    g = torch.Generator().manual_seed(15)
+    tensors = [
+        torch.randint(0, 256, (80, 64 << 10), dtype=torch.uint8, generator=g),
+        torch.randn(80, 4099, generator=g),  # 16 KiB + 12 bytes per block
+    ]
+    group = make_group(tensors)
+    ids = _ids("runs", np.random.default_rng(16), 80, 48)
+    want = ref_payload(tensors, ids, 8)
+    assert _rows(tensors[0])[ids].numel() >= 3 << 20
+    _, buf = _staging(want.numel())
+    copier = Copier(threads=threads)
+    copier.gather(group, ids, buf, chunk_blocks=8)
+    assert torch.equal(buf, want)
+    back = [torch.zeros_like(t) for t in tensors]
+    copier.scatter_blocks(make_group(back), ids, buf, 8)
+    for t, b in zip(tensors, back):
+        assert torch.equal(_rows(b)[ids], _rows(t)[ids])
+        assert not _rows(b)[sorted(set(range(80)) - set(ids))].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# _move_indexed (the CUDA path's logic) called directly on CPU tensors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_move_indexed_gather_is_the_reference_payload(layout: str, chunks: int) -> None:
+    """Several chunks of a multi-tensor group are strided parts of the temporary (its own branch)."""
+    bpc = 4
+    tensors = _tensors(layout, 40, seed=17)
+    group = KVGroupTensors(tensors)
+    ids = _ids("permutation", np.random.default_rng(18), 40, bpc * chunks)
+    want = ref_payload(tensors, ids, bpc)
+    whole, buf = _staging(want.numel())
+    _move_indexed(group, _Places(None, ids), bpc, buf, True, non_blocking=False)
+    assert torch.equal(buf, want)
+    assert (whole[:37] == 0xAB).all() and (whole[37 + want.numel() :] == 0xAB).all()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_move_indexed_gather_into_listed_positions(layout: str, chunks: int) -> None:
+    """Explicit positions (not in order, some left out) on the gather side: each listed position
+    holds its block's bytes."""
+    bpc = 4
+    tensors = _tensors(layout, 40, seed=19)
+    group = KVGroupTensors(tensors)
+    rng = np.random.default_rng(20)
+    n = bpc * chunks
+    pos = [int(q) for q in rng.permutation(n)[: n - 2]]
+    ids = [int(b) + 1 for b in rng.permutation(39)[: len(pos)]]
+    _, buf = _staging(group.chunk_bytes(bpc) * chunks)
+    _move_indexed(group, _Places(pos, ids), bpc, buf, True, non_blocking=False)
+    # the reference payload of the ids in position order
+    by_pos = dict(zip(pos, ids))
+    full = [by_pos.get(q, 0) for q in range(n)]
+    want = ref_payload(tensors, full, bpc)
+    bbs = group.block_bytes
+    cb = group.chunk_bytes(bpc)
+    for q in pos:
+        c, j = divmod(q, bpc)
+        base = 0
+        for bb in bbs:
+            at = c * cb + base + j * bb
+            assert torch.equal(buf[at : at + bb], want[at : at + bb])
+            base += bpc * bb
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_move_indexed_scatter_of_listed_positions(layout: str, chunks: int) -> None:
+    bpc = 4
+    n = bpc * chunks
+    rng = np.random.default_rng(21)
+    ids = [int(b) + 1 for b in rng.permutation(39)[:n]]
+    placements = [(q, b) for q, b in enumerate(ids) if q % 3 != 1]  # a subset of the positions
+    placements = [placements[i] for i in rng.permutation(len(placements))]
+    payload = ref_payload(_tensors(layout, 40, seed=22), list(range(1, n + 1)), bpc)
+    tensors = _tensors(layout, 40, seed=23)
+    want = [t.clone() for t in tensors]
+    ref_scatter(want, placements, payload, bpc)
+    _, buf = _staging(payload.numel())
+    buf.copy_(payload)
+    _move_indexed(KVGroupTensors(tensors), _Places.of(placements), bpc, buf, False, non_blocking=False)
+    assert all(torch.equal(_rows(a), _rows(b)) for a, b in zip(tensors, want))
+    assert torch.equal(buf, payload)
+    skipped = [b for q, b in enumerate(ids) if q % 3 == 1]
+    fresh = _tensors(layout, 40, seed=23)
+    assert all(torch.equal(_rows(a)[skipped], _rows(b)[skipped]) for a, b in zip(tensors, fresh))
+
+
+@pytest.mark.parametrize("layout", ["one", "hybrid"])
+def test_move_indexed_scatter_of_whole_chunks(layout: str) -> None:
+    bpc, chunks = 2, 5
+    ids = _ids("runs", np.random.default_rng(24), 40, bpc * chunks)
+    payload = ref_payload(_tensors(layout, 40, seed=25), list(range(30, 30 + bpc * chunks)), bpc)
+    tensors = _tensors(layout, 40, seed=26)
+    want = [t.clone() for t in tensors]
+    ref_scatter(want, list(enumerate(ids)), payload, bpc)
+    _move_indexed(KVGroupTensors(tensors), _Places(None, ids), bpc, payload.clone(), False, non_blocking=False)
+    assert all(torch.equal(_rows(a), _rows(b)) for a, b in zip(tensors, want))

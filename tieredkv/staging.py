@@ -198,6 +198,8 @@ class Copier:
     def __init__(self, threads: int = 1) -> None:
         self.cuda = torch.cuda.is_available()
         self._streams: dict[Any, Any] = {}
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 8:
+            raise ValueError(f"Copier threads must be an int from 1 to 8, got {threads!r}")
         #: Host copies of one call are split over this many threads (:func:`_move_host`).
         self.threads = threads
 
@@ -255,6 +257,9 @@ class Copier:
     ) -> Any:
         if not places.ids:
             return None
+        lo, hi = min(places.ids), max(places.ids)
+        if lo < 0 or hi >= group.num_blocks:  # never a negative index's wrap, a short copy or a device assert
+            raise ValueError(f"block ids must be in 0..{group.num_blocks - 1}, got {lo if lo < 0 else hi}")
         chunks = places.chunks(bpc)
         if buf.numel() < group.chunk_bytes(bpc) * chunks:
             raise ValueError(
@@ -364,10 +369,10 @@ def _move_indexed(
     ids = torch.from_numpy(ids_np).to(dev, non_blocking=non_blocking)
     pos = torch.from_numpy(pos_np).to(dev, non_blocking=non_blocking)
     host = buf[: chunks * cb]
-    if to_staging:
-        tmp = torch.zeros(chunks * cb, dtype=torch.uint8, device=dev)
-    else:
-        tmp = host.to(dev, non_blocking=non_blocking)  # the chunks' bytes, then the positions asked
+    if to_staging and places.pos is None:  # every position is written
+        tmp = torch.empty(chunks * cb, dtype=torch.uint8, device=dev)
+    else:  # the chunks' bytes (positions not listed keep theirs), then the positions asked
+        tmp = host.to(dev, non_blocking=non_blocking)
     base = 0
     for t, bb in zip(group.tensors, group.block_bytes):
         # this tensor's part of every chunk, as rows of bb bytes: row q is position q
@@ -377,6 +382,8 @@ def _move_indexed(
             got = t.index_select(0, ids)
             if rows is not None and places.pos is None:  # a gather's positions: the rows in order
                 rows[: len(ids_np)].copy_(got)
+            elif places.pos is None:  # whole chunks of several tensors: one strided copy
+                part.copy_(got.view(chunks, bpc, bb))
             elif rows is not None:
                 rows.index_copy_(0, pos, got)
             else:  # a strided part (several tensors): through its own rows

@@ -468,17 +468,32 @@ def test_copier_refuses_ids_that_are_not_whole_chunks_and_small_buffers() -> Non
     assert Copier().gather(group, [], buf) is None and not buf.any()
 
 
-def test_the_c_path_refuses_block_ids_outside_the_tensors(move_pieces: Callable[..., int]) -> None:
+@pytest.mark.parametrize("path", ["c", "numpy", "device-logic"])
+def test_every_path_refuses_block_ids_outside_the_tensors(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An id past the last block or below 0 is refused before a byte moves, on every path (NumPy
+    would wrap -1 to the last block; a CUDA index would assert on the device)."""
+    if path == "numpy":
+        monkeypatch.setattr(staging, "_move_pieces", None)
     tensors = _tensors("hybrid", 16, seed=14)
     before = [t.clone() for t in tensors]
     group = KVGroupTensors(tensors)
+    if path == "device-logic":
+        group.host_arrays = None
     buf = torch.zeros(group.chunk_bytes(2), dtype=torch.uint8)
-    for ids in ([3, 16], [-1, 3]):
-        with pytest.raises(ValueError, match="outside"):
+    for ids, bad in (([3, 16], 16), ([-1, 3], -1)):
+        with pytest.raises(ValueError, match=rf"block ids must be in 0\.\.15, got {bad}"):
             Copier().gather(group, ids, buf)
-        with pytest.raises(ValueError, match="outside"):
+        with pytest.raises(ValueError, match=rf"got {bad}"):
             Copier().scatter_blocks(group, ids, buf, 2)
-    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+        with pytest.raises(ValueError, match=rf"got {bad}"):
+            Copier().scatter(group, [(0, ids[0]), (1, ids[1])], buf, 2)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before)) and not buf.any()
+
+
+@pytest.mark.parametrize("threads", [0, 9, True, 1.5])
+def test_copier_threads_are_checked_when_made(threads: object) -> None:
+    with pytest.raises(ValueError, match="Copier threads must be an int from 1 to 8"):
+        Copier(threads=threads)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -586,3 +601,12 @@ def test_move_indexed_scatter_of_whole_chunks(layout: str) -> None:
     ref_scatter(want, list(enumerate(ids)), payload, bpc)
     _move_indexed(KVGroupTensors(tensors), _Places(None, ids), bpc, payload.clone(), False, non_blocking=False)
     assert all(torch.equal(_rows(a), _rows(b)) for a, b in zip(tensors, want))
+
+
+def test_move_pieces_on_shared_memory_moves_item_by_item(move_pieces: Callable[..., int]) -> None:
+    """Two items next to each other on both sides over one array: copied item by item, the
+    second carries what the first just wrote (one merged memmove would carry the old bytes)."""
+    base = np.arange(16, dtype=np.uint8)
+    doff, soff = np.array([4, 8], np.int64), np.array([0, 4], np.int64)
+    assert move_pieces(base, doff, base, soff, 4) == 8
+    assert base[4:8].tolist() == [0, 1, 2, 3] and base[8:12].tolist() == [0, 1, 2, 3]

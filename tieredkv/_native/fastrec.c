@@ -640,7 +640,7 @@ static void *move_run(void *arg) {
     Py_ssize_t i = p->lo;
     while (i < p->hi) {
         Py_ssize_t j = i + 1;
-        while (j < p->hi && p->doff[j] == p->doff[j - 1] + (int64_t)p->piece &&
+        while (!p->overlap && j < p->hi && p->doff[j] == p->doff[j - 1] + (int64_t)p->piece &&
                p->soff[j] == p->soff[j - 1] + (int64_t)p->piece)
             j++;
         size_t n = (size_t)(j - i) * p->piece;
@@ -688,8 +688,8 @@ static int offsets(PyObject *o, Py_buffer *b, const char *what) {
  * first byte moves (a ValueError names the first one out of range; nothing is copied). With
  * ``threads`` > 1 the items are split among that many threads (this one included) when each gets
  * MOVE_THREAD_AT bytes or more. Destination ranges must not overlap one another (what lands
- * there is then the last writer's); buffers that share memory are copied with memmove, in order,
- * on one thread. */
+ * there is then the last writer's); buffers that share memory are copied item by item with
+ * memmove, in order, on one thread. */
 static PyObject *move_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 5 || nargs > 6) {
         PyErr_SetString(PyExc_TypeError, "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1)");

@@ -31,15 +31,20 @@ What it does:
    (``--turns``; LMCache first on even rounds, second on odd), never beside tieredkv's.
    Disk figures of both sides use the same directory.
 4. Beside each tieredkv round (in turn before and after it), measures the medium's raw limits
-   with the tier class's own ``raw_limits``, as ``tieredkv bench`` does: py-lmdb put/get and
-   plain file writes/reads for ``lmdb``; pipelined redis-py SET/GET and ``redis-benchmark`` on
-   the same server for ``redis``; ``copy_`` for ``cpu``.
+   with the tier class's own ``raw_limits``, as ``tieredkv bench`` does: plain file
+   writes/reads and py-lmdb put/get for ``lmdb``; pipelined redis-py SET/GET and
+   ``redis-benchmark`` on the same server for ``redis``; one gather of scattered blocks, one
+   ``copy_`` and a two-thread non-temporal copy for ``cpu``. The medium's limit for an op is
+   the strongest (highest median) of the figures the tier class names for it
+   (``RawLimits.limit``) as measured in this run, named with the figures it was picked from.
 5. Prints the medians (of ``--reps``) and the ratio tieredkv / LMCache (targets, ``TARGETS``:
-   >= 1x on the CPU pair, >= 2x on the disk and Redis pairs), then the medium's fastest raw
-   figure over LMCache. A cell below its target whose target throughput is above that figure
-   is listed as above the medium: no raw client on it was seen that fast in the run. Writes
-   ``benchmarks/results/peers-<UTC time>.json``: machine description, versions, install time,
-   per-rep figures (raw ones included), medians, ratios.
+   >= 1x on the CPU pair, >= 2x on the disk and Redis pairs), then the medium's limit over
+   LMCache, and which figure was the limit at each size. A cell below its target whose target
+   throughput is above the medium's limit is listed as above the medium: no raw client on it
+   was seen that fast in the run. Writes ``benchmarks/results/peers-<UTC time>.json``: machine
+   description, versions, install time, per-rep figures (raw ones and the limit candidates
+   included), medians, ratios, and the medium's limit (``medium``: ``<tier>.<op>`` ->
+   ``limit``, ``limit_gbps``, ``candidates``).
 
 Both sides run torch with one intra-op thread (``--threads``), get one untimed warm-up round per
 tier and size, and start every timed round without the previous round's chunks (tieredkv: a
@@ -196,7 +201,9 @@ def run_tieredkv(
     lmcache: Sequence[LMCacheSide] = (),
 ) -> dict[int, Any]:
     """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first),
-    and the medium's raw limits measured beside each rep (:func:`medium_figures`). Each round of
+    and the medium's raw limits measured beside each rep (``raw_gbps``: figure -> GB/s per rep;
+    ``raw_limit_candidates``: op -> the figures its limit is the strongest of, the tier class's
+    ``RawLimits.limit``; :func:`medium_figures`). Each round of
     the ``lmcache`` sides runs between tieredkv's, in turn before and after them (LMCache, raw,
     tieredkv on even rounds; tieredkv, raw, LMCache on odd)."""
     import torch
@@ -227,13 +234,13 @@ def run_tieredkv(
         raw_cfg = bench_config(cfg, size, n, workdir)
         samples = []
         raw: dict[str, list[float]] = {}
-        baseline: dict[str, str] = {}
+        candidates: dict[str, list[str]] = {}
         with frozen_heap():  # as in vLLM's engine (and in LMCache's child, for its side)
             for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
                 if r % 2 == 0:  # the others first on even rounds, second on odd (as tieredkv bench)
                     for side in lmcache:
                         side.turn()
-                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw if r else {}, baseline)
+                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw if r else {}, candidates)
                 dst.zero_()
                 tier = make_tier(cfg, size, n, workdir)
                 try:
@@ -244,13 +251,13 @@ def run_tieredkv(
                 if r:
                     samples.append((ts, tl))
                 if r % 2 == 1:
-                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw, baseline)
+                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw, candidates)
                     for side in lmcache:
                         side.turn()
         for side in lmcache:
             side.finish(size)
         nbytes = n * size
-        out[size] = side_figures(n, nbytes, samples) | {"raw_gbps": raw, "raw_baseline": baseline}
+        out[size] = side_figures(n, nbytes, samples) | {"raw_gbps": raw, "raw_limit_candidates": candidates}
         log(
             f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s"
         )
@@ -265,37 +272,41 @@ def _medium_round(
     dst: Any,
     workdir: str,
     raw: dict[str, list[float]],
-    baseline: dict[str, str],
+    candidates: dict[str, list[str]],
 ) -> None:
     """One measurement of the medium's raw limits (the tier class's ``raw_limits``), each figure
-    appended to ``raw`` and the baseline names put in ``baseline``; ``dst`` is left zeroed."""
+    appended to ``raw`` and, per op, the figures its limit is the strongest of
+    (``RawLimits.limit``) put in ``candidates``; ``dst`` is left zeroed."""
     limits = tier_class.raw_limits(raw_cfg, src, dst, workdir=workdir)
     dst.zero_()
     if limits is not None:
-        baseline.update(limits.baseline)
+        for op in ("store", "load"):
+            if limits.limit(op):
+                candidates[op] = list(limits.limit(op))
         for name, value in limits.gbps.items():
             raw.setdefault(name, []).append(round(value, 4))
 
 
 def medium_figures(t: dict[str, Any], op: str) -> dict[str, Any] | None:
-    """The medium's raw limits for ``op`` ("store" / "load") beside one tieredkv size: the
-    baseline ``tieredkv bench`` judges the tier against and the fastest raw figure of the
-    medium in the run (medians of the reps), each named; None when none was measured.
+    """The medium's limit for ``op`` ("store" / "load") beside one tieredkv size, as ``tieredkv
+    bench`` settles it: the strongest (highest median of the reps) of the raw figures the tier
+    class names for it (``RawLimits.limit``: ``raw_limit_candidates``) measured in the run.
+    ``{"limit": name, "limit_gbps": GB/s, "candidates": {name: median GB/s, None where not
+    measured}}``; None when no candidate was measured.
 
-    Measured by the tier class's own ``raw_limits`` (py-lmdb put/get and plain file writes and
-    reads; pipelined redis-py SET/GET and ``redis-benchmark``; ``copy_``), interleaved with
-    tieredkv's rounds."""
+    Measured by the tier class's own ``raw_limits`` (host memory: a gather, a copy, a two-thread
+    non-temporal copy; disk: page-cache file I/O and py-lmdb; Redis: pipelined redis-py and
+    ``redis-benchmark``), interleaved with tieredkv's rounds."""
     raw = {k: statistics.median(v) for k, v in t.get("raw_gbps", {}).items() if v}
-    mine = {k: v for k, v in raw.items() if k.endswith(f".{op}") or "." not in k}
-    if not mine:
+    names = t.get("raw_limit_candidates", {}).get(op, [])
+    got = {k: raw[k] for k in names if k in raw}
+    if not got:
         return None
-    fastest = max(mine, key=mine.__getitem__)
-    base = t.get("raw_baseline", {}).get(op)
+    limit = max(got, key=got.__getitem__)
     return {
-        "baseline": base,
-        "baseline_gbps": round(raw[base], 4) if base in raw else None,
-        "fastest": fastest,
-        "fastest_gbps": round(mine[fastest], 4),
+        "limit": limit,
+        "limit_gbps": round(got[limit], 4),
+        "candidates": {k: round(raw[k], 4) if k in raw else None for k in names},
     }
 
 
@@ -517,8 +528,9 @@ def build_results(
 
 def print_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
     """One table per operation: tieredkv GB/s / LMCache GB/s and the ratio, then the medium's
-    fastest raw figure over LMCache's (:func:`medium_figures`). Returns the cells below target,
-    and those of them whose target is above the medium's fastest raw figure in this run."""
+    limit (the strongest raw figure of its candidates measured, :func:`medium_figures`) over
+    LMCache's. Returns the cells below target, and those of them whose target is above the
+    medium's limit in this run."""
     below, above_medium = [], []
     for op in ("store", "load"):
         print(
@@ -543,14 +555,17 @@ def print_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> tup
                 if ratio < target:
                     cell = f"{r['label']} {k}/{b}.{op} {ratio:.2f}x"
                     below.append(cell)
-                    if m is not None and m["fastest_gbps"] < target * y:
+                    if m is not None and m["limit_gbps"] < target * y:
                         above_medium.append(
-                            f"{cell}: {target:g}x LMCache is {target * y:.2f} GB/s, the medium's fastest raw"
-                            f" figure {m['fastest_gbps']:.2f} ({m['fastest']})"
+                            f"{cell}: {target:g}x LMCache is {target * y:.2f} GB/s, the medium's limit"
+                            f" {m['limit_gbps']:.2f} ({m['limit']})"
                         )
                 cells.append(f"{x:.2f}/{y:.2f} {ratio:5.2f}x{' ' if ratio >= target else '!'}".rjust(19))
             print(f"{r['label']:>7} | " + " | ".join(cells))
-        print("the medium in the same run: its fastest raw GB/s / LMCache GB/s  ratio  ('^': below the pair's target)")
+        print(
+            "the medium's limit in the same run (the strongest of its raw figures): GB/s / LMCache GB/s  ratio"
+            "  ('^': below the pair's target)"
+        )
         for r in rows:
             cells = []
             for k, b in pairs:
@@ -560,18 +575,25 @@ def print_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> tup
                 if m is None or not y:
                     cells.append(f"{'n/a':>19}")
                     continue
-                q = m["fastest_gbps"] / y
-                cells.append(f"{m['fastest_gbps']:.2f}/{y:.2f} {q:5.2f}x{' ' if q >= target else '^'}".rjust(19))
+                q = m["limit_gbps"] / y
+                cells.append(f"{m['limit_gbps']:.2f}/{y:.2f} {q:5.2f}x{' ' if q >= target else '^'}".rjust(19))
             print(f"{r['label']:>7} | " + " | ".join(cells))
+        for k in dict.fromkeys(k for k, _ in pairs):
+            got = [(r["label"], r["medium"][f"{k}.{op}"]) for r in rows if f"{k}.{op}" in r.get("medium", {})]
+            if got:
+                names = ", ".join(got[0][1]["candidates"])
+                print(
+                    f"  {k}.{op} limit, the strongest of ({names}): "
+                    + ", ".join(f"{lab} {m['limit']}" for lab, m in got)
+                )
     print(
         "\nLMCache backends: "
         + "; ".join(f"{b} = {LMCACHE_BACKENDS[b]}" for b in dict.fromkeys(b for _, b in pairs))
         + ". '!' marks a ratio below the pair's target. The medium's raw figures (the tier's own"
-        " raw_limits, as tieredkv bench measures them: py-lmdb and plain file I/O; pipelined"
-        " redis-py and redis-benchmark; copy_) were measured beside each tieredkv round."
+        " raw_limits, as tieredkv bench measures them) were measured beside each tieredkv round."
     )
     if above_medium:
-        print("below target, with the target above every raw figure of the medium in the run:")
+        print("below target, with the target above the medium's limit in the run:")
         for line in above_medium:
             print(f"  {line}")
     return below, above_medium

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import statistics
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -290,41 +292,85 @@ def test_no_tier_kind_switch_outside_backends() -> None:
     assert found == {}
 
 
-def test_peers_bench_tieredkv_side_runs_every_kind(tmp_path: Path, redis_server: RedisServer) -> None:
-    """``./scripts/bench peers`` is not in the suite (it installs LMCache); its tieredkv side is, so
-    a change to the bench seam cannot break it unnoticed (issue 14's did): every kind stores and
-    loads verified bytes and reports one figure per rep, the same way the LMCache side does."""
+def _peers_modules() -> tuple[Any, Any]:
+    """``benchmarks/bench_peers.py`` and ``benchmarks/_lmcache_child.py`` (both run as scripts
+    from benchmarks/, so they import each other from there)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
+        import _lmcache_child
         import bench_peers
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    for kind in ("cpu", "lmdb", "fs", "redis"):
+    return bench_peers, _lmcache_child
+
+
+def test_peers_bench_tieredkv_side_runs_every_kind(tmp_path: Path, redis_server: RedisServer) -> None:
+    """``./scripts/bench peers`` is not in the suite (it installs LMCache); its tieredkv side is, so
+    a change to the bench seam cannot break it unnoticed (issue 14's did): every kind stores and
+    loads verified bytes and reports one figure per rep, the same way the LMCache side does; the
+    medium's limit is the strongest of the tier class's candidates as measured."""
+    bench_peers, _ = _peers_modules()
+    # each tier class's RawLimits.limit(op), in its order
+    candidates = {
+        "cpu": (["gather", "copy", "copy_2t_nt"], ["gather", "copy", "copy_2t_nt"]),
+        "lmdb": (["file_pagecache.store", "lmdb_raw.store"], ["file.load", "lmdb_raw.load"]),
+        "fs": (["pwrite.store", "file_pagecache.store"], ["pread.load", "file.load"]),
+        "redis": (["redis_py.store", "redis_benchmark.store"], ["redis_py.load", "redis_benchmark.load"]),
+    }
+    for kind, (store, load) in candidates.items():
         out = bench_peers.run_tieredkv(kind, [64 * KiB], 2 << 20, 2, str(tmp_path), redis_server.url)
         fig = out[64 * KiB]
         assert fig["verified"] and fig["chunks"] == 32 and fig["bytes"] == 2 << 20
         assert len(fig["store_gbps"]) == len(fig["load_gbps"]) == 2 and min(fig["load_gbps"]) > 0
-        # the medium's raw limits, measured beside every kept round, its baseline named
+        # the medium's raw limits, measured beside every kept round; its limit the strongest candidate
         assert fig["raw_gbps"] and all(len(v) == 2 and min(v) > 0 for v in fig["raw_gbps"].values())
+        assert fig["raw_limit_candidates"] == {"store": store, "load": load}
         for op in ("store", "load"):
             m = bench_peers.medium_figures(fig, op)
-            assert m is not None and m["baseline"] == fig["raw_baseline"][op]
-            assert m["fastest_gbps"] >= m["baseline_gbps"] > 0
+            assert m is not None and list(m["candidates"]) == fig["raw_limit_candidates"][op]
+            measured = {k: v for k, v in m["candidates"].items() if v is not None}
+            assert m["limit_gbps"] == max(measured.values()) == round(statistics.median(fig["raw_gbps"][m["limit"]]), 4)
+
+
+def test_peers_bench_judges_the_medium_by_its_strongest_candidate_measured() -> None:
+    """The medium's limit is the candidate (``RawLimits.limit``) with the highest median of the
+    run, whichever is named first; a faster figure that is no candidate (the durable write, a
+    floor) is not the limit, and a candidate not measured (no ``redis-benchmark``) is left out."""
+    bench_peers, _ = _peers_modules()
+    t = {
+        "raw_gbps": {
+            "file_pagecache.store": [1.0, 3.0, 2.0],  # median 2.0
+            "lmdb_raw.store": [2.6, 2.4, 2.5],  # median 2.5: the limit
+            "file_durable.store": [9.0, 9.0, 9.0],  # no candidate
+            "file.load": [4.0, 4.0, 4.0],
+        },
+        "raw_limit_candidates": {
+            "store": ["file_pagecache.store", "lmdb_raw.store"],
+            "load": ["file.load", "lmdb_raw.load"],
+        },
+    }
+    assert bench_peers.medium_figures(t, "store") == {
+        "limit": "lmdb_raw.store",
+        "limit_gbps": 2.5,
+        "candidates": {"file_pagecache.store": 2.0, "lmdb_raw.store": 2.5},
+    }
+    assert bench_peers.medium_figures(t, "load") == {
+        "limit": "file.load",
+        "limit_gbps": 4.0,
+        "candidates": {"file.load": 4.0, "lmdb_raw.load": None},
+    }
+    assert bench_peers.medium_figures({"raw_gbps": {"x.store": [1.0]}}, "store") is None  # no candidate declared
 
 
 def test_peers_bench_lists_a_cell_as_above_the_medium_only_when_no_client_reached_its_target(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A cell below its target is listed as above the medium only when the target throughput is
-    above the medium's fastest raw figure in the run; the CPU pair's target is 1x."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_peers
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    above the medium's limit in the run; the CPU pair's target is 1x."""
+    bench_peers, _ = _peers_modules()
 
-    def row(label: str, tkv: float, lmc: float, fastest: float) -> dict[str, object]:
-        medium = {"baseline": "lmdb_raw.store", "baseline_gbps": fastest, "fastest": "x.store", "fastest_gbps": fastest}
+    def row(label: str, tkv: float, lmc: float, limit: float) -> dict[str, object]:
+        medium = {"limit": "lmdb_raw.store", "limit_gbps": limit, "candidates": {"lmdb_raw.store": limit}}
         return {
             "label": label,
             "median_gbps": {"tieredkv.lmdb.store": tkv, "lmcache.disk.store": lmc},
@@ -336,7 +382,9 @@ def test_peers_bench_lists_a_cell_as_above_the_medium_only_when_no_client_reache
     below, above = bench_peers.print_table(rows, [("lmdb", "disk")])
     assert [c.split()[0] for c in below] == ["a", "b"]  # c is at 2.22x
     assert [c.split()[0] for c in above] == ["a"]  # b: the medium did 2.0, above 2x LMCache (1.8)
-    assert "a lmdb/disk.store 1.11x: 2x LMCache is 1.80 GB/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a lmdb/disk.store 1.11x: 2x LMCache is 1.80 GB/s, the medium's limit 1.50 (lmdb_raw.store)" in out
+    assert "lmdb.store limit, the strongest of (lmdb_raw.store): a lmdb_raw.store" in out
     assert bench_peers.TARGETS["cpu"] == 1.0
 
 

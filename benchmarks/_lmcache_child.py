@@ -2,6 +2,7 @@
 
     .venv-lmcache/bin/python benchmarks/_lmcache_child.py --backend cpu|disk|redis|resp \
         --sizes 65536,262144 --total-bytes 134217728 --reps 3 --out result.json \
+        [--layouts permuted,consecutive] [--copy blocks|lmcache] \
         [--redis-url redis://127.0.0.1:PORT/0] [--workdir DIR] [--batch-bytes 16777216] [--turns R,W]
 
 (``redis``/``resp`` empty the Redis database after each round: give it a private server only, as
@@ -9,17 +10,53 @@
 
 API used (the highest level that runs without vLLM and without a GPU): ``LMCacheEngineBuilder``
 builds an ``LMCacheEngine`` (``post_init()`` creates its ``StorageManager`` and backends from an
-``LMCacheEngineConfig``); each batch is ``engine.store(tokens, kvcaches=src)`` and
-``engine.retrieve(tokens, kvcaches=dst)``: token chunking and prefix hashing, allocation from
-LMCache's CPU pool, ``StorageManager.batched_put`` / ``batched_get`` into the backend, back.
+``LMCacheEngineConfig``); each batch is ``engine.store(tokens, kvcaches=kv, slot_mapping=slots)``
+and ``engine.retrieve(tokens, kvcaches=kv, slot_mapping=slots)``, the arguments vLLM's adapter
+passes (``lmcache.integration.vllm.vllm_v1_adapter``): token chunking and prefix hashing,
+allocation from LMCache's CPU pool, the connector's ``batched_from_gpu`` / ``batched_to_gpu``,
+``StorageManager.batched_put`` / ``batched_get`` into the backend, back.
 
-LMCache ships no connector for a CPU-only build: ``CreateGPUConnector`` with ``EngineType.VLLM``
-raises ``No supported cpu connector found.`` and ``EngineType.MOCK`` (its standalone mode) copies
-nothing, so no bytes could be verified. :class:`CPUCopyConnector` below is the stand-in for
-vLLM's GPU connector: one ``copy_`` between the caller's CPU KV tensor and each ``MemoryObj``
-(the same memcpy tieredkv's pipeline does between the "device" tensor and its tier).
+The KV cache is paged, in the same layout as tieredkv's side (``--layouts``; round ``k``, the
+warm-up being 0, draws its block ids from seed ``k`` on both sides): vLLM's per-layer
+``[2, num_blocks, block_size, num_heads, head_size]`` (K and V planes; one layer, one head),
+block 0 the null block, blocks of 64 tokens, ``chunk_bytes / 4`` with K and V, four to an
+LMCache chunk of 256 tokens, as tieredkv's ``bench_blocks`` has four blocks of
+``chunk_bytes / 4`` to a chunk. Chunk ``i`` is stored from the blocks ``tieredkv.bench.block_ids(layout, N, 1, rng)``
+hands out among ``1 .. N`` and retrieved into those drawn next among ``N+1 .. 2N``
+(:func:`block_ids` is a copy of it; this process never imports tieredkv, and each result carries
+``block_ids``, a digest of the ids it used, which ``bench_peers.py`` checks against tieredkv's).
+``slot_mapping`` is per token (``block * block_size + offset``), as vLLM's adapter builds it.
 
-Backends (one engine per chunk size, ``chunk_size`` = 256 tokens, KV dtype uint8, shape
+What LMCache 0.5.6 offers for a paged KV cache on CPU, and why the connector is a stand-in:
+
+* ``CreateGPUConnector(config, metadata, EngineType.VLLM)`` raises ``No supported cpu connector
+  found.`` on a CPU-only build; ``EngineType.MOCK`` (``MockGPUConnector``, its standalone mode)
+  copies nothing, so no bytes could be verified.
+* Its vLLM connector, ``VLLMPagedMemGPUConnectorV2`` (``from_gpu`` / ``to_gpu`` by
+  ``slot_mapping``; V3 and the layerwise ones alike), needs CUDA: ``torch.cuda.Stream()`` in
+  ``__init__``, ``_initialize_pointers`` asserts ``device.type == "cuda"``.
+* Its per-chunk transfer, ``lmcache.device_ops.multi_layer_kv_transfer(memory_obj.tensor,
+  kv_cache_pointers, slot_mapping[start:end], ...)``, does run on CPU: a CPU-only build resolves
+  ``device_ops`` to ``CpuDeviceOps``, whose ``multi_layer_kv_transfer`` is the torch fallback
+  ``lmcache.v1.platform.torch_ops.mem_kernels.multi_layer_kv_transfer`` (a per-token
+  ``index_select`` / ``index_copy_`` and a masked assignment). It needs the format named:
+  ``normalize_kv_and_discover_format`` reads a one-head ``[2, nb, bs, 1, hd]`` as the HND
+  ``NL_X_TWO_NB_NH_BS_HS``, which the fallback rejects, so it gets
+  ``layout_hints={"kv_layout": "NHD"}`` (``NL_X_TWO_NB_BS_NH_HS``). In one micro-run here (one
+  thread, 64 KiB / 1 MiB chunks, permuted blocks, the copy alone): 0.59 / 1.02 GB/s from the
+  pages, 0.43 / 0.64 into them, against 5-15 GB/s for the block copies below.
+* ``device_ops.multi_layer_block_kv_transfer`` (block ids instead of slots) serves LMCache's
+  multiprocess mode (``torch_ops.mp_mem_kernels``), not ``LMCacheEngine.store`` / ``retrieve``.
+
+So the connector (:class:`PagedCPUConnector`, the stand-in for vLLM's GPU connector, whose real
+copy is a CUDA kernel) takes LMCache's own arguments and, by default (``--copy blocks``), moves
+whole blocks: the chunk's block ids are ``slot_mapping[start:end:block_size] // block_size``, read
+with one ``torch.index_select`` per K/V plane and written with one numpy fancy assignment per plane
+(the fastest CPU copies of scattered blocks found: in LMCache's favour). ``--copy lmcache`` calls
+LMCache's own fallback, ``device_ops.multi_layer_kv_transfer``, per chunk instead, as
+``VLLMPagedMemGPUConnectorV2`` does on CUDA.
+
+Backends (one engine per chunk size, ``chunk_size`` = 256 tokens, KV dtype uint8, ``kv_shape``
 ``(1 layer, 2, 256, 1, chunk_bytes // 512)`` so one LMCache chunk is exactly ``chunk_bytes``):
 
 * ``cpu``: ``local_cpu: true`` (LocalCPUBackend hot cache), nothing else.
@@ -35,14 +72,16 @@ Timing: a store is done when the backend holds every chunk: for ``disk`` when Lo
 in-flight put list is empty (a key is published after its file is written), for ``redis``/``resp`` when
 the connector's put coroutines of every batch have returned (counted by wrapping them; LMCache's
 batched put path does not track them itself), for ``cpu`` when ``store()`` returns (synchronous).
-Each engine first does one untimed store + retrieve of ``total`` bytes (warms LMCache's CPU pool
-and code paths: in LMCache's favour), then ``reps`` timed rounds, each on new tokens (new keys).
-Every retrieved byte is compared with what was stored, and every token must be reported retrieved.
-After each round (untimed) its chunks are dropped (``engine.clear(tokens, locations=[backend])``;
+Each engine first does one untimed round (warms LMCache's CPU pool and code paths: in LMCache's
+favour), then ``reps`` timed rounds; a round is one store + retrieve of ``total`` bytes per layout,
+each on new tokens (new keys). Every retrieved block is compared with the block it was stored
+from, and every token must be reported retrieved. After each layout's store + retrieve (untimed)
+its chunks are dropped (``engine.clear(tokens, locations=[backend])``;
 for Redis a FLUSHDB of the private server the parent started), as tieredkv starts every round on
 an empty tier.
 Prints nothing on stdout but LMCache's own logging; the results go to ``--out`` as JSON, rewritten
-after every size so a later failure keeps what was measured.
+after every size so a later failure keeps what was measured: per size ``{"size", "layouts":
+{layout: figures (:func:`side_figures`)}, "block_ids": {layout: sha1 (:func:`ids_digest`)}, "copy"}``.
 
 With ``--turns`` (as ``bench_peers.py`` runs it) every step waits for the parent's go and
 reports back when it is over: an engine's set-up with its warm-up round, then each timed round.
@@ -62,6 +101,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -80,6 +120,13 @@ import numpy as np
 import torch
 
 TOKENS_PER_CHUNK = 256
+#: Blocks per LMCache chunk, as ``tieredkv.bench.BLOCKS_PER_CHUNK`` per tieredkv chunk.
+BLOCKS_PER_CHUNK = 4
+BLOCK_TOKENS = TOKENS_PER_CHUNK // BLOCKS_PER_CHUNK
+#: ``tieredkv.bench.LAYOUTS`` (the first is the default).
+LAYOUTS = ("permuted", "fragmented", "consecutive")
+#: How the connector moves a chunk between the paged KV cache and a MemoryObj (``--copy``).
+COPIES = ("blocks", "lmcache")
 BACKEND_CLASS = {
     "cpu": "LocalCPUBackend",
     "disk": "LocalDiskBackend",
@@ -104,20 +151,105 @@ def side_figures(n: int, nbytes: int, samples: list[tuple[float, float]]) -> dic
     }
 
 
+def block_ids(layout: str, count: int, first: int, rng: Any) -> list[int]:
+    """A copy of ``tieredkv.bench.block_ids`` (this process never imports tieredkv): ``count``
+    distinct block ids from ``first .. first+count-1`` in the order a pool with ``layout`` hands
+    them out; ``rng`` a ``numpy.random.Generator``. ``tests/unit/test_bench_seam.py`` checks that
+    the two agree, and ``bench_peers.py`` the digests of the ids each side used (:func:`ids_digest`)."""
+    if layout == "consecutive":
+        return list(range(first, first + count))
+    if layout == "permuted":
+        return (rng.permutation(count) + first).tolist()  # type: ignore[no-any-return]
+    if layout == "fragmented":
+        cuts = np.cumsum(rng.integers(1, 9, size=count))  # runs of 1-8 blocks
+        starts = np.concatenate([[0], cuts[cuts < count]])
+        ends = np.append(starts[1:], count)
+        order = rng.permutation(len(starts))
+        return [first + i for k in order for i in range(int(starts[k]), int(ends[k]))]
+    raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+
+
+def round_ids(draw: Any, layout: str, nb: int, seed: int) -> tuple[list[int], list[int]]:
+    """(store ids, load ids) of one round, drawn as ``tieredkv.bench.pipeline_store_load`` draws
+    them: ``nb`` blocks among ``1 .. nb``, then ``nb`` among ``nb+1 .. 2nb``, from one generator
+    seeded with ``seed``; ``draw`` is :func:`block_ids` or tieredkv's."""
+    rng = np.random.default_rng(seed)
+    store = draw(layout, nb, 1, rng)
+    return store, draw(layout, nb, 1 + nb, rng)
+
+
+def ids_digest(draw: Any, layout: str, nb: int, rounds: int) -> str:
+    """sha1 of the block ids of rounds ``0 .. rounds-1`` (:func:`round_ids`), both sides alike."""
+    h = hashlib.sha1(usedforsecurity=False)
+    for k in range(rounds):
+        for ids in round_ids(draw, layout, nb, k):
+            h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 def _connector_class() -> type:
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
-    class CPUCopyConnector(GPUConnectorInterface):  # type: ignore[misc, valid-type]
-        """KV "device" tensor [2, layers, tokens, hidden] on CPU <-> LMCache MemoryObjs (KV_2LTD)."""
+    class PagedCPUConnector(GPUConnectorInterface):  # type: ignore[misc, valid-type]
+        """vLLM's paged KV cache on CPU (``kvcaches``: one ``[2, num_blocks, block_size, heads,
+        head]`` tensor per layer) <-> LMCache MemoryObjs (KV_2LTD), by ``slot_mapping``: whole
+        blocks (``copy="blocks"``) or LMCache's own ``device_ops.multi_layer_kv_transfer``."""
 
-        def __init__(self, kv_shape: tuple[int, int, int, int, int]) -> None:
-            self.kv_shape = kv_shape
+        def __init__(self, kv_shape: tuple[int, int, int, int, int], copy: str = "blocks") -> None:
+            self.kv_shape, self.copy = kv_shape, copy
+            self._lmc: tuple[int, Any, Any] | None = None  # (pages' address, format, pointers)
+
+        def _blocks(self, memory_obj: Any, start: int, end: int, kw: Any) -> tuple[Any, Any, Any]:
+            """(K/V planes of the pages as [2, num_blocks, block bytes], the MemoryObj as
+            [2, blocks, block bytes], the chunk's block ids) for whole blocks."""
+            kv = kw["kvcaches"][0]
+            bs = kv.shape[2]
+            ids = kw["slot_mapping"][start:end:bs] // bs  # each block's first slot
+            return kv.view(2, kv.shape[1], -1), memory_obj.tensor.view(2, len(ids), -1), ids
+
+        def _lmcache(self, memory_obj: Any, start: int, end: int, kw: Any, to_pages: bool) -> None:
+            """What ``VLLMPagedMemGPUConnectorV2.from_gpu`` / ``to_gpu`` do per chunk, on CPU."""
+            import lmcache.lmcache_native as native
+            from lmcache import device_ops
+            from lmcache.utils import EngineType
+            from lmcache.v1.gpu_connector.utils import normalize_kv_and_discover_format
+
+            kv = kw["kvcaches"][0]
+            if self._lmc is None or self._lmc[0] != kv.data_ptr():
+                fmt, layers = normalize_kv_and_discover_format(
+                    kw["kvcaches"], EngineType.VLLM, layout_hints={"kv_layout": "NHD"}
+                )
+                self._lmc = (kv.data_ptr(), fmt, torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64))
+            _, fmt, ptrs = self._lmc
+            way = native.TransferDirection.H2D if to_pages else native.TransferDirection.D2H
+            device_ops.multi_layer_kv_transfer(
+                memory_obj.tensor,
+                ptrs,
+                kw["slot_mapping"][start:end],
+                kv.device,
+                kv.shape[1] * kv.shape[2],
+                way,
+                fmt,
+                block_size=kv.shape[2],
+                head_size=kv.shape[4],
+            )
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-            memory_obj.tensor.copy_(kw["kvcaches"][:, :, start:end])
+            if self.copy == "lmcache":
+                return self._lmcache(memory_obj, start, end, kw, to_pages=False)
+            pages, obj, ids = self._blocks(memory_obj, start, end, kw)
+            torch.index_select(pages[0], 0, ids, out=obj[0])
+            torch.index_select(pages[1], 0, ids, out=obj[1])
+            return None
 
         def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-            kw["kvcaches"][:, :, start:end].copy_(memory_obj.tensor)
+            if self.copy == "lmcache":
+                return self._lmcache(memory_obj, start, end, kw, to_pages=True)
+            pages, obj, ids = self._blocks(memory_obj, start, end, kw)
+            p, o, i = pages.numpy(), obj.numpy(), ids.numpy()
+            p[0, i] = o[0]  # numpy's fancy assignment: a memcpy per block (torch's index_copy_ is slower)
+            p[1, i] = o[1]
+            return None
 
         def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
             for m, s, e in zip(memory_objs, starts, ends):
@@ -129,9 +261,9 @@ def _connector_class() -> type:
 
         def get_shape(self, num_tokens: int) -> torch.Size:
             layers, kv, _, heads, head = self.kv_shape
-            return torch.Size([layers, kv, num_tokens, heads, head])
+            return torch.Size([kv, layers, num_tokens, heads * head])
 
-    return CPUCopyConnector
+    return PagedCPUConnector
 
 
 class _PutCounter:
@@ -166,7 +298,9 @@ class _PutCounter:
         return wrapped
 
 
-def _engine(backend: str, size: int, n: int, reps: int, workdir: str, redis_url: str | None, tag: str) -> Any:
+def _engine(
+    backend: str, size: int, n: int, reps: int, workdir: str, redis_url: str | None, tag: str, copy: str
+) -> Any:
     from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -205,7 +339,7 @@ def _engine(backend: str, size: int, n: int, reps: int, workdir: str, redis_url:
         role="worker",
     )
     eng = LMCacheEngineBuilder.get_or_create(
-        tag, config, md, _connector_class()(kv_shape), mock_up_broadcast_fn, mock_up_broadcast_object_fn
+        tag, config, md, _connector_class()(kv_shape, copy), mock_up_broadcast_fn, mock_up_broadcast_object_fn
     )
     eng.post_init()
     return eng, hidden
@@ -259,16 +393,18 @@ def run_size(
     notes: list[str],
     dog: _Watchdog,
     turns: _Turns,
+    layouts: list[str],
+    copy: str = "blocks",
 ) -> dict[str, Any]:
     """One chunk size: the engine's set-up and warm-up round in one turn, then each timed round in
     a turn of its own; the last turn is given back by the caller (after the close and the
-    result's file)."""
+    result's file). Each round stores and retrieves every chunk once per layout."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     tag = f"peers-{backend}-{size}-{os.getpid()}"
     turns.take(dog)
     dog.arm(f"LMCache {backend} {size} B set-up")
-    eng, hidden = _engine(backend, size, n, reps, workdir, redis_url, tag)
+    eng, hidden = _engine(backend, size, n, reps, workdir, redis_url, tag, copy)
     try:
         be = _backend_obj(eng, backend)
         name = BACKEND_CLASS[backend]
@@ -279,28 +415,43 @@ def run_size(
         counter = _PutCounter(be.connection) if backend in ("redis", "resp") else None
         per = max(1, batch_bytes // size)
         batches = [(b, min(n, b + per)) for b in range(0, n, per)]
+        nb = n * BLOCKS_PER_CHUNK
+        # vLLM's paged KV cache of one layer: [2 (K, V), blocks, block_size, heads, head]; block 0
+        # is the null block, 1..nb hold the chunks to store, nb+1..2nb take the retrieved ones.
+        kv = torch.zeros(2, 1 + 2 * nb, BLOCK_TOKENS, 1, hidden, dtype=torch.uint8)
         g = torch.Generator().manual_seed(seed)
-        src = torch.randint(0, 256, (2, 1, n * TOKENS_PER_CHUNK, hidden), dtype=torch.uint8, generator=g)
-        dst = torch.zeros_like(src)
+        kv[:, 1 : 1 + nb] = torch.randint(0, 256, (2, nb, BLOCK_TOKENS, 1, hidden), dtype=torch.uint8, generator=g)
+        kvcaches = [kv]
+        pages = kv.view(2, 1 + 2 * nb, -1).numpy()
+        offsets = np.arange(BLOCK_TOKENS)
+        used: dict[str, Any] = {lay: hashlib.sha1(usedforsecurity=False) for lay in layouts}
         tok_lo = 0
 
-        def one_round(k: int) -> tuple[float, float]:
+        def one_layout(k: int, layout: str) -> tuple[float, float]:
             nonlocal tok_lo
-            dog.arm(f"LMCache {backend} {size} B round {k} ({'warm-up' if k == 0 else 'timed'})")
-            # New tokens (so new keys) every round; one store()/retrieve() per batch of chunks.
+            store_ids, load_ids = round_ids(block_ids, layout, nb, k)
+            for ids in (store_ids, load_ids):
+                used[layout].update(np.asarray(ids, dtype=np.int64).tobytes())
+            # vLLM's slot mapping: one slot per token, block * block_size + offset
+            slots = [
+                torch.from_numpy((np.asarray(ids)[:, None] * BLOCK_TOKENS + offsets).reshape(-1))
+                for ids in (store_ids, load_ids)
+            ]
+            # New tokens (so new keys) every round and layout; one store()/retrieve() per batch of chunks.
             toks = [torch.arange(tok_lo + b * TOKENS_PER_CHUNK, tok_lo + e * TOKENS_PER_CHUNK) for b, e in batches]
             tok_lo += n * TOKENS_PER_CHUNK
-            dst.zero_()
+            kv[:, 1 + nb :].zero_()
             # As tieredkv's side does before its stores (tieredkv.backends._rawbench.warm_free_pages;
             # this process never imports tieredkv): fault in and free the memory the writes will
             # take, so neither side draws pages this VM has handed back to its host.
-            warm = np.empty(src.numel() * 5 // 4 + (16 << 20), np.uint8)
+            warm = np.empty(n * size * 5 // 4 + (16 << 20), np.uint8)
             warm.fill(1)
             del warm
             before = counter.done if counter else 0
             t0 = time.perf_counter()
             for (b, e), t in zip(batches, toks):
-                eng.store(t, kvcaches=src[:, :, b * TOKENS_PER_CHUNK : e * TOKENS_PER_CHUNK])
+                sl = slots[0][b * TOKENS_PER_CHUNK : e * TOKENS_PER_CHUNK]
+                eng.store(t, kvcaches=kvcaches, slot_mapping=sl)
             if backend == "disk":
                 _wait(lambda: not be.disk_worker.put_tasks, "LMCache disk writes")
             elif counter is not None:
@@ -311,14 +462,17 @@ def run_size(
             got = 0
             t0 = time.perf_counter()
             for (b, e), t in zip(batches, toks):
-                got += int(eng.retrieve(t, kvcaches=dst[:, :, b * TOKENS_PER_CHUNK : e * TOKENS_PER_CHUNK]).sum())
+                sl = slots[1][b * TOKENS_PER_CHUNK : e * TOKENS_PER_CHUNK]
+                got += int(eng.retrieve(t, kvcaches=kvcaches, slot_mapping=sl).sum())
             tl = time.perf_counter() - t0
             if got != n * TOKENS_PER_CHUNK:
                 raise RuntimeError(f"LMCache {backend}: retrieved {got} of {n * TOKENS_PER_CHUNK} tokens")
-            if not torch.equal(src, dst):
-                raise RuntimeError(f"LMCache {backend}: retrieved bytes differ from stored bytes")
-            # Untimed: drop this round's chunks, as tieredkv starts every round on an empty tier
-            # (frees LMCache's CPU pool, deletes the disk files, empties the private Redis).
+            step = max(1, (64 << 20) // (size // BLOCKS_PER_CHUNK))  # compare 64 MiB at a time
+            for i in range(0, nb, step):
+                if not np.array_equal(pages[:, load_ids[i : i + step]], pages[:, store_ids[i : i + step]]):
+                    raise RuntimeError(f"LMCache {backend}: retrieved bytes differ from stored bytes ({layout})")
+            # Untimed: drop these chunks, as tieredkv starts every run on an empty tier (frees
+            # LMCache's CPU pool, deletes the disk files, empties the private Redis).
             if backend in ("redis", "resp"):
                 _flush_private_redis(redis_url or "")
             else:
@@ -327,21 +481,31 @@ def run_size(
                     raise RuntimeError(f"LMCache {backend}: clear removed {cleared} of {n} chunks")
             return ts, tl
 
+        def one_round(k: int) -> dict[str, tuple[float, float]]:
+            dog.arm(f"LMCache {backend} {size} B round {k} ({'warm-up' if k == 0 else 'timed'})")
+            return {lay: one_layout(k, lay) for lay in layouts}
+
         # As vLLM's engine does after start-up, and as tieredkv's side of this bench does: the
         # set-up heap leaves the collector's view, so a full collection costs what it does there.
         gc.collect()
         gc.freeze()
         try:
             one_round(0)  # warm-up, untimed
-            samples = []
+            samples: dict[str, list[tuple[float, float]]] = {lay: [] for lay in layouts}
             for k in range(1, reps + 1):
                 turns.give()
                 turns.take(dog)
-                samples.append(one_round(k))
+                for lay, sample in one_round(k).items():
+                    samples[lay].append(sample)
         finally:
             gc.unfreeze()
         dog.arm(f"LMCache {backend} {size} B close")
-        return {"size": size, **side_figures(n, n * size, samples)}
+        return {
+            "size": size,
+            "layouts": {lay: side_figures(n, n * size, samples[lay]) for lay in layouts},
+            "block_ids": {lay: h.hexdigest() for lay, h in used.items()},
+            "copy": copy,
+        }
     finally:
         _destroy(LMCacheEngineBuilder, tag, notes)
         if backend == "disk":
@@ -440,12 +604,26 @@ def main(argv: list[str] | None = None) -> int:
         help="R,W: pipe descriptors to take turns with the parent on (one byte per step each way)",
     )
     ap.add_argument(
+        "--layouts",
+        default=LAYOUTS[0],
+        help=f"block-id layouts of the paged KV cache, comma-separated ({', '.join(LAYOUTS)})",
+    )
+    ap.add_argument(
+        "--copy",
+        default=COPIES[0],
+        choices=COPIES,
+        help="blocks: whole blocks (index_select / numpy); lmcache: LMCache's device_ops.multi_layer_kv_transfer",
+    )
+    ap.add_argument(
         "--round-timeout",
         type=float,
         default=120.0,
         help="deadline (seconds) for one round, or one engine's set-up or close",
     )
     a = ap.parse_args(argv)
+    layouts = [x for x in a.layouts.split(",") if x]
+    if not layouts or any(x not in LAYOUTS for x in layouts):
+        ap.error(f"--layouts: choose from {', '.join(LAYOUTS)}")
     torch.set_num_threads(a.threads)
     import lmcache
 
@@ -454,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         "lmcache": getattr(lmcache, "__version__", "?"),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
+        "numpy": np.__version__,
         "results": [],
         "notes": [],
     }
@@ -484,14 +663,16 @@ def main(argv: list[str] | None = None) -> int:
                     notes=out["notes"],
                     dog=dog,
                     turns=turns,
+                    layouts=layouts,
+                    copy=a.copy,
                 )
             )
-            print(
-                f"lmcache {a.backend} {size} B: store {out['results'][-1]['store_gbps']} GB/s, "
-                f"load {out['results'][-1]['load_gbps']} GB/s",
-                file=sys.stderr,
-                flush=True,
-            )
+            for lay, fig in out["results"][-1]["layouts"].items():
+                print(
+                    f"lmcache {a.backend} {size} B {lay}: store {fig['store_gbps']} GB/s, load {fig['load_gbps']} GB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             _write(a.out, out)  # what is measured survives a later failure
             turns.give()
     except BaseException as e:  # noqa: BLE001 - report what failed; the parent prints it and marks the backend

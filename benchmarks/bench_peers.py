@@ -22,33 +22,54 @@ What it does:
    lmcache 0.5.6 beside torch 2.13.0+cpu.
 2. Starts one private ``redis-server`` on a free loopback port (stopped at the end, also on error).
 3. For each pair, round by round, interleaved: tieredkv's round
-   (``tieredkv.bench.pipeline_store_load``: the real asyncio pipeline with one tier,
-   ``PolicyRule(tiers=[name])``, a CPU "device" tensor of ``[chunks, chunk_bytes]`` uint8, store
-   jobs of 16 MiB, ``drain()``, load jobs into another tensor, bytes compared) and LMCache's
-   round of the same size in ``.venv-lmcache`` (``benchmarks/_lmcache_child.py``:
-   ``LMCacheEngine.store`` / ``retrieve`` of the same bytes in calls of the same 16 MiB, see its
-   docstring for the API used and why), which runs a step at a time on this process's word
-   (``--turns``; LMCache first on even rounds, second on odd), never beside tieredkv's.
-   Disk figures of both sides use the same directory.
+   (``tieredkv.bench.pipeline_store_load``: the real asyncio pipeline with one tier, the KV
+   group a CPU "device" block tensor of four blocks per chunk (``bench_blocks``), store jobs of
+   16 MiB, ``drain()``, load jobs into other blocks, bytes compared) and LMCache's round of the
+   same size in ``.venv-lmcache`` (``benchmarks/_lmcache_child.py``: ``LMCacheEngine.store`` /
+   ``retrieve`` in calls of the same 16 MiB, with ``kvcaches`` a paged KV cache in vLLM's layout,
+   four blocks per chunk too, and ``slot_mapping``, as vLLM's adapter calls them; see its
+   docstring for the API used, what LMCache offers on CPU and why its connector is a stand-in),
+   which runs a step at a time on this process's word (``--turns``; LMCache first on even
+   rounds, second on odd), never beside tieredkv's. Disk figures of both sides use the same
+   directory.
+
+   Block layouts (``--layouts``, ``tieredkv.bench.LAYOUTS``; default ``permuted,consecutive``):
+   every round stores and loads each size once per layout, on both sides, from and into the
+   same block ids (``tieredkv.bench.block_ids``; round ``r``, the warm-up being 0, draws them
+   from seed ``r``; each side reports a digest of the ids it used, and a difference is an
+   error). ``permuted``, a churned engine pool (vLLM's free queue hands blocks out in the order
+   they were freed), is the default figure; ``consecutive``, a fresh pool, the named best case;
+   ``fragmented`` (short runs) on request.
 4. Beside each tieredkv round (in turn before and after it), measures the medium's raw limits
-   with the tier class's own ``raw_limits``, as ``tieredkv bench`` does: py-lmdb put/get and
-   plain file writes/reads for ``lmdb``; pipelined redis-py SET/GET and ``redis-benchmark`` on
-   the same server for ``redis``; ``copy_`` for ``cpu``.
-5. Prints the medians (of ``--reps``) and the ratio tieredkv / LMCache (targets, ``TARGETS``:
-   >= 1x on the CPU pair, >= 2x on the disk and Redis pairs), then the medium's fastest raw
-   figure over LMCache. A cell below its target whose target throughput is above that figure
-   is listed as above the medium: no raw client on it was seen that fast in the run. Writes
+   with the tier class's own ``raw_limits``, as ``tieredkv bench`` does: plain file
+   writes/reads and py-lmdb put/get for ``lmdb``; pipelined redis-py SET/GET and
+   ``redis-benchmark`` on the same server for ``redis``; one gather of scattered blocks, one
+   ``copy_`` and a two-thread non-temporal copy for ``cpu``. The medium's limit for an op is
+   the strongest (highest median) of the figures the tier class names for it
+   (``RawLimits.limit``) as measured in this run, named with the figures it was picked from.
+5. Prints the medians (of ``--reps``) and the ratio tieredkv / LMCache per size and layout
+   (targets, ``TARGETS``: >= 1x on the CPU pair, >= 2x on the disk and Redis pairs), then the
+   medium's limit over LMCache, and which figure was the limit at each size. A cell below its
+   target whose target throughput is above the medium's limit is listed as above the medium:
+   no raw client on it was seen that fast in the run. Writes
    ``benchmarks/results/peers-<UTC time>.json``: machine description, versions, install time,
-   per-rep figures (raw ones included), medians, ratios.
+   ``config`` (``layouts``, ``lmcache_copy``, ...), and per size (``results``, see
+   ``build_results``): both sides' per-rep figures per layout, the raw figures per rep and the
+   limit candidates, medians (``median_gbps``: ``tieredkv.<tier>[@<layout>].<op>``,
+   ``lmcache.<backend>[@<layout>].<op>``, no ``@`` for the first layout), ratios
+   (``<tier>/<backend>[@<layout>].<op>``) and the medium's limit (``medium``: ``<tier>.<op>`` ->
+   ``limit``, ``limit_gbps``, ``candidates``).
 
 Both sides run torch with one intra-op thread (``--threads``), get one untimed warm-up round per
-tier and size, and start every timed round without the previous round's chunks (tieredkv: a
-fresh tier; LMCache: the round's keys cleared, untimed). ``--quick`` is a smoke run (64 KiB and
-1 MiB, 8 MiB, one rep; writes ``peers-<time>-quick.json``). Loopback only; every loop is bounded.
+tier and size, and start every store of a round and layout without the chunks stored before it
+(tieredkv: a fresh tier; LMCache: the keys cleared, untimed). ``--quick`` is a smoke run (64 KiB
+and 1 MiB, 8 MiB, one rep; writes ``peers-<time>-quick.json``). Loopback only; every loop is
+bounded.
 An LMCache child that hangs past its per-round deadline is ended (stacks kept in the JSON under
 ``lmcache_incidents``) and its unfinished sizes run again in a fresh process, at most 4 attempts
 (LMCache 0.5.6's ``resp://`` client can hang in ``retrieve``: see ``_lmcache_child.py``).
-Exit status 1 when a figure is missing (a side failed), else 0 (ratios below target included).
+Exit status 1 when a figure is missing (a side failed) or the sides used different block ids,
+else 0 (ratios below target included).
 """
 
 from __future__ import annotations
@@ -69,7 +90,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from _lmcache_child import side_figures  # benchmarks/ is on sys.path: both run as scripts from there
+from _lmcache_child import ids_digest, side_figures  # benchmarks/ is on sys.path: both run as scripts from there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -90,6 +111,9 @@ LMCACHE_BACKENDS = {
     "redis": "RemoteBackend redis:// (RedisConnector, redis-py)",
     "resp": "RemoteBackend resp:// (RESPConnector, native client)",
 }
+#: Block-id layouts both sides run by default (``--layouts``; ``tieredkv.bench.LAYOUTS``): the first,
+#: a churned engine pool, is the default figure; ``consecutive`` (a fresh pool) the named best case.
+DEFAULT_LAYOUTS = ("permuted", "consecutive")
 CHILD_ATTEMPTS = 4  # a hung or failed LMCache child is run again for the sizes it did not finish
 ENV = {
     "LMCACHE_TRACK_USAGE": "false",
@@ -194,15 +218,28 @@ def run_tieredkv(
     workdir: str,
     redis_url: str,
     lmcache: Sequence[LMCacheSide] = (),
+    layouts: Sequence[str] = DEFAULT_LAYOUTS[:1],
 ) -> dict[int, Any]:
-    """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first),
-    and the medium's raw limits measured beside each rep (:func:`medium_figures`). Each round of
-    the ``lmcache`` sides runs between tieredkv's, in turn before and after them (LMCache, raw,
-    tieredkv on even rounds; tieredkv, raw, LMCache on odd)."""
+    """Per size: store/load seconds of each rep through tieredkv's pipeline (one warm-up first)
+    for each of ``layouts`` (``layouts``: layout -> :func:`side_figures`; round ``r`` draws its
+    block ids from seed ``r``, as LMCache's child does; ``block_ids``: their digests), and the
+    medium's raw limits measured beside each rep (``raw_gbps``: figure -> GB/s per rep;
+    ``raw_limit_candidates``: op -> the figures its limit is the strongest of, the tier class's
+    ``RawLimits.limit``; :func:`medium_figures`). Each round of the ``lmcache`` sides runs between
+    tieredkv's, in turn before and after them (LMCache, raw, tieredkv on even rounds; tieredkv,
+    raw, LMCache on odd)."""
     import torch
 
     from tieredkv.backends.registry import get_tier_class
-    from tieredkv.bench import bench_blocks, bench_config, frozen_heap, make_tier, pipeline_store_load
+    from tieredkv.bench import (
+        BLOCKS_PER_CHUNK,
+        bench_blocks,
+        bench_config,
+        block_ids,
+        frozen_heap,
+        make_tier,
+        pipeline_store_load,
+    )
     from tieredkv.config import CPUTierConfig, FSTierConfig, LMDBTierConfig, RedisTierConfig
     from tieredkv.keys import Namespace
 
@@ -225,35 +262,43 @@ def run_tieredkv(
         dst = torch.zeros_like(src)
         blocks = bench_blocks(src)  # one engine block tensor for every round of this size
         raw_cfg = bench_config(cfg, size, n, workdir)
-        samples = []
+        samples: dict[str, list[tuple[float, float]]] = {lay: [] for lay in layouts}
         raw: dict[str, list[float]] = {}
-        baseline: dict[str, str] = {}
+        candidates: dict[str, list[str]] = {}
         with frozen_heap():  # as in vLLM's engine (and in LMCache's child, for its side)
-            for r in range(reps + 1):  # round 0 is the warm-up; each round on a fresh, empty tier
+            for r in range(reps + 1):  # round 0 is the warm-up; each run on a fresh, empty tier
                 if r % 2 == 0:  # the others first on even rounds, second on odd (as tieredkv bench)
                     for side in lmcache:
                         side.turn()
-                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw if r else {}, baseline)
-                dst.zero_()
-                tier = make_tier(cfg, size, n, workdir)
-                try:
-                    ts, tl = pipeline_store_load(tier, src, dst, ns, blocks)  # raises if a byte differs
-                finally:
-                    if tier.config.local_dir is not None:  # the bench copy's own directory
-                        shutil.rmtree(tier.config.local_dir, ignore_errors=True)
-                if r:
-                    samples.append((ts, tl))
+                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw if r else {}, candidates)
+                for lay in layouts:
+                    tier = make_tier(cfg, size, n, workdir)
+                    try:  # raises if a byte differs
+                        ts, tl = pipeline_store_load(tier, src, dst, ns, blocks, layout=lay, seed=r)
+                    finally:
+                        if tier.config.local_dir is not None:  # the bench copy's own directory
+                            shutil.rmtree(tier.config.local_dir, ignore_errors=True)
+                    if r:
+                        samples[lay].append((ts, tl))
                 if r % 2 == 1:
-                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw, baseline)
+                    _medium_round(tier_class, raw_cfg, src, dst, workdir, raw, candidates)
                     for side in lmcache:
                         side.turn()
         for side in lmcache:
             side.finish(size)
         nbytes = n * size
-        out[size] = side_figures(n, nbytes, samples) | {"raw_gbps": raw, "raw_baseline": baseline}
-        log(
-            f"tieredkv {kind:5} {_label(size):>7}: store {out[size]['store_gbps']} GB/s, load {out[size]['load_gbps']} GB/s"
-        )
+        nb = n * BLOCKS_PER_CHUNK
+        figures = {lay: side_figures(n, nbytes, samples[lay]) for lay in layouts}
+        out[size] = {
+            "layouts": figures,
+            "block_ids": {lay: ids_digest(block_ids, lay, nb, reps + 1) for lay in layouts},
+            "raw_gbps": raw,
+            "raw_limit_candidates": candidates,
+        }
+        for lay, fig in figures.items():
+            log(
+                f"tieredkv {kind:5} {_label(size):>7} {lay}: store {fig['store_gbps']} GB/s, load {fig['load_gbps']} GB/s"
+            )
         del src, dst, blocks
     return out
 
@@ -265,37 +310,41 @@ def _medium_round(
     dst: Any,
     workdir: str,
     raw: dict[str, list[float]],
-    baseline: dict[str, str],
+    candidates: dict[str, list[str]],
 ) -> None:
     """One measurement of the medium's raw limits (the tier class's ``raw_limits``), each figure
-    appended to ``raw`` and the baseline names put in ``baseline``; ``dst`` is left zeroed."""
+    appended to ``raw`` and, per op, the figures its limit is the strongest of
+    (``RawLimits.limit``) put in ``candidates``; ``dst`` is left zeroed."""
     limits = tier_class.raw_limits(raw_cfg, src, dst, workdir=workdir)
     dst.zero_()
     if limits is not None:
-        baseline.update(limits.baseline)
+        for op in ("store", "load"):
+            if limits.limit(op):
+                candidates[op] = list(limits.limit(op))
         for name, value in limits.gbps.items():
             raw.setdefault(name, []).append(round(value, 4))
 
 
 def medium_figures(t: dict[str, Any], op: str) -> dict[str, Any] | None:
-    """The medium's raw limits for ``op`` ("store" / "load") beside one tieredkv size: the
-    baseline ``tieredkv bench`` judges the tier against and the fastest raw figure of the
-    medium in the run (medians of the reps), each named; None when none was measured.
+    """The medium's limit for ``op`` ("store" / "load") beside one tieredkv size, as ``tieredkv
+    bench`` settles it: the strongest (highest median of the reps) of the raw figures the tier
+    class names for it (``RawLimits.limit``: ``raw_limit_candidates``) measured in the run.
+    ``{"limit": name, "limit_gbps": GB/s, "candidates": {name: median GB/s, None where not
+    measured}}``; None when no candidate was measured.
 
-    Measured by the tier class's own ``raw_limits`` (py-lmdb put/get and plain file writes and
-    reads; pipelined redis-py SET/GET and ``redis-benchmark``; ``copy_``), interleaved with
-    tieredkv's rounds."""
+    Measured by the tier class's own ``raw_limits`` (host memory: a gather, a copy, a two-thread
+    non-temporal copy; disk: page-cache file I/O and py-lmdb; Redis: pipelined redis-py and
+    ``redis-benchmark``), interleaved with tieredkv's rounds."""
     raw = {k: statistics.median(v) for k, v in t.get("raw_gbps", {}).items() if v}
-    mine = {k: v for k, v in raw.items() if k.endswith(f".{op}") or "." not in k}
-    if not mine:
+    names = t.get("raw_limit_candidates", {}).get(op, [])
+    got = {k: raw[k] for k in names if k in raw}
+    if not got:
         return None
-    fastest = max(mine, key=mine.__getitem__)
-    base = t.get("raw_baseline", {}).get(op)
+    limit = max(got, key=got.__getitem__)
     return {
-        "baseline": base,
-        "baseline_gbps": round(raw[base], 4) if base in raw else None,
-        "fastest": fastest,
-        "fastest_gbps": round(mine[fastest], 4),
+        "limit": limit,
+        "limit_gbps": round(got[limit], 4),
+        "candidates": {k: round(raw[k], 4) if k in raw else None for k in names},
     }
 
 
@@ -332,10 +381,13 @@ class LMCacheSide:
         threads: int,
         batch_bytes: int,
         round_timeout: int = 0,
+        layouts: Sequence[str] = DEFAULT_LAYOUTS[:1],
+        copy: str = "blocks",
     ) -> None:
         self.py, self.backend, self.sizes, self.total, self.reps = py, backend, sizes, total, reps
         self.workdir, self.redis_url, self.threads, self.batch_bytes = workdir, redis_url, threads, batch_bytes
-        self.round_timeout = round_timeout or max(60, total // MiB // 2)
+        self.layouts, self.copy = list(layouts), copy
+        self.round_timeout = round_timeout or max(60, total // MiB // 2 * len(self.layouts))
         self.done: dict[int, Any] = {}
         self.agg: dict[str, Any] = {"backend": backend, "notes": [], "incidents": []}
         self.attempt = 0
@@ -358,6 +410,7 @@ class LMCacheSide:
             "--total-bytes", str(self.total), "--reps", str(self.reps), "--batch-bytes", str(self.batch_bytes),
             "--threads", str(self.threads), "--workdir", self.workdir, "--redis-url", self.redis_url,
             "--out", out, "--round-timeout", str(self.round_timeout), "--turns", f"{go_r},{done_w}",
+            "--layouts", ",".join(self.layouts), "--copy", self.copy,
         ]
         # fmt: on
         with open(logf, "w") as lf:
@@ -479,15 +532,39 @@ def _med(xs: list[float]) -> float:
     return round(statistics.median(xs), 4)
 
 
+def _figure(label: str, layout: str, op: str, default: str) -> str:
+    """``<label>.<op>`` for the run's default (first) layout, else ``<label>@<layout>.<op>``
+    (``tieredkv.bench.figure``)."""
+    return f"{label}.{op}" if layout == default else f"{label}@{layout}.{op}"
+
+
+def _layouts(row: dict[str, Any]) -> list[str]:
+    return list(row.get("layouts") or DEFAULT_LAYOUTS[:1])
+
+
+def _row_label(row: dict[str, Any], layout: str) -> str:
+    """``64 KiB permuted`` (``64 KiB`` when the run has one layout)."""
+    return row["label"] if len(_layouts(row)) == 1 else f"{row['label']} {layout}"
+
+
 def build_results(
-    sizes: list[int], pairs: list[tuple[str, str]], tkv: dict[str, dict[int, Any]], lmc: dict[str, dict[str, Any]]
+    sizes: list[int],
+    pairs: list[tuple[str, str]],
+    tkv: dict[str, dict[int, Any]],
+    lmc: dict[str, dict[str, Any]],
+    layouts: Sequence[str] = DEFAULT_LAYOUTS[:1],
 ) -> list[dict[str, Any]]:
-    """Per size: both sides' per-rep figures, medians and ratios keyed ``<tier>/<backend>.<op>``."""
+    """Per size: both sides' per-rep figures (``tieredkv`` / ``lmcache``: tier / backend -> its
+    result, figures per layout under ``layouts``), the medians (``median_gbps``:
+    ``tieredkv.<tier>[@<layout>].<op>``, ``lmcache.<backend>[@<layout>].<op>``), the ratios
+    tieredkv / LMCache (``ratios``: ``<tier>/<backend>[@<layout>].<op>``; no ``@`` for the run's
+    first layout) and the medium's limit (``medium``: ``<tier>.<op>`` -> :func:`medium_figures`)."""
     rows = []
     for size in sizes:
         row: dict[str, Any] = {
             "size": size,
             "label": _label(size),
+            "layouts": list(layouts),
             "tieredkv": {},
             "lmcache": {},
             "median_gbps": {},
@@ -505,73 +582,111 @@ def build_results(
                 m = medium_figures(t, op) if t else None
                 if m is not None:
                     row["medium"][f"{kind}.{op}"] = m
-                if t:
-                    row["median_gbps"][f"tieredkv.{kind}.{op}"] = _med(t[f"{op}_gbps"])
-                if lres:
-                    row["median_gbps"][f"lmcache.{backend}.{op}"] = _med(lres[f"{op}_gbps"])
-                if t and lres:
-                    row["ratios"][f"{kind}/{backend}.{op}"] = round(_med(t[f"{op}_gbps"]) / _med(lres[f"{op}_gbps"]), 2)
+                for lay in layouts:
+                    tf = (t or {}).get("layouts", {}).get(lay)
+                    lf = (lres or {}).get("layouts", {}).get(lay)
+                    if tf:
+                        row["median_gbps"]["tieredkv." + _figure(kind, lay, op, layouts[0])] = _med(tf[f"{op}_gbps"])
+                    if lf:
+                        row["median_gbps"]["lmcache." + _figure(backend, lay, op, layouts[0])] = _med(lf[f"{op}_gbps"])
+                    if tf and lf:
+                        row["ratios"][_figure(f"{kind}/{backend}", lay, op, layouts[0])] = round(
+                            _med(tf[f"{op}_gbps"]) / _med(lf[f"{op}_gbps"]), 2
+                        )
         rows.append(row)
     return rows
 
 
+def block_id_mismatches(
+    pairs: list[tuple[str, str]], tkv: dict[str, dict[int, Any]], lmc: dict[str, dict[str, Any]]
+) -> list[str]:
+    """The cells whose two sides did not use the same block ids (digests of ``block_ids``)."""
+    bad = []
+    for kind, backend in pairs:
+        for res in lmc.get(backend, {}).get("results", []):
+            mine = tkv.get(kind, {}).get(res["size"], {}).get("block_ids")
+            if mine is not None and res.get("block_ids") != mine:
+                bad.append(f"{_label(res['size'])} {kind}/{backend}")
+    return bad
+
+
 def print_table(rows: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
-    """One table per operation: tieredkv GB/s / LMCache GB/s and the ratio, then the medium's
-    fastest raw figure over LMCache's (:func:`medium_figures`). Returns the cells below target,
-    and those of them whose target is above the medium's fastest raw figure in this run."""
+    """One table per operation: tieredkv GB/s / LMCache GB/s and the ratio per size and layout,
+    then the medium's limit (the strongest raw figure of its candidates measured,
+    :func:`medium_figures`) over LMCache's. Returns the cells below target, and those of them
+    whose target is above the medium's limit in this run."""
     below, above_medium = [], []
+    width = max([7, *(len(_row_label(r, lay)) for r in rows for lay in _layouts(r))])
     for op in ("store", "load"):
         print(
             f"\n{op}: tieredkv GB/s / LMCache {LMCACHE_VERSION} GB/s  ratio  (median of reps; targets: "
             + ", ".join(f"{k} >= {v:g}x" for k, v in TARGETS.items())
             + ")"
         )
-        head = f"{'size':>7} | " + " | ".join(f"{k + ' vs ' + b:>19}" for k, b in pairs)
+        head = f"{'size':>{width}} | " + " | ".join(f"{k + ' vs ' + b:>19}" for k, b in pairs)
         print(head)
         print("-" * len(head))
         for r in rows:
-            cells = []
-            for k, b in pairs:
-                target = TARGETS[k]
-                x = r["median_gbps"].get(f"tieredkv.{k}.{op}")
-                y = r["median_gbps"].get(f"lmcache.{b}.{op}")
-                ratio = r["ratios"].get(f"{k}/{b}.{op}")
-                if x is None or y is None or ratio is None:
-                    cells.append(f"{'n/a':>19}")
-                    continue
-                m = r.get("medium", {}).get(f"{k}.{op}")
-                if ratio < target:
-                    cell = f"{r['label']} {k}/{b}.{op} {ratio:.2f}x"
-                    below.append(cell)
-                    if m is not None and m["fastest_gbps"] < target * y:
-                        above_medium.append(
-                            f"{cell}: {target:g}x LMCache is {target * y:.2f} GB/s, the medium's fastest raw"
-                            f" figure {m['fastest_gbps']:.2f} ({m['fastest']})"
-                        )
-                cells.append(f"{x:.2f}/{y:.2f} {ratio:5.2f}x{' ' if ratio >= target else '!'}".rjust(19))
-            print(f"{r['label']:>7} | " + " | ".join(cells))
-        print("the medium in the same run: its fastest raw GB/s / LMCache GB/s  ratio  ('^': below the pair's target)")
+            lays = _layouts(r)
+            for lay in lays:
+                cells = []
+                for k, b in pairs:
+                    target = TARGETS[k]
+                    x = r["median_gbps"].get("tieredkv." + _figure(k, lay, op, lays[0]))
+                    y = r["median_gbps"].get("lmcache." + _figure(b, lay, op, lays[0]))
+                    name = _figure(f"{k}/{b}", lay, op, lays[0])
+                    ratio = r["ratios"].get(name)
+                    if x is None or y is None or ratio is None:
+                        cells.append(f"{'n/a':>19}")
+                        continue
+                    m = r.get("medium", {}).get(f"{k}.{op}")
+                    if ratio < target:
+                        cell = f"{r['label']} {name} {ratio:.2f}x"
+                        below.append(cell)
+                        if m is not None and m["limit_gbps"] < target * y:
+                            above_medium.append(
+                                f"{cell}: {target:g}x LMCache is {target * y:.2f} GB/s, the medium's limit"
+                                f" {m['limit_gbps']:.2f} ({m['limit']})"
+                            )
+                    cells.append(f"{x:.2f}/{y:.2f} {ratio:5.2f}x{' ' if ratio >= target else '!'}".rjust(19))
+                print(f"{_row_label(r, lay):>{width}} | " + " | ".join(cells))
+        print(
+            "the medium's limit in the same run (the strongest of its raw figures): GB/s / LMCache GB/s  ratio"
+            "  ('^': below the pair's target)"
+        )
         for r in rows:
-            cells = []
-            for k, b in pairs:
-                target = TARGETS[k]
-                m = r.get("medium", {}).get(f"{k}.{op}")
-                y = r["median_gbps"].get(f"lmcache.{b}.{op}")
-                if m is None or not y:
-                    cells.append(f"{'n/a':>19}")
-                    continue
-                q = m["fastest_gbps"] / y
-                cells.append(f"{m['fastest_gbps']:.2f}/{y:.2f} {q:5.2f}x{' ' if q >= target else '^'}".rjust(19))
-            print(f"{r['label']:>7} | " + " | ".join(cells))
+            lays = _layouts(r)
+            for lay in lays:
+                cells = []
+                for k, b in pairs:
+                    target = TARGETS[k]
+                    m = r.get("medium", {}).get(f"{k}.{op}")
+                    y = r["median_gbps"].get("lmcache." + _figure(b, lay, op, lays[0]))
+                    if m is None or not y:
+                        cells.append(f"{'n/a':>19}")
+                        continue
+                    q = m["limit_gbps"] / y
+                    cells.append(f"{m['limit_gbps']:.2f}/{y:.2f} {q:5.2f}x{' ' if q >= target else '^'}".rjust(19))
+                print(f"{_row_label(r, lay):>{width}} | " + " | ".join(cells))
+        kinds = list(dict.fromkeys(k for k, _ in pairs))
+        for k in kinds:
+            got = [(r["label"], r["medium"][f"{k}.{op}"]) for r in rows if f"{k}.{op}" in r.get("medium", {})]
+            if got:
+                names = ", ".join(got[0][1]["candidates"])
+                print(
+                    f"  {k}.{op} limit, the strongest of ({names}): "
+                    + ", ".join(f"{lab} {m['limit']}" for lab, m in got)
+                )
     print(
         "\nLMCache backends: "
         + "; ".join(f"{b} = {LMCACHE_BACKENDS[b]}" for b in dict.fromkeys(b for _, b in pairs))
-        + ". '!' marks a ratio below the pair's target. The medium's raw figures (the tier's own"
-        " raw_limits, as tieredkv bench measures them: py-lmdb and plain file I/O; pipelined"
-        " redis-py and redis-benchmark; copy_) were measured beside each tieredkv round."
+        + ". '!' marks a ratio below the pair's target. Both sides move the chunks from and into the"
+        " same block ids of a paged KV cache (per layout; LMCache through engine.store/retrieve's"
+        " kvcaches and slot_mapping). The medium's raw figures (the tier's own raw_limits, as tieredkv"
+        " bench measures them) were measured beside each tieredkv round."
     )
     if above_medium:
-        print("below target, with the target above every raw figure of the medium in the run:")
+        print("below target, with the target above the medium's limit in the run:")
         for line in above_medium:
             print(f"  {line}")
     return below, above_medium
@@ -621,6 +736,19 @@ def main(argv: list[str] | None = None) -> int:
         default=16,
         help="bytes per tieredkv job / LMCache store()/retrieve() call (tieredkv.bench uses 16)",
     )
+    ap.add_argument(
+        "--layouts",
+        default=",".join(DEFAULT_LAYOUTS),
+        help="block-id layouts of the paged KV cache, both sides, the first the default figure: permuted"
+        " (a churned pool), fragmented (short runs), consecutive (a fresh pool, the best case)",
+    )
+    ap.add_argument(
+        "--lmcache-copy",
+        default="blocks",
+        choices=("blocks", "lmcache"),
+        help="how LMCache's stand-in connector moves a chunk: blocks (index_select / numpy, in LMCache's"
+        " favour) or lmcache (LMCache's own CPU fallback, device_ops.multi_layer_kv_transfer)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on both sides")
     ap.add_argument("--workdir", help="directory for the LMDB and LMCache disk files (default: a temp dir)")
     ap.add_argument("--venv", default=str(ROOT / ".venv-lmcache"), help="the LMCache virtualenv")
@@ -629,8 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         "--lmcache-round-timeout",
         type=int,
         default=0,
-        help="seconds one LMCache round (store + retrieve of --total-mib) may take before its child is"
-        " ended and its unfinished sizes run again (default: max(60, total MiB / 2))",
+        help="seconds one LMCache round (store + retrieve of --total-mib per layout) may take before its"
+        " child is ended and its unfinished sizes run again (default: max(60, total MiB / 2 per layout))",
     )
     a = ap.parse_args(argv)
     sizes, total, reps = run_plan(a)
@@ -642,6 +770,11 @@ def main(argv: list[str] | None = None) -> int:
     if not rclients or any(c not in PAIRS["redis"] for c in rclients):
         ap.error(f"--lmcache-redis: choose from {list(PAIRS['redis'])}")
     pairs = [(k, b) for k in kinds for b in (rclients if k == "redis" else PAIRS[k])]
+    from tieredkv.bench import BLOCKS_PER_CHUNK, LAYOUTS
+
+    layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
+    if not layouts or any(x not in LAYOUTS for x in layouts) or len(set(layouts)) < len(layouts):
+        ap.error(f"--layouts: distinct names from {list(LAYOUTS)}")
     batch_bytes = a.batch_mib * MiB
     if batch_bytes != 16 * MiB:
         import tieredkv.bench as tb
@@ -678,13 +811,24 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:  # tieredkv's rounds interleaved with LMCache's, pair by pair
                 sides = [
                     LMCacheSide(
-                        py, b, sizes, total, reps, work, srv.url, a.threads, batch_bytes, a.lmcache_round_timeout
+                        py,
+                        b,
+                        sizes,
+                        total,
+                        reps,
+                        work,
+                        srv.url,
+                        a.threads,
+                        batch_bytes,
+                        a.lmcache_round_timeout,
+                        layouts=layouts,
+                        copy=a.lmcache_copy,
                     )
                     for k, b in pairs
                     if k == kind
                 ]
                 try:
-                    tkv[kind] = run_tieredkv(kind, sizes, total, reps, work, srv.url, lmcache=sides)
+                    tkv[kind] = run_tieredkv(kind, sizes, total, reps, work, srv.url, lmcache=sides, layouts=layouts)
                 except Exception as e:  # noqa: BLE001 - report it, keep measuring the other pairs
                     errors[f"tieredkv.{kind}"] = f"{type(e).__name__}: {e}"
                     log(f"tieredkv {kind} FAILED: {errors[f'tieredkv.{kind}']}")
@@ -697,7 +841,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     wall = round(time.perf_counter() - t_start, 1)
 
-    rows = build_results(sizes, pairs, tkv, lmc)
+    rows = build_results(sizes, pairs, tkv, lmc, layouts)
+    mismatched = block_id_mismatches(pairs, tkv, lmc)
+    if mismatched:  # (the child's copy of tieredkv.bench.block_ids, or its numpy, drew others)
+        errors["block_ids"] = "LMCache's child used other block ids than tieredkv in: " + ", ".join(mismatched)
     below, above_medium = print_table(rows, pairs)
     for b, r in lmc.items():
         for inc in r.get("incidents", []):
@@ -723,6 +870,9 @@ def main(argv: list[str] | None = None) -> int:
             "reps": reps,
             "batch_bytes": batch_bytes,
             "torch_threads": a.threads,
+            "layouts": layouts,
+            "blocks_per_chunk": BLOCKS_PER_CHUNK,
+            "lmcache_copy": a.lmcache_copy,
             "quick": a.quick,
             "warmup_rounds": 1,
             "pairs": [{"tieredkv": k, "lmcache": b, "lmcache_backend": LMCACHE_BACKENDS[b]} for k, b in pairs],

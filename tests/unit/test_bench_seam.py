@@ -328,7 +328,10 @@ def test_peers_bench_tieredkv_side_runs_every_kind(
         "cpu": (["gather", "copy", "copy_2t_nt"], ["gather", "copy", "copy_2t_nt"]),
         "lmdb": (["file_pagecache.store", "lmdb_raw.store"], ["file.load", "lmdb_raw.load"]),
         "fs": (["pwrite.store", "file_pagecache.store"], ["pread.load", "file.load"]),
-        "redis": (["redis_py.store", "redis_benchmark.store"], ["redis_py.load", "redis_benchmark.load"]),
+        "redis": (
+            ["redis_py.store", "redis_benchmark.store", "redis_benchmark_pipelined.store"],
+            ["redis_py.load", "redis_benchmark.load", "redis_benchmark_pipelined.load"],
+        ),
     }
     for kind, (store, load) in candidates.items():
         calls.clear()

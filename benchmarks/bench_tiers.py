@@ -33,7 +33,7 @@ from tieredkv.bench import (
     run_tier_bench,
     size_label,
     steady_malloc,
-    tier_figures,
+    tier_tables,
 )
 from tieredkv.config import TierConfigBase
 from tieredkv.testing.servers import RedisServer
@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(ap, total_mib=256, per="figure and rep", reps=3, quick_sizes=[64 * KiB, 1 * MiB], quick_mib=16)
+    add_run_args(ap, total_mib=256, per="figure and rep", reps=5, quick_sizes=[64 * KiB, 1 * MiB], quick_mib=16)
     ap.add_argument(
         "--tiers",
         default="cpu,lmdb,lmdb:sync_mode=durable,fs,redis",
@@ -100,11 +100,11 @@ def tier_config(spec: str, url: str) -> TierConfigBase:
 
 
 def print_table(results: list[BenchResult]) -> None:
-    keys = tier_figures(results)
-    _print_rows("tieredkv GB/s / raw GB/s (ratio)", keys, ratio_rows(results, keys), rule=True)
+    for title, cols, rows in tier_tables(results):
+        _print_rows(title, cols, [[label, *cells] for label, *cells in rows], rule=True)
     for line in judged_lines(results):
         print(line)
-    floored = floored_figures(results)
+    floored = floored_figures(results, layouts=False)
     if floored:
         title = "tieredkv GB/s / integrity floor GB/s (ratio): the medium's raw work plus a checksum of every payload"
         _print_rows(title, floored, ratio_rows(results, floored, floors=True))

@@ -503,10 +503,39 @@ def raw_rows(results: Sequence[BenchResult], figures: Sequence[str]) -> list[lis
     return rows
 
 
+def tier_tables(results: Sequence[BenchResult]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Per tier, a table to print: (title, column names, rows). A row per size, its label then,
+    per layout, the store and load :func:`cell` (tier GB/s / limit GB/s (ratio)); the title names
+    the figures its limit is the strongest of, and which one that was at each size."""
+    lays = list(dict.fromkeys(lay for r in results for lay in r.layouts)) or [LAYOUTS[0]]
+    first = lays[0]
+    out = []
+    for label in dict.fromkeys(label for r in results for label in r.tiers):
+        cols = [f"{op} {lay}" for lay in lays for op in OPS]
+        rows = [
+            [size_label(r.size), *(cell(r, figure(label, lay, op, first)) for lay in lays for op in OPS)]
+            for r in results
+        ]
+        cands = list(dict.fromkeys(c for r in results for op in OPS for c in r.candidates.get(f"{label}.{op}", [])))
+        picked = [
+            f"{size_label(r.size)} {op} {r.baselines[f'{label}.{op}']}"
+            for r in results
+            for op in OPS
+            if f"{label}.{op}" in r.baselines
+        ]
+        title = f"{label}: tieredkv GB/s / limit GB/s (ratio)"
+        if cands:
+            title += f"; limit: the strongest of {', '.join(cands)} ({'; '.join(picked)})"
+        out.append((title, cols, rows))
+    return out
+
+
 def judged_lines(results: Sequence[BenchResult]) -> list[str]:
-    """Which raw figure each tier figure is judged against, and which is its integrity floor."""
-    base = {k: v for r in results for k, v in r.baselines.items()}
-    floor = {k: v for r in results for k, v in r.floors.items()}
+    """Which raw figure each tier figure of the default layout is judged against (its limit,
+    the same for every layout), and which is its integrity floor."""
+    plain = set(tier_figures(results, layouts=False))
+    base = {k: v for r in results for k, v in r.baselines.items() if k in plain}
+    floor = {k: v for r in results for k, v in r.floors.items() if k in plain}
     return [
         "baselines: " + (", ".join(f"{k} vs {v}" for k, v in base.items()) or "none declared"),
         *(["floors: " + ", ".join(f"{k} vs {v}" for k, v in floor.items())] if floor else []),
@@ -547,9 +576,9 @@ def ratio_rows(results: Sequence[BenchResult], figures: Sequence[str], *, floors
     return [[size_label(r.size), *(cell(r, k, r.floors if floors else None) for k in figures)] for r in results]
 
 
-def floored_figures(results: Sequence[BenchResult]) -> list[str]:
+def floored_figures(results: Sequence[BenchResult], *, layouts: bool = True) -> list[str]:
     """The :func:`tier_figures` that have an integrity floor (:attr:`BenchResult.floors`)."""
-    return [k for k in tier_figures(results) if any(k in r.floors for r in results)]
+    return [k for k in tier_figures(results, layouts=layouts) if any(k in r.floors for r in results)]
 
 
 def cell(res: BenchResult, key: str, against: dict[str, str] | None = None) -> str:
@@ -620,7 +649,7 @@ def plot(results: list[BenchResult], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     for ax, op in zip(axes, OPS):
-        keys = [k for k in tier_figures(results) if k.endswith(f".{op}")]
+        keys = [k for k in tier_figures(results, layouts=False) if k.endswith(f".{op}")]
         width = 0.8 / (2 * max(1, len(keys)))
         floor_label: str | None = "integrity floor"
         for j, key in enumerate(keys):

@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         tier: list[str] | None = _BenchTierOpt,
         sizes: str = typer.Option("64,256,1024,4096", help="Chunk sizes in KiB, comma-separated."),
         total_mib: int = typer.Option(256, min=1, help="MiB moved per size and figure."),
-        reps: int = typer.Option(3, min=1, help="Repetitions; each figure is their median."),
+        reps: int = typer.Option(5, min=1, help="Repetitions, interleaved with the raw runs; each figure is their median."),
         layouts: str = typer.Option(
             "permuted,fragmented,consecutive",
             help="Block-id layouts, comma-separated, the first the default figure: permuted (a churned"
@@ -303,11 +303,11 @@ def _bench(
     if as_json:
         render.emit_json({"results": rows, "json": str(path), "png": str(png) if png else None})
         return
-    keys = b.tier_figures(results)
-    render.table("tier GB/s vs raw GB/s (ratio)", ("size", *keys), b.ratio_rows(results, keys), right=("size", *keys))
+    for title, cols, table in b.tier_tables(results):
+        render.table(title, ("size", *cols), table, right=("size", *cols))
     for line in b.judged_lines(results):
         render.say(line)
-    floored = b.floored_figures(results)
+    floored = b.floored_figures(results, layouts=False)
     if floored:
         render.table(
             "tier GB/s vs integrity floor GB/s (ratio): the raw work plus a checksum of every payload",

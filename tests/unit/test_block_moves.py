@@ -610,3 +610,38 @@ def test_move_pieces_on_shared_memory_moves_item_by_item(move_pieces: Callable[.
     doff, soff = np.array([4, 8], np.int64), np.array([0, 4], np.int64)
     assert move_pieces(base, doff, base, soff, 4) == 8
     assert base[4:8].tolist() == [0, 1, 2, 3] and base[8:12].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_pipeline_moves_scattered_blocks_on_its_configured_threads(threads: int) -> None:
+    """``pipeline.copy_threads`` reaches the store's copier, and a job of chunks at scattered
+    block ids (a churned pool's) goes into the CPU tier and back into other scattered blocks
+    byte-exact (1 MiB and more per thread, so the C helper splits it)."""
+    from tieredkv.config import NamespaceConfig, PipelineConfig, TieredKVConfig
+    from tieredkv.keys import Namespace
+    from tieredkv.store import TieredStore
+
+    bpc, n, bb = 4, 48, 32 << 10  # 48 chunks of 4 blocks of 32 KiB: 6 MiB a job
+    g = torch.Generator().manual_seed(21)
+    kv = torch.zeros(1 + 2 * n * bpc, bb, dtype=torch.uint8)
+    order = torch.randperm(2 * n * bpc, generator=g) + 1
+    src_ids, dst_ids = order[: n * bpc].tolist(), order[n * bpc :].tolist()
+    kv[torch.tensor(src_ids)] = torch.randint(0, 256, (n * bpc, bb), dtype=torch.uint8, generator=g)
+    cfg = TieredKVConfig(
+        namespace=NamespaceConfig(model="moves"),
+        pipeline=PipelineConfig(copy_threads=threads, max_batch_items=n),
+        tiers=[{"kind": "cpu", "capacity_bytes": "64MiB"}],
+    )
+    ns = Namespace(model="moves")
+    keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
+    store = TieredStore(cfg, namespace=ns)
+    assert store.pipeline.copier.threads == threads
+    with store.start():
+        store.register_group(0, [kv], blocks_per_chunk=bpc)
+        for ids, submit in ((src_ids, store.store), (dst_ids, store.load)):
+            job = submit(0, [(keys[i], ids[i * bpc : (i + 1) * bpc]) for i in range(n)])
+            assert job is not None
+            (res,) = store.wait([job]).values()
+            assert res.ok, res.error
+    assert torch.equal(kv[torch.tensor(dst_ids)], kv[torch.tensor(src_ids)])
+    assert int(kv[0].sum()) == 0 and kv[torch.tensor(dst_ids)].any()

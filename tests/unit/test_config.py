@@ -310,3 +310,13 @@ def test_with_local_dir_and_with_capacity_know_the_fields_so_callers_do_not(tmp_
     huge = lmdb.with_capacity(40 << 30)
     assert huge.size_cap_bytes == 40 << 30 and huge.map_size_bytes == (80 << 30) + (32 << 20)
     assert huge.max_map_size_bytes == 2 * huge.map_size_bytes
+
+
+def test_copy_threads_names_field_value_and_range() -> None:
+    """``pipeline.copy_threads`` (host block copies split over threads) takes 1 to 8."""
+    assert load_config({}, env={}).pipeline.copy_threads == 2
+    assert load_config({"pipeline": {"copy_threads": 1}}, env={}).pipeline.copy_threads == 1
+    for bad, says in ((0, "greater than or equal to 1"), (9, "less than or equal to 8")):
+        with pytest.raises(ConfigError) as ei:
+            load_config({"pipeline": {"copy_threads": bad}}, env={})
+        assert f"pipeline.copy_threads: got {bad}" in str(ei.value) and says in str(ei.value)

@@ -116,6 +116,35 @@ def test_history_names_every_kept_results_file() -> None:
     assert not absent, f"benchmarks/results/HISTORY.md has no row for {absent}"
 
 
+_RUN = re.compile(r"(?P<bench>[a-z][a-z-]*?)-(?P<stamp>\d{8}(?:T\d{4,6}Z)?|10min)(?:-[a-z]+)?\.(?:json|md|png)")
+
+
+def test_results_keep_the_latest_run_of_each_bench_only() -> None:
+    """One run per bench in benchmarks/results/ (its files share one date), its HISTORY.md row
+    marked kept; every other row of that bench removed."""
+    history = (RESULTS / "HISTORY.md").read_text(encoding="utf-8").splitlines()
+    runs: dict[str, set[str]] = {}
+    for p in RESULTS.iterdir():
+        m = _RUN.fullmatch(p.name)
+        if p.name == "HISTORY.md" or p.name.endswith(".tmp"):
+            continue
+        assert m is not None, f"{p.name}: not a <bench>-<date>.<ext> results file"
+        runs.setdefault(m["bench"], set()).add(m["stamp"])
+    assert {"tiers", "peers"} <= set(runs)
+    several = {bench: sorted(stamps) for bench, stamps in runs.items() if len(stamps) > 1}
+    assert not several, f"more than one run kept per bench: {several}"
+    for p in RESULTS.iterdir():
+        rows = [line for line in history if line.startswith("|") and f"`{p.name}`" in line]
+        if p.name != "HISTORY.md":
+            assert rows and all("**kept**" in row for row in rows), f"{p.name}: its HISTORY.md row is not marked kept"
+    kept_rows = [line for line in history if line.startswith("|") and "**kept**" in line]
+    for row in kept_rows:
+        named = re.findall(r"`([^`]+\.(?:json|md|png))`", row)
+        assert named and all((RESULTS / n).exists() for n in named), (
+            f"a row marked kept names a removed file: {row[:120]}"
+        )
+
+
 def test_readme_vllm_commands_are_the_tested_ones() -> None:
     """The vLLM tests run docs/vllm.md's ``--kv-transfer-config`` JSONs; the README shows one of them."""
     pattern = re.compile(r"--kv-transfer-config '([^']+)'")

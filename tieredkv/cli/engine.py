@@ -90,7 +90,9 @@ def register(app: typer.Typer) -> None:
         tier: list[str] | None = _BenchTierOpt,
         sizes: str = typer.Option("64,256,1024,4096", help="Chunk sizes in KiB, comma-separated."),
         total_mib: int = typer.Option(256, min=1, help="MiB moved per size and figure."),
-        reps: int = typer.Option(5, min=1, help="Repetitions, interleaved with the raw runs; each figure is their median."),
+        reps: int = typer.Option(
+            5, min=1, help="Repetitions, interleaved with the raw runs; each figure is their median."
+        ),
         layouts: str = typer.Option(
             "permuted,fragmented,consecutive",
             help="Block-id layouts, comma-separated, the first the default figure: permuted (a churned"

@@ -61,7 +61,14 @@ Backends (one engine per chunk size, ``chunk_size`` = 256 tokens, KV dtype uint8
 
 * ``cpu``: ``local_cpu: true`` (LocalCPUBackend hot cache), nothing else.
 * ``disk``: ``local_cpu: false`` (the CPU pool is then only LMCache's staging allocator, so a
-  retrieve really reads the files), ``local_disk: <dir>``, ``max_local_disk_size``.
+  retrieve really reads the files), ``local_disk: <dir>``, ``max_local_disk_size`` of every byte
+  the engine stores in its life (``(reps + 1) * layouts * total`` + 64 MiB), though one layout's
+  chunks at most are on disk at once: LocalDiskBackend (0.5.6) adds each put to
+  ``current_cache_size`` in ``submit_put_task`` and lowers it only when it evicts there, while
+  ``remove()`` (what ``engine.clear()`` calls) lowers ``usage`` alone. With a cap of one round
+  (as before the two layouts), every put past it silently evicted the oldest chunk on disk, one of
+  the layout being stored, and the retrieve found a fraction of the tokens. After each store the
+  child checks that all ``n`` chunks are on disk (``len(LocalDiskBackend.dict)``, untimed).
 * ``redis``: ``local_cpu: false``, ``remote_url: redis://127.0.0.1:PORT`` (RemoteBackend with
   LMCache's ``RedisConnector``, redis-py asyncio), ``remote_serde: naive``.
 * ``resp``: the same with ``remote_url: resp://127.0.0.1:PORT`` (RemoteBackend with LMCache's
@@ -299,8 +306,18 @@ class _PutCounter:
 
 
 def _engine(
-    backend: str, size: int, n: int, reps: int, workdir: str, redis_url: str | None, tag: str, copy: str
+    backend: str,
+    size: int,
+    n: int,
+    reps: int,
+    workdir: str,
+    redis_url: str | None,
+    tag: str,
+    copy: str,
+    layouts: int = 1,
 ) -> Any:
+    """One engine for chunks of ``size`` bytes that will store ``n`` chunks per layout, ``layouts``
+    layouts per round, ``reps + 1`` rounds (warm-up included)."""
     from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -321,7 +338,13 @@ def _engine(
     if backend == "disk":
         d = os.path.join(workdir, tag)
         os.makedirs(d, exist_ok=True)
-        cfg.update(local_cpu=False, local_disk=d, max_local_disk_size=((reps + 1) * total + 64 * MiB) / GiB)
+        # Every byte the engine will ever store, not just what is on disk at once (one layout:
+        # each is cleared after its retrieve): LMCache 0.5.6's LocalDiskBackend counts a put into
+        # ``current_cache_size`` (submit_put_task) but ``remove()`` (what ``clear()`` calls) never
+        # takes it back; only its own eviction does. With a cap of one round, the puts after the
+        # first round silently evicted the chunks just written (see the module docstring).
+        lifetime = (reps + 1) * layouts * total
+        cfg.update(local_cpu=False, local_disk=d, max_local_disk_size=(lifetime + 64 * MiB) / GiB)
     elif backend in ("redis", "resp"):
         if not redis_url:
             raise SystemExit(f"--redis-url is required for --backend {backend}")
@@ -404,7 +427,7 @@ def run_size(
     tag = f"peers-{backend}-{size}-{os.getpid()}"
     turns.take(dog)
     dog.arm(f"LMCache {backend} {size} B set-up")
-    eng, hidden = _engine(backend, size, n, reps, workdir, redis_url, tag, copy)
+    eng, hidden = _engine(backend, size, n, reps, workdir, redis_url, tag, copy, layouts=len(layouts))
     try:
         be = _backend_obj(eng, backend)
         name = BACKEND_CLASS[backend]
@@ -459,6 +482,12 @@ def run_size(
                 if counter.failed:
                     raise RuntimeError(f"{counter.failed} LMCache redis puts failed")
             ts = time.perf_counter() - t0
+            if backend == "disk" and len(be.dict) != n:  # untimed; its in-flight list is empty
+                raise RuntimeError(
+                    f"LMCache disk: {len(be.dict)} of {n} chunks on disk after the store (puts skipped or"
+                    f" evicted: current_cache_size {be.current_cache_size / MiB:.0f} MiB of"
+                    f" max_local_disk_size {be.max_cache_size / MiB:.0f} MiB)"
+                )
             got = 0
             t0 = time.perf_counter()
             for (b, e), t in zip(batches, toks):

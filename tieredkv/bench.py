@@ -207,7 +207,7 @@ def pipeline_store_load(
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
     with store.start():
         store.register_group(0, [blocks], blocks_per_chunk=bpc)
-        store.pipeline.staging.prefault()  # an engine's pool is faulted in once, not per run
+        store.prefault_staging()  # an engine's pool is faulted in once, not per run
 
         def run(submit: Callable[[list[tuple[bytes, Sequence[int]]]], int | None], ids: list[int]) -> float:
             chunked = [tuple(ids[i * bpc : (i + 1) * bpc]) for i in range(n)]  # as the scheduler holds them

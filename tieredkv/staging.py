@@ -141,7 +141,9 @@ class StagingPool:
         a pool that has moved its capacity once, as an engine's has after its first minutes.
         For benches, whose fresh stores would otherwise time first-touch faults (several
         hundred MiB here, at the speed the VM backs pages) that a running engine never pays."""
-        with self._lock:
+        with self._lock:  # no buffer can be handed out meanwhile
+            if self.in_use:
+                raise RuntimeError(f"staging prefault with {self.in_use} bytes in use: call it before any job")
             if not self.pinned and self.capacity:
                 self._slab.zero_()
 

@@ -645,3 +645,21 @@ def test_the_pipeline_moves_scattered_blocks_on_its_configured_threads(threads: 
             assert res.ok, res.error
     assert torch.equal(kv[torch.tensor(dst_ids)], kv[torch.tensor(src_ids)])
     assert int(kv[0].sum()) == 0 and kv[torch.tensor(dst_ids)].any()
+
+
+def test_staging_prefault_touches_the_pool_only_while_nothing_is_in_use() -> None:
+    """``prefault`` (for benches) faults the whole slab in; with a buffer handed out it refuses
+    rather than write over bytes a job is moving."""
+    from tieredkv.staging import StagingPool
+
+    pool = StagingPool(1 << 20, pin=False)
+    pool.prefault()
+    buf = pool.try_acquire(4096)
+    assert buf is not None
+    buf.tensor.fill_(7)
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.prefault()
+    assert int(buf.tensor.sum()) == 7 * 4096  # untouched
+    pool.release(buf)
+    pool.prefault()
+    assert pool.free_bytes == pool.capacity

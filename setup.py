@@ -26,7 +26,8 @@ tieredkv works without it (tieredkv.format's pure-Python path writes and accepts
 records), but without it:
   - the LMDB tier's reads cost about 1.2-1.8x the CPU per byte and run about 1.2-1.4x slower
     through the pipeline (checked copies, record files), with more of it under the GIL;
-  - the CPU tier's stores and loads run about 1.2x slower (plain host copies);
+  - host block moves (the CPU tier, staging) copy a chunk's blocks one NumPy call at a time:
+    scattered 64 KiB chunks of 4 blocks stored and loaded about 2.2-2.4x slower;
   - the LMDB tier's puts of 64 KiB chunks run up to about 1.25x slower (headers hashed with
     the GIL held).
 To build it: a C compiler (gcc or clang) and Python's headers (Debian: build-essential and

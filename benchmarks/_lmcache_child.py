@@ -21,10 +21,12 @@ warm-up being 0, draws its block ids from seed ``k`` on both sides): vLLM's per-
 ``[2, num_blocks, block_size, num_heads, head_size]`` (K and V planes; one layer, one head),
 block 0 the null block, blocks of 64 tokens, ``chunk_bytes / 4`` with K and V, four to an
 LMCache chunk of 256 tokens, as tieredkv's ``bench_blocks`` has four blocks of
-``chunk_bytes / 4`` to a chunk. Chunk ``i`` is stored from the blocks ``tieredkv.bench.block_ids(layout, N, 1, rng)``
-hands out among ``1 .. N`` and retrieved into those drawn next among ``N+1 .. 2N``
-(:func:`block_ids` is a copy of it; this process never imports tieredkv, and each result carries
-``block_ids``, a digest of the ids it used, which ``bench_peers.py`` checks against tieredkv's).
+``chunk_bytes / 4`` to a chunk. Chunk ``i`` is stored from the blocks
+``tieredkv.layouts.round_ids`` draws among ``1 .. N`` and retrieved into those it draws next
+among ``N+1 .. 2N`` (this process runs where tieredkv is not installed: it loads
+``tieredkv/layouts.py``, NumPy only, by its path; each result carries ``block_ids``, a digest of
+the ids it used, which ``bench_peers.py`` checks against tieredkv's, as the two virtualenvs'
+NumPy versions differ).
 ``slot_mapping`` is per token (``block * block_size + offset``), as vLLM's adapter builds it.
 
 What LMCache 0.5.6 offers for a paged KV cache on CPU, and why the connector is a stand-in:
@@ -126,12 +128,26 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 import numpy as np
 import torch
 
+
+def _load_layouts() -> Any:
+    """``tieredkv/layouts.py`` loaded by its path (NumPy only): this process runs in LMCache's
+    virtualenv, where tieredkv is not installed, and draws its block ids from the same code."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tieredkv" / "layouts.py"
+    spec = importlib.util.spec_from_file_location("tieredkv_layouts", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+layouts_module = _load_layouts()
+LAYOUTS, BLOCKS_PER_CHUNK = layouts_module.LAYOUTS, layouts_module.BLOCKS_PER_CHUNK
+round_ids, ids_digest = layouts_module.round_ids, layouts_module.ids_digest
 TOKENS_PER_CHUNK = 256
-#: Blocks per LMCache chunk, as ``tieredkv.bench.BLOCKS_PER_CHUNK`` per tieredkv chunk.
-BLOCKS_PER_CHUNK = 4
 BLOCK_TOKENS = TOKENS_PER_CHUNK // BLOCKS_PER_CHUNK
-#: ``tieredkv.bench.LAYOUTS`` (the first is the default).
-LAYOUTS = ("permuted", "fragmented", "consecutive")
 #: How the connector moves a chunk between the paged KV cache and a MemoryObj (``--copy``).
 COPIES = ("blocks", "lmcache")
 BACKEND_CLASS = {
@@ -156,42 +172,6 @@ def side_figures(n: int, nbytes: int, samples: list[tuple[float, float]]) -> dic
         "store_gbps": [round(nbytes / s / 1e9, 4) for s, _ in samples],
         "load_gbps": [round(nbytes / lo / 1e9, 4) for _, lo in samples],
     }
-
-
-def block_ids(layout: str, count: int, first: int, rng: Any) -> list[int]:
-    """A copy of ``tieredkv.bench.block_ids`` (this process never imports tieredkv): ``count``
-    distinct block ids from ``first .. first+count-1`` in the order a pool with ``layout`` hands
-    them out; ``rng`` a ``numpy.random.Generator``. ``tests/unit/test_bench_seam.py`` checks that
-    the two agree, and ``bench_peers.py`` the digests of the ids each side used (:func:`ids_digest`)."""
-    if layout == "consecutive":
-        return list(range(first, first + count))
-    if layout == "permuted":
-        return (rng.permutation(count) + first).tolist()  # type: ignore[no-any-return]
-    if layout == "fragmented":
-        cuts = np.cumsum(rng.integers(1, 9, size=count))  # runs of 1-8 blocks
-        starts = np.concatenate([[0], cuts[cuts < count]])
-        ends = np.append(starts[1:], count)
-        order = rng.permutation(len(starts))
-        return [first + i for k in order for i in range(int(starts[k]), int(ends[k]))]
-    raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-
-
-def round_ids(draw: Any, layout: str, nb: int, seed: int) -> tuple[list[int], list[int]]:
-    """(store ids, load ids) of one round, drawn as ``tieredkv.bench.pipeline_store_load`` draws
-    them: ``nb`` blocks among ``1 .. nb``, then ``nb`` among ``nb+1 .. 2nb``, from one generator
-    seeded with ``seed``; ``draw`` is :func:`block_ids` or tieredkv's."""
-    rng = np.random.default_rng(seed)
-    store = draw(layout, nb, 1, rng)
-    return store, draw(layout, nb, 1 + nb, rng)
-
-
-def ids_digest(draw: Any, layout: str, nb: int, rounds: int) -> str:
-    """sha1 of the block ids of rounds ``0 .. rounds-1`` (:func:`round_ids`), both sides alike."""
-    h = hashlib.sha1(usedforsecurity=False)
-    for k in range(rounds):
-        for ids in round_ids(draw, layout, nb, k):
-            h.update(np.asarray(ids, dtype=np.int64).tobytes())
-    return h.hexdigest()
 
 
 def _connector_class() -> type:
@@ -452,7 +432,7 @@ def run_size(
 
         def one_layout(k: int, layout: str) -> tuple[float, float]:
             nonlocal tok_lo
-            store_ids, load_ids = round_ids(block_ids, layout, nb, k)
+            store_ids, load_ids = round_ids(layout, nb, k)
             for ids in (store_ids, load_ids):
                 used[layout].update(np.asarray(ids, dtype=np.int64).tobytes())
             # vLLM's slot mapping: one slot per token, block * block_size + offset

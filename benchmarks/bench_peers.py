@@ -35,7 +35,7 @@ What it does:
 
    Block layouts (``--layouts``, ``tieredkv.bench.LAYOUTS``; default ``permuted,consecutive``):
    every round stores and loads each size once per layout, on both sides, from and into the
-   same block ids (``tieredkv.bench.block_ids``; round ``r``, the warm-up being 0, draws them
+   same block ids (``tieredkv.layouts.round_ids``; round ``r``, the warm-up being 0, draws them
    from seed ``r``; each side reports a digest of the ids it used, and a difference is an
    error). ``permuted``, a churned engine pool (vLLM's free queue hands blocks out in the order
    they were freed), is the default figure; ``consecutive``, a fresh pool, the named best case;
@@ -90,7 +90,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from _lmcache_child import ids_digest, side_figures  # benchmarks/ is on sys.path: both run as scripts from there
+from _lmcache_child import side_figures  # benchmarks/ is on sys.path: both run as scripts from there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -235,13 +235,13 @@ def run_tieredkv(
         BLOCKS_PER_CHUNK,
         bench_blocks,
         bench_config,
-        block_ids,
         frozen_heap,
         make_tier,
         pipeline_store_load,
     )
     from tieredkv.config import CPUTierConfig, FSTierConfig, LMDBTierConfig, RedisTierConfig
     from tieredkv.keys import Namespace
+    from tieredkv.layouts import ids_digest
 
     # The user-facing defaults of each kind; make_tier gives the bench copy its own directory
     # under ``workdir`` and room for the run (tieredkv.bench.bench_config).
@@ -291,7 +291,7 @@ def run_tieredkv(
         figures = {lay: side_figures(n, nbytes, samples[lay]) for lay in layouts}
         out[size] = {
             "layouts": figures,
-            "block_ids": {lay: ids_digest(block_ids, lay, nb, reps + 1) for lay in layouts},
+            "block_ids": {lay: ids_digest(lay, nb, reps + 1) for lay in layouts},
             "raw_gbps": raw,
             "raw_limit_candidates": candidates,
         }
@@ -843,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = build_results(sizes, pairs, tkv, lmc, layouts)
     mismatched = block_id_mismatches(pairs, tkv, lmc)
-    if mismatched:  # (the child's copy of tieredkv.bench.block_ids, or its numpy, drew others)
+    if mismatched:  # (the child's NumPy drew others from the same tieredkv.layouts code)
         errors["block_ids"] = "LMCache's child used other block ids than tieredkv in: " + ", ".join(mismatched)
     below, above_medium = print_table(rows, pairs)
     for b, r in lmc.items():

@@ -44,7 +44,6 @@ from tieredkv.backends._rawbench import (  # re-exported: their old home
     REDIS_BENCHMARK_KEYS,
     raw_file,
     raw_lmdb,
-    raw_memcpy,
     raw_redis,
     redis_benchmark,
     warm_free_pages,
@@ -53,23 +52,26 @@ from tieredkv.backends.base import Tier
 from tieredkv.backends.registry import build_tier, get_tier_class
 from tieredkv.config import NamespaceConfig, PipelineConfig, TierConfigBase, TieredKVConfig
 from tieredkv.keys import Namespace
+from tieredkv.layouts import BLOCKS_PER_CHUNK, LAYOUTS, block_ids, round_ids
 from tieredkv.store import TieredStore
 
 __all__ = [
     "BATCH_BYTES",
     "BENCH_SETTINGS",
+    "BLOCKS_PER_CHUNK",
+    "LAYOUTS",
     "REDIS_BENCHMARK_KEYS",
     "SIZES",
     "BenchResult",
     "add_run_args",
     "bench_config",
+    "block_ids",
     "cell",
     "make_tier",
     "ratios",
     "raw_figures",
     "raw_file",
     "raw_lmdb",
-    "raw_memcpy",
     "raw_redis",
     "raw_rows",
     "redis_benchmark",
@@ -81,15 +83,6 @@ __all__ = [
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 OPS = ("store", "load")
-#: Blocks per chunk of the bench's KV group (a chunk of 64 KiB is 4 blocks of 16 KiB).
-BLOCKS_PER_CHUNK = 4
-#: How a job's block ids are drawn (:func:`block_ids`). The first is the default layout, whose
-#: figures are ``<label>.store|load``; the others' are ``<label>@<layout>.store|load``.
-#: ``permuted``: a churned engine pool, whose free queue hands blocks out in the order they were
-#: freed (vLLM's ``FreeKVCacheBlockQueue``): a random permutation of the pool. ``fragmented``: a
-#: free list of short runs (1 to 8 consecutive blocks, in random order). ``consecutive``: a fresh
-#: pool, ids in order, the best case (every chunk's blocks are one range).
-LAYOUTS = ("permuted", "fragmented", "consecutive")
 
 
 @dataclass
@@ -130,24 +123,6 @@ def figure(label: str, layout: str, op: str, default: str = LAYOUTS[0]) -> str:
     return f"{label}.{op}" if layout == default else f"{label}@{layout}.{op}"
 
 
-def block_ids(layout: str, count: int, first: int, rng: Any) -> list[int]:
-    """``count`` distinct block ids from ``first .. first+count-1`` in the order a pool with
-    ``layout`` (:data:`LAYOUTS`) hands them out; ``rng`` a ``numpy.random.Generator``."""
-    import numpy as np
-
-    if layout == "consecutive":
-        return list(range(first, first + count))
-    if layout == "permuted":
-        return (rng.permutation(count) + first).tolist()
-    if layout == "fragmented":
-        cuts = np.cumsum(rng.integers(1, 9, size=count))  # runs of 1-8 blocks
-        starts = np.concatenate([[0], cuts[cuts < count]])
-        ends = np.append(starts[1:], count)
-        order = rng.permutation(len(starts))
-        return [first + i for k in order for i in range(int(starts[k]), int(ends[k]))]
-    raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-
-
 # ---- through the pipeline -----------------------------------------------------------------------
 
 
@@ -177,7 +152,7 @@ def pipeline_store_load(
 
     The KV group is ``blocks`` (:func:`bench_blocks`; block 0 is the engine's null block), chunks
     of :data:`BLOCKS_PER_CHUNK` blocks. Chunk ``i`` of ``src`` is placed (untimed) in the blocks a
-    pool of ``layout`` hands out (:func:`block_ids`, drawn from ``seed``) among blocks
+    pool of ``layout`` hands out (:func:`~tieredkv.layouts.round_ids`, drawn from ``seed``) among blocks
     ``1 .. N``, stored from there, and loaded into blocks drawn the same way among ``N+1 .. 2N``,
     zeroed first. Every key it writes is deleted again (a shared tier is left as it was found)."""
     import numpy as np
@@ -189,9 +164,7 @@ def pipeline_store_load(
     nb = n * bpc
     if bpc < 1 or blocks.shape[1] * bpc != size:
         raise ValueError(f"blocks of shape {tuple(blocks.shape)} do not hold {n} chunks of {size} bytes")
-    rng = np.random.default_rng(seed)
-    store_ids = block_ids(layout, nb, 1, rng)
-    load_ids = block_ids(layout, nb, 1 + nb, rng)
+    store_ids, load_ids = round_ids(layout, nb, seed)
     rows = blocks.numpy()
     rows[np.asarray(store_ids)] = src.numpy().reshape(nb, -1)  # the engine wrote its KV here
     blocks[1 + nb :].zero_()

@@ -30,11 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-try:  # the optional C helper (setup.py): copies with non-temporal stores
+try:  # the optional C helper (setup.py): a job's scattered blocks in one call
     from tieredkv._fastrec import move_pieces as _move_pieces
-    from tieredkv._fastrec import stream_into as _stream_into
-except ImportError:  # not built here: NumPy's copy
-    _stream_into = None
+except ImportError:  # not built here: NumPy's copy per run of blocks
     _move_pieces = None
 
 __all__ = ["Copier", "KVGroupTensors", "StagingBuffer", "StagingPool"]
@@ -433,22 +431,10 @@ def _move_host(
             view = buf[at : at + k * bb]
             dev = arr[b] if k == 1 else arr[b : b + k].reshape(-1)
             if to_staging:
-                _copy(view, dev)
+                np.copyto(view, dev)
             else:
-                _copy(dev, view)
+                np.copyto(dev, view)
         base += bpc * bb
-
-
-#: Host copies at least this large go through the C helper's non-temporal copy (where built).
-_STREAM_AT = 64 << 10
-
-
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src)`` for two contiguous uint8 ranges of the same size."""
-    if _stream_into is not None and src.nbytes >= _STREAM_AT:
-        _stream_into(dst, src)
-    else:
-        np.copyto(dst, src)
 
 
 def _runs(placements: Sequence[tuple[int, int]], bpc: int | None = None) -> list[tuple[int, int, int]]:

@@ -285,15 +285,10 @@ def ls_pages(cfg: Path, ns: Namespace, total: int) -> tuple[list[str], dict[str,
     return seen, page
 
 
-def test_ls_pages_filters_and_summarizes(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
-    keys = seed(cfg, "nvme", 25)
-    other = seed(cfg, "nvme", 4, ns=NS_B, start=100)
-    seen, page = ls_pages(cfg, NS, 25)
-    assert seen == sorted(k.hex() for k in keys)  # every record once, in key order
-    rec = page["records"][0]
-    assert rec["namespace"] == NS.fingerprint.hex() and rec["size"] >= 500 and 0 <= rec["age_s"] < 120
-
+def check_ls_views(cfg: Path) -> list[dict[str, Any]]:
+    """``ls --group 1`` and the ``--by namespace`` / ``--by group`` summaries of the store the
+    ls tests seed (25 records of NS, 12 of them in group 1; 4 of NS_B, 2 per group); the
+    per-group summary of NS_B."""
     g1 = run_json("ls", "-c", str(cfg), "--group", "1", "--limit", "100")
     assert g1["total"] == 12 + 2 and {r["group"] for r in g1["records"]} == {1}
     summary = run_json("ls", "-c", str(cfg), "--by", "namespace")["summary"]
@@ -303,6 +298,19 @@ def test_ls_pages_filters_and_summarizes(tmp_path: Path) -> None:
     }
     by_group = run_json("ls", "-c", str(cfg), "--by", "group", "--namespace", NS_B.fingerprint.hex())["summary"]
     assert [(s["group"], s["records"]) for s in by_group] == [(0, 2), (1, 2)]
+    return by_group  # type: ignore[no-any-return]
+
+
+def test_ls_pages_filters_and_summarizes(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, lmdb_tier(tmp_path / "lmdb"))
+    keys = seed(cfg, "nvme", 25)
+    other = seed(cfg, "nvme", 4, ns=NS_B, start=100)
+    seen, page = ls_pages(cfg, NS, 25)
+    assert seen == sorted(k.hex() for k in keys)  # every record once, in key order
+    rec = page["records"][0]
+    assert rec["namespace"] == NS.fingerprint.hex() and rec["size"] >= 500 and 0 <= rec["age_s"] < 120
+
+    check_ls_views(cfg)
     assert len(other) == 4
 
     human = run("ls", "-c", str(cfg), "--limit", "5")

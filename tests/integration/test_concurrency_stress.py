@@ -205,16 +205,24 @@ def _tensor_worker(
     per = CHUNKS_PER_JOB * BPC
     src_base = idx * 2 * per  # this thread's blocks: per for stores, per for loads
     dst_base = src_base + per
+
+    def job_blocks(base: int, n: int) -> list[tuple[int, ...]]:
+        """Each chunk's blocks: in order (a fresh pool: moved in place) or, half the time, at
+        scattered ids of this thread's range (a churned pool: gathered and scattered)."""
+        ids = list(range(base, base + n * BPC))
+        if rng.random() < 0.5:
+            rng.shuffle(ids)
+        return [tuple(ids[j * BPC : (j + 1) * BPC]) for j in range(n)]
+
     for _ in range(nops):
         kids = rng.sample([kid_of(0, i) for i in range(NKEYS[0])], rng.randint(1, CHUNKS_PER_JOB))
         if rng.random() < 0.45:  # store (new versions; overwrites of keys others are loading)
             refs, versions = [], []
-            for j, kid in enumerate(kids):
+            for kid, blocks in zip(kids, job_blocks(src_base, len(kids))):
                 v = model.new_version(kid)
-                blocks = tuple(range(src_base + j * BPC, src_base + (j + 1) * BPC))
                 data = np.frombuffer(value(kid, v, SIZES[0]), dtype=np.uint8).reshape(LAYERS, BPC, BLOCK)
                 for layer, t in enumerate(tensors):
-                    t[blocks[0] : blocks[0] + BPC] = torch.from_numpy(data[layer].copy())
+                    t[list(blocks)] = torch.from_numpy(data[layer].copy())
                 refs.append(ChunkRef(key_of(kid), blocks))
                 versions.append(v)
             jid, ev, box = res.new_id()
@@ -230,10 +238,9 @@ def _tensor_worker(
                     model.ack(kid, v)
         else:  # load into poisoned blocks, then check every byte of every chunk
             refs = []
-            for j, kid in enumerate(kids):
-                blocks = tuple(range(dst_base + j * BPC, dst_base + (j + 1) * BPC))
+            for kid, blocks in zip(kids, job_blocks(dst_base, len(kids))):
                 for t in tensors:
-                    t[blocks[0] : blocks[0] + BPC] = 0xEE
+                    t[list(blocks)] = 0xEE
                 refs.append(ChunkRef(key_of(kid), blocks))
             before = [model.newest_acked(kid) for kid in kids]
             jid, ev, box = res.new_id()

@@ -29,7 +29,7 @@ from tieredkv.config import RedisTierConfig, TieredKVConfig
 from tieredkv.keys import Namespace
 from tieredkv.pipeline import KeyState
 from tieredkv.store import TieredStore
-from tieredkv.testing.servers import RedisCluster, RedisServer
+from tieredkv.testing.servers import RedisServer
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -40,14 +40,10 @@ SLACK_S = 0.25
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
+    """A server of this module's own: a test here stops it (SIGSTOP), which the session's
+    server (``redis_server``) must never be."""
     with RedisServer() as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster() as c:
-        yield c
 
 
 def _keys(n: int, groups: int = 1) -> list[bytes]:
@@ -103,7 +99,7 @@ async def _until_tried(tier: RedisTier, keys: list[bytes], timeout: float = 20.0
 async def test_a_batch_is_answered_within_its_budget(where: str, request: pytest.FixtureRequest) -> None:
     """Half the keys written: one call answers each, within the budget, counted; the connection
     (one per cluster node) is kept for the next batch."""
-    srv = request.getfixturevalue("server" if where == "single" else "cluster")
+    srv = request.getfixturevalue("server" if where == "single" else "redis_cluster")  # the session's
     budget_ms = 250.0
     tier = _tier(srv.url, cluster=where == "cluster", lookup_budget_ms=budget_ms)
     await tier.open()

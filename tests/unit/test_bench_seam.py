@@ -342,8 +342,8 @@ def test_peers_bench_tieredkv_side_runs_every_kind(
         for per in fig["layouts"].values():
             assert per["verified"] and per["chunks"] == 32 and per["bytes"] == 2 << 20
             assert len(per["store_gbps"]) == len(per["load_gbps"]) == 2 and min(per["load_gbps"]) > 0
-        # the ids LMCache's child draws (its copy of block_ids) are the ids this side used
-        assert fig["block_ids"] == {lay: child.ids_digest(child.block_ids, lay, 32 * 4, 3) for lay in layouts}
+        # the ids LMCache's child draws (tieredkv/layouts.py, loaded by path) are the ids this side used
+        assert fig["block_ids"] == {lay: child.ids_digest(lay, 32 * 4, 3) for lay in layouts}
         # the medium's raw limits, measured beside every kept round; its limit the strongest candidate
         assert fig["raw_gbps"] and all(len(v) == 2 and min(v) > 0 for v in fig["raw_gbps"].values())
         assert fig["raw_limit_candidates"] == {"store": store, "load": load}
@@ -464,21 +464,21 @@ def test_peers_bench_pairs_each_layout_of_tieredkv_with_the_same_layout_of_lmcac
 
 @pytest.mark.parametrize("layout", ["permuted", "fragmented", "consecutive"])
 def test_peers_bench_lmcache_child_draws_the_block_ids_tieredkv_moves(tmp_path: Path, layout: str) -> None:
-    """LMCache's child never imports tieredkv: its copy of ``block_ids`` and its ``round_ids``
-    give the blocks ``pipeline_store_load`` really stores each chunk from and loads it into."""
+    """LMCache's child never imports tieredkv: it loads ``tieredkv/layouts.py`` by its path, and
+    its ``round_ids`` give the blocks ``pipeline_store_load`` really stores each chunk from and
+    loads it into."""
+    from tieredkv import layouts
+
     _, child = _peers_modules()
+    assert child.layouts_module.__file__ == layouts.__file__
     assert child.LAYOUTS == bench.LAYOUTS and child.BLOCKS_PER_CHUNK == bench.BLOCKS_PER_CHUNK
-    for seed in range(3):
-        for count, first in ((4096, 1), (37, 38)):
-            want = bench.block_ids(layout, count, first, np.random.default_rng(seed))
-            assert child.block_ids(layout, count, first, np.random.default_rng(seed)) == want
     src = torch.randint(0, 256, (12, 16 * KiB), dtype=torch.uint8)
     blocks = bench.bench_blocks(src)
     tier = bench.make_tier(CPUTierConfig(name="slab"), 16 * KiB, 12, str(tmp_path))
     bench.pipeline_store_load(
         tier, src, torch.zeros_like(src), bench.Namespace(model="ids"), blocks, layout=layout, seed=7
     )
-    store, load = child.round_ids(child.block_ids, layout, 12 * 4, 7)
+    store, load = child.round_ids(layout, 12 * 4, 7)
     quarters = src.reshape(12 * 4, -1)
     assert torch.equal(blocks[store], quarters) and torch.equal(blocks[load], quarters)
 
@@ -722,7 +722,6 @@ def test_block_id_layouts_are_what_an_engine_pool_hands_out() -> None:
     """``permuted``: every block once in a random order (a churned pool's free queue);
     ``fragmented``: every block once, in runs of 1-8 consecutive ids in random order;
     ``consecutive``: in order. Same seed, same ids (every tier of a rep gets the same layout)."""
-    import numpy as np
 
     n, first = 4096, 7
     for lay in bench.LAYOUTS:

@@ -298,22 +298,19 @@ def _ids(kind: str, rng: np.random.Generator, num_blocks: int, n: int) -> list[i
     raise AssertionError(kind)
 
 
-PATHS = ["c", "numpy", "numpy-plain", "device-logic"]
+PATHS = ["c", "numpy", "device-logic"]
 
 
 @pytest.fixture(params=PATHS)
 def make_group(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[..., KVGroupTensors]:
     """A :class:`KVGroupTensors` whose moves take one path: ``c`` the C helper's ``move_pieces``;
-    ``numpy`` one copy per run (the C stream copy for large runs); ``numpy-plain`` NumPy only;
-    ``device-logic`` the CUDA branch of ``Copier._move`` (per-run ``copy_``, or ``_move_indexed``
+    ``numpy`` one NumPy copy per run of blocks (without the helper); ``device-logic`` the CUDA branch of ``Copier._move`` (per-run ``copy_``, or ``_move_indexed``
     past two runs) on CPU tensors."""
     path = request.param
     if path == "c":
         request.getfixturevalue("move_pieces")
-    if path in ("numpy", "numpy-plain"):
+    if path == "numpy":
         monkeypatch.setattr(staging, "_move_pieces", None)
-    if path == "numpy-plain":
-        monkeypatch.setattr(staging, "_stream_into", None)
 
     def make(tensors: Sequence[torch.Tensor]) -> KVGroupTensors:
         group = KVGroupTensors(tensors)

@@ -123,15 +123,15 @@ def _need_helper(fn: object) -> None:
 
 @pytest.mark.parametrize("helper", ["c", "numpy"])
 def test_large_host_copies_land_byte_for_byte_on_both_paths(helper: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs of 64 KiB and more take the C helper's non-temporal copy where it is built; the bytes
-    that land are the same as NumPy's, for one block, a run of blocks and a multi-tensor group
-    whose block sizes are off the 16-byte grid."""
+    """Host moves take the C helper's ``move_pieces`` where it is built, one NumPy copy per run
+    of blocks without it; the bytes that land are the same, for one block, a run of blocks and
+    a multi-tensor group whose block sizes are off the 16-byte grid."""
     from tieredkv import staging
 
     if helper == "numpy":
-        monkeypatch.setattr(staging, "_stream_into", None)
+        monkeypatch.setattr(staging, "_move_pieces", None)
     else:
-        _need_helper(staging._stream_into)
+        _need_helper(staging._move_pieces)
     g = torch.Generator().manual_seed(1)
     k = torch.randint(0, 256, (6, 70_001), dtype=torch.uint8, generator=g)  # odd block bytes
     v = torch.randn(6, 20_000, generator=g).to(torch.bfloat16)
@@ -147,8 +147,11 @@ def test_large_host_copies_land_byte_for_byte_on_both_paths(helper: str, monkeyp
 
 
 def test_the_stream_copy_copies_every_byte_and_refuses_a_short_destination() -> None:
-    from tieredkv.staging import _stream_into
-
+    """The C helper's non-temporal copy (the bench's two-thread raw copy, ``copy_2t_nt``)."""
+    try:
+        from tieredkv._fastrec import stream_into as _stream_into
+    except ImportError:
+        _stream_into = None
     _need_helper(_stream_into)
     assert _stream_into is not None
     src = bytes(range(256)) * 600 + b"tail"

@@ -498,11 +498,36 @@ def write_tieredkv_config(path: Path, kind: str = "lmdb") -> Path:
 
 
 def tieredkv_extra_config(blocks_per_chunk: int, tiers_file: Path) -> dict[str, Any]:
+    return spec_extra(blocks_per_chunk, tiers_file)
+
+
+def spec_extra(bpc: int, tiers: Path, **kw: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of tieredkv's spec (``TieredKVOffloadingSpec``) over the
+    tiers of ``tiers``, with ``kw`` added."""
     return {
         "spec_name": "TieredKVOffloadingSpec",
         "spec_module_path": "tieredkv.integrations.vllm",
-        "tieredkv_config": str(tiers_file),
-        "blocks_per_chunk": blocks_per_chunk,
+        "tieredkv_config": str(tiers),
+        "blocks_per_chunk": bpc,
+        **kw,
+    }
+
+
+def secondary_extra(bpc: int, tiers: Path) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of vLLM's ``TieringOffloadingSpec`` with tieredkv as its
+    secondary tier (``TieredKVSecondaryTier``) over the tiers of ``tiers``."""
+    return {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 1 << 20,
+        "blocks_per_chunk": bpc,
+        "secondary_tiers": [
+            {
+                "type": "TieredKVSecondaryTier",
+                "module_path": "tieredkv.integrations.vllm",
+                "config": str(tiers),
+                "keep_on_reset": True,
+            }
+        ],
     }
 
 

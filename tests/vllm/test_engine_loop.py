@@ -56,7 +56,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.engine import GROUP_SETS, RunResult, reference_extra_config, run_engine
+from tests.vllm.engine import GROUP_SETS, RunResult, reference_extra_config, run_engine, secondary_extra, spec_extra
 from tieredkv.keys import key_group
 
 pytestmark = pytest.mark.vllm
@@ -114,32 +114,6 @@ def _tiers_file(
         )
     )
     return f
-
-
-def spec_extra(bpc: int, tiers: Path, **kw: Any) -> dict[str, Any]:
-    return {
-        "spec_name": "TieredKVOffloadingSpec",
-        "spec_module_path": "tieredkv.integrations.vllm",
-        "tieredkv_config": str(tiers),
-        "blocks_per_chunk": bpc,
-        **kw,
-    }
-
-
-def secondary_extra(bpc: int, tiers: Path) -> dict[str, Any]:
-    return {
-        "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": 1 << 20,
-        "blocks_per_chunk": bpc,
-        "secondary_tiers": [
-            {
-                "type": "TieredKVSecondaryTier",
-                "module_path": "tieredkv.integrations.vllm",
-                "config": str(tiers),
-                "keep_on_reset": True,
-            }
-        ],
-    }
 
 
 def report_table() -> list[str]:

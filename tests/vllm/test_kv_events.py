@@ -37,7 +37,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.kv_offload.base import Locality, Medium
 
 import tests.vllm.engine as harness
-from tests.vllm.engine import Engine, build_workload, cpu_workers
+from tests.vllm.engine import Engine, build_workload, cpu_workers, secondary_extra, spec_extra
 from tieredkv.integrations.vllm.events import KVEvents, tier_event_fields
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, PARTIAL_MARK, key_group
 from tieredkv.store import TieredStore
@@ -237,26 +237,23 @@ def _write(path: Path, tiers: list[dict[str, Any]], policy: list[dict[str, Any]]
     return f
 
 
-def _spec(tiers: Path) -> dict[str, Any]:
+def _lmdb(tmp_path: Path, cap: str) -> dict[str, Any]:
     return {
-        "spec_name": "TieredKVOffloadingSpec",
-        "spec_module_path": "tieredkv.integrations.vllm",
-        "tieredkv_config": str(tiers),
+        "kind": "lmdb",
+        "name": "nvme",
+        "path": str(tmp_path / "lmdb"),
+        "map_size_bytes": "16MiB",
+        "size_cap_bytes": cap,
     }
 
 
-def _secondary(tiers: Path) -> dict[str, Any]:
+def _fs(tmp_path: Path) -> dict[str, Any]:
     return {
-        "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": 1 << 20,
-        "secondary_tiers": [
-            {
-                "type": "TieredKVSecondaryTier",
-                "module_path": "tieredkv.integrations.vllm",
-                "config": str(tiers),
-                "keep_on_reset": True,
-            }
-        ],
+        "kind": "fs",
+        "name": "shared",
+        "path": str(tmp_path / "fs"),
+        "size_cap_bytes": "96KiB",
+        "touch_interval_s": 0,
     }
 
 
@@ -269,14 +266,10 @@ def _cpu_then(lower: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def test_spec_cpu_written_back_to_lmdb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lmdb = {
-        "kind": "lmdb",
-        "name": "nvme",
-        "path": str(tmp_path / "lmdb"),
-        "map_size_bytes": "16MiB",
-        "size_cap_bytes": "96KiB",
-    }
-    out = run_row(_spec(_write(tmp_path, *_cpu_then(lmdb))), tmp_path, monkeypatch, secondary=False, settle=True)
+    lmdb = _lmdb(tmp_path, "96KiB")
+    out = run_row(
+        spec_extra(1, _write(tmp_path, *_cpu_then(lmdb))), tmp_path, monkeypatch, secondary=False, settle=True
+    )
     assert set(out["tiers"]) == {("CPU", None), ("STORAGE", "tieredkv:nvme")}
     check(out)
 
@@ -284,15 +277,9 @@ def test_spec_cpu_written_back_to_lmdb(tmp_path: Path, monkeypatch: pytest.Monke
 def test_spec_hybrid_partial_records_behind_tieredkv_connector_async(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lmdb = {
-        "kind": "lmdb",
-        "name": "nvme",
-        "path": str(tmp_path / "lmdb"),
-        "map_size_bytes": "16MiB",
-        "size_cap_bytes": "64KiB",
-    }
+    lmdb = _lmdb(tmp_path, "64KiB")
     out = run_row(
-        _spec(_write(tmp_path, *_cpu_then(lmdb))),
+        spec_extra(1, _write(tmp_path, *_cpu_then(lmdb))),
         tmp_path,
         monkeypatch,
         secondary=False,
@@ -306,23 +293,17 @@ def test_spec_hybrid_partial_records_behind_tieredkv_connector_async(
 
 
 def test_spec_fs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fs = [
-        {"kind": "fs", "name": "shared", "path": str(tmp_path / "fs"), "size_cap_bytes": "96KiB", "touch_interval_s": 0}
-    ]
-    out = run_row(_spec(_write(tmp_path, fs)), tmp_path, monkeypatch, secondary=False, settle=True)
+    fs = [_fs(tmp_path)]
+    out = run_row(spec_extra(1, _write(tmp_path, fs)), tmp_path, monkeypatch, secondary=False, settle=True)
     assert set(out["tiers"]) == {("STORAGE", "tieredkv:shared")}
     check(out)
 
 
 def test_secondary_cpu_written_back_to_fs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fs = {
-        "kind": "fs",
-        "name": "shared",
-        "path": str(tmp_path / "fs"),
-        "size_cap_bytes": "96KiB",
-        "touch_interval_s": 0,
-    }
-    out = run_row(_secondary(_write(tmp_path, *_cpu_then(fs))), tmp_path, monkeypatch, secondary=True, settle=True)
+    fs = _fs(tmp_path)
+    out = run_row(
+        secondary_extra(1, _write(tmp_path, *_cpu_then(fs))), tmp_path, monkeypatch, secondary=True, settle=True
+    )
     assert set(out["tiers"]) == {("CPU", "tieredkv:cpu"), ("STORAGE", "tieredkv:shared")}
     check(out)
 
@@ -351,7 +332,7 @@ def test_secondary_redis_maxmemory(how: str, tmp_path: Path, monkeypatch: pytest
         if how == "scan":
             tier.update(username="app", password="pw", removal_scan_interval_s=0.05, removal_scan_keys=256)
         out = run_row(
-            _secondary(_write(tmp_path, [tier])),
+            secondary_extra(1, _write(tmp_path, [tier])),
             tmp_path,
             monkeypatch,
             secondary=True,
@@ -363,14 +344,8 @@ def test_secondary_redis_maxmemory(how: str, tmp_path: Path, monkeypatch: pytest
 
 
 def test_no_events_unless_vllm_asks(tmp_path: Path) -> None:
-    lmdb = {
-        "kind": "lmdb",
-        "name": "nvme",
-        "path": str(tmp_path / "lmdb"),
-        "map_size_bytes": "16MiB",
-        "size_cap_bytes": "96KiB",
-    }
-    eng = Engine(_spec(_write(tmp_path, *_cpu_then(lmdb))), blocks_per_chunk=2, settle=True)
+    lmdb = _lmdb(tmp_path, "96KiB")
+    eng = Engine(spec_extra(1, _write(tmp_path, *_cpu_then(lmdb))), blocks_per_chunk=2, settle=True)
     try:
         harness._drive(eng, build_workload(0)[:1], 3000, 200, 0.001, 200, False)
         mgr = eng.connector_scheduler.manager

@@ -25,7 +25,16 @@ import pytest
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import make_offload_key
 
-from tests.vllm.engine import VOCAB, Engine, ReqSpec, RunResult, reference_extra_config, run_engine
+from tests.vllm.engine import (
+    VOCAB,
+    Engine,
+    ReqSpec,
+    RunResult,
+    reference_extra_config,
+    run_engine,
+    secondary_extra,
+    spec_extra,
+)
 from tieredkv.integrations.vllm.stats import HINT_ACTIONS, RETAINED, RETENTION, StoreStatsReporter, values_by_metric
 
 pytestmark = pytest.mark.vllm
@@ -98,24 +107,9 @@ def run(
     if mode.endswith("+conn"):
         kw.update(CONN)
     if mode.startswith("spec"):
-        extra = {
-            "spec_name": "TieredKVOffloadingSpec",
-            "spec_module_path": "tieredkv.integrations.vllm",
-            "tieredkv_config": str(tiers),
-        }
+        extra = spec_extra(bpc, tiers)
     elif mode.startswith("sec"):
-        extra = {
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": 1 << 20,
-            "secondary_tiers": [
-                {
-                    "type": "TieredKVSecondaryTier",
-                    "module_path": "tieredkv.integrations.vllm",
-                    "config": str(tiers),
-                    "keep_on_reset": True,
-                }
-            ],
-        }
+        extra = secondary_extra(bpc, tiers)
         kw.update(tiering_cpu_worker=True, reset_connector=True)
     else:  # vLLM's own CPU spec ("ref")
         extra = reference_extra_config(bpc)

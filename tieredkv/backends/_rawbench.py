@@ -30,7 +30,6 @@ __all__ = [
     "raw_file",
     "raw_host_memory",
     "raw_lmdb",
-    "raw_memcpy",
     "raw_redis",
     "redis_benchmark",
     "redis_benchmark_keys",
@@ -112,16 +111,6 @@ def run_loop(coro: Any) -> Any:
 
 
 # ---- host memory ---------------------------------------------------------------------------------
-
-
-def raw_memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
-    """Seconds to ``copy_`` every chunk into a preallocated tensor, one call per chunk."""
-
-    def run() -> None:
-        for i in range(src.shape[0]):
-            dst[i].copy_(src[i])
-
-    return _timed(run)
 
 
 def raw_host_memory(src: torch.Tensor, dst: torch.Tensor, blocks_per_chunk: int = 4) -> dict[str, float]:

@@ -230,6 +230,84 @@ def test_move_pieces_with_no_items_copies_nothing(move_pieces: Callable[..., int
     assert not dst.any()
 
 
+def _big_case(seed: int, piece: int = 16 << 10, count: int = 256) -> tuple[np.ndarray, ...]:
+    """A 4 MiB move of scattered pieces (large enough to split over four threads): dst, doff,
+    src, soff and the bytes dst must end with."""
+    rng = np.random.default_rng(seed)
+    src_len = count * piece * 2
+    src = rng.integers(0, 256, src_len, dtype=np.uint8)
+    dst = np.zeros(count * piece, dtype=np.uint8)
+    doff, soff = _scattered_items(rng, count, piece, src_len)
+    want = dst.copy()
+    _ref_move(want, doff, src, soff, piece)
+    return dst, doff, src, soff, want
+
+
+def test_move_pieces_from_several_threads_at_once(move_pieces: Callable[..., int]) -> None:
+    """Callers on several Python threads at once (the GIL released): one holds the helper pool,
+    the others start threads of their own; every call lands byte-exact."""
+    import threading
+
+    errors: list[str] = []
+    start = threading.Barrier(6)
+
+    def caller(k: int) -> None:
+        start.wait()
+        for rep in range(6):
+            dst, doff, src, soff, want = _big_case(100 * k + rep)
+            move_pieces(dst, doff, src, soff, 16 << 10, 2 + (k + rep) % 3)
+            if not np.array_equal(dst, want):
+                errors.append(f"caller {k} rep {rep}")
+
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(6)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert errors == []
+
+
+def test_move_pieces_calls_spaced_past_the_helpers_spin(move_pieces: Callable[..., int]) -> None:
+    """Calls a few milliseconds apart find the pool's helpers asleep (past their 2 ms spin):
+    they wake late, join a call already closed or help with what is left; the bytes are exact
+    either way, and a call that asks for fewer helpers than the pool holds uses only those."""
+    import time
+
+    for rep in range(8):
+        dst, doff, src, soff, want = _big_case(7 + rep)
+        assert move_pieces(dst, doff, src, soff, 16 << 10, 4 if rep % 2 else 2) == dst.nbytes
+        assert np.array_equal(dst, want)
+        time.sleep(0.005)  # the state to test (helpers asleep), not a wait for a result
+
+
+def _move_in_child(conn: Any) -> None:
+    import os
+
+    dst, doff, src, soff, want = _big_case(42)
+    before = len(os.listdir("/proc/self/task"))
+    staging._move_pieces(dst, doff, src, soff, 16 << 10, 4)  # type: ignore[misc]
+    conn.send((bool(np.array_equal(dst, want)), len(os.listdir("/proc/self/task")) - before))
+
+
+def test_move_pieces_in_a_forked_child_after_the_parent_used_its_pool(move_pieces: Callable[..., int]) -> None:
+    """A forked child has none of the parent's helper threads: it starts its own three (a pool
+    that counted the parent's would move on the calling thread alone; one that waited for them
+    would hang)."""
+    import multiprocessing
+
+    dst, doff, src, soff, want = _big_case(41)
+    move_pieces(dst, doff, src, soff, 16 << 10, 4)  # the parent's pool: three helpers
+    assert np.array_equal(dst, want)
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_move_in_child, args=(there,))
+    child.start()
+    assert here.poll(120), "the child's move did not finish"  # a bound on a hang, not a wait
+    assert here.recv() == (True, 3)
+    child.join()
+    assert child.exitcode == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Copier on CPU tensors, against a pure-torch reference
 # ---------------------------------------------------------------------------------------------

@@ -24,11 +24,13 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -627,39 +629,173 @@ typedef struct {
     uint8_t *dst;
     const uint8_t *src;
     const int64_t *doff, *soff;
-    Py_ssize_t lo, hi; /* items [lo, hi) */
+    Py_ssize_t count; /* items [0, count) */
+    Py_ssize_t batch; /* items a thread claims at a time */
+    Py_ssize_t next;  /* the first item not yet claimed (atomic) */
     size_t piece;
     int overlap; /* the buffers share memory: memmove, one thread */
-} move_part;
+} move_work;
 
-/* The items [lo, hi) of a move_pieces call: runs of items next to each other on both sides move
- * as one copy; a run of MOVE_STREAM_AT bytes or more streams (non-temporal stores). */
+/* One thread of a move_pieces call: it claims batches of items until none is left (a thread
+ * the scheduler holds back takes fewer, so one late or preempted thread does not hold the call
+ * back by a fixed share); runs of items next to each other on both sides move as one copy, and
+ * a run of MOVE_STREAM_AT bytes or more streams (non-temporal stores). */
 #define MOVE_STREAM_AT (4 * 1024)
 static void *move_run(void *arg) {
-    const move_part *p = arg;
-    Py_ssize_t i = p->lo;
-    while (i < p->hi) {
-        Py_ssize_t j = i + 1;
-        while (!p->overlap && j < p->hi && p->doff[j] == p->doff[j - 1] + (int64_t)p->piece &&
-               p->soff[j] == p->soff[j - 1] + (int64_t)p->piece)
-            j++;
-        size_t n = (size_t)(j - i) * p->piece;
-        uint8_t *d = p->dst + p->doff[i];
-        const uint8_t *s = p->src + p->soff[i];
-        if (p->overlap)
-            memmove(d, s, n);
+    move_work *p = arg;
+    for (;;) {
+        Py_ssize_t lo = __atomic_fetch_add(&p->next, p->batch, __ATOMIC_RELAXED);
+        if (lo >= p->count) break;
+        Py_ssize_t hi = lo + p->batch < p->count ? lo + p->batch : p->count;
+        Py_ssize_t i = lo;
+        while (i < hi) {
+            Py_ssize_t j = i + 1;
+            while (!p->overlap && j < hi && p->doff[j] == p->doff[j - 1] + (int64_t)p->piece &&
+                   p->soff[j] == p->soff[j - 1] + (int64_t)p->piece)
+                j++;
+            size_t n = (size_t)(j - i) * p->piece;
+            uint8_t *d = p->dst + p->doff[i];
+            const uint8_t *s = p->src + p->soff[i];
+            if (p->overlap)
+                memmove(d, s, n);
 #if CAN_STREAM
-        else if (n >= MOVE_STREAM_AT)
-            stream_copy(d, s, n);
+            else if (n >= MOVE_STREAM_AT)
+                stream_copy(d, s, n);
 #endif
-        else
-            memcpy(d, s, n);
-        i = j;
+            else
+                memcpy(d, s, n);
+            i = j;
+        }
     }
 #if CAN_STREAM
     _mm_sfence();
 #endif
     return NULL;
+}
+
+/* ---- the move pool: helper threads kept between calls ----
+ * A thread created per call often starts a millisecond late on a virtual machine whose other
+ * vCPU went idle (halted) since the last call: a 16 MiB move then ran on one thread, at half the
+ * speed, in every other pipeline job (docs/native.md). Helpers are created once (lazily, and
+ * again in a forked child) and, after a call, spin for MOVE_SPIN_NS waiting for the next one
+ * before they sleep on a condition variable: a pipeline's back-to-back jobs find them running.
+ * One call uses the pool at a time; a call that finds it busy creates threads of its own. */
+#define MOVE_SPIN_NS 2000000L
+#define MOVE_MAX_THREADS 8
+/* pool.state: POOL_OPEN while a call's work takes helpers, plus the helpers working on it. */
+#define POOL_OPEN (1L << 32)
+static struct {
+    pthread_mutex_t use;  /* held by the call that uses the pool */
+    pthread_mutex_t lock; /* guards sleepers and the condition */
+    pthread_cond_t wake;
+    long size;            /* helpers started */
+    long wanted;          /* at most this many helpers join the current call */
+    unsigned long gen;    /* bumped (atomic) for each call */
+    long state;           /* POOL_OPEN | helpers working (atomic) */
+    long sleepers;        /* helpers waiting on the condition */
+    move_work *work;
+    unsigned long born[MOVE_MAX_THREADS]; /* the generation each helper was created in */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, {0}};
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+}
+
+/* A helper joins the open call (if it still is, and has room) and claims batches of its work;
+ * one that wakes after the call closed does nothing: the caller never waits for a late helper,
+ * only for those that joined, and none touches a call's work after it returned. */
+static void pool_join(void) {
+    long s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE);
+    while ((s & POOL_OPEN) && (s & (POOL_OPEN - 1)) < pool.wanted) {
+        if (__atomic_compare_exchange_n(&pool.state, &s, s + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            move_run(pool.work);
+            __atomic_fetch_sub(&pool.state, 1, __ATOMIC_RELEASE);
+            return;
+        }
+    }
+}
+
+static void *pool_helper(void *arg) {
+    unsigned long seen = pool.born[(intptr_t)arg]; /* it may start after its call bumped gen */
+    for (;;) {
+        long until = now_ns() + MOVE_SPIN_NS;
+        unsigned long g;
+        int spins = 0;
+        while ((g = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE)) == seen) {
+            cpu_relax();
+            if (++spins % 256 == 0) { /* a thread woken onto this CPU (the caller's) runs first */
+                if (now_ns() > until) break;
+                sched_yield();
+            }
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&pool.lock);
+            pool.sleepers++;
+            while ((g = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pool.sleepers--;
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = g;
+        pool_join();
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's helpers (and maybe a lock held by a parent thread). */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.use, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.size = pool.wanted = pool.state = pool.sleepers = 0;
+    pool.work = NULL;
+}
+
+/* Runs ``w`` on this thread and up to ``helpers`` pool threads (the GIL released): 1. Returns 0,
+ * nothing done, when another call holds the pool or its threads cannot be started (the caller
+ * then moves ``w`` with threads of its own). */
+static int atfork_done;
+static int pool_run(move_work *w, long helpers) {
+    if (pthread_mutex_trylock(&pool.use) != 0) return 0;
+    if (!atfork_done) atfork_done = pthread_atfork(NULL, NULL, pool_after_fork) == 0 ? 1 : -1;
+    while (pool.size < helpers && atfork_done > 0) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        pool.born[pool.size] = pool.gen;
+        int rc = pthread_create(&t, &attr, pool_helper, (void *)(intptr_t)pool.size);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.size++;
+    }
+    if (pool.size < helpers) {
+        pthread_mutex_unlock(&pool.use);
+        return 0;
+    }
+    pool.work = w;
+    pool.wanted = helpers;
+    __atomic_store_n(&pool.state, POOL_OPEN, __ATOMIC_RELEASE);
+    __atomic_fetch_add(&pool.gen, 1, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool.lock);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    move_run(w);
+    __atomic_fetch_and(&pool.state, ~POOL_OPEN, __ATOMIC_ACQ_REL); /* no helper joins from here */
+    for (int spins = 1; __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE) != 0; spins++) { /* those that joined */
+        cpu_relax();
+        if (spins % 256 == 0) sched_yield();
+    }
+    pthread_mutex_unlock(&pool.use);
+    return 1;
 }
 
 /* An int64 offsets buffer (format 'q', or 'l' where long is 64 bits), contiguous; -1 with a
@@ -677,9 +813,10 @@ static int offsets(PyObject *o, Py_buffer *b, const char *what) {
     return 0;
 }
 
-#define MOVE_MAX_THREADS 8
 /* Below this many bytes per thread a second thread costs more than it gives. */
 #define MOVE_THREAD_AT (1024 * 1024)
+/* Bytes a thread claims at a time when several share a call. */
+#define MOVE_BATCH (256 * 1024)
 
 /* move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied
  * Copies, for each i, the ``piece`` bytes of ``src`` at src_offsets[i] to ``dst`` at
@@ -734,20 +871,18 @@ static PyObject *move_pieces(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_ssize_t total = count * piece;
         long nt = overlap ? 1 : threads;
         while (nt > 1 && total / nt < MOVE_THREAD_AT) nt--;
-        move_part parts[MOVE_MAX_THREADS];
+        /* one thread: one batch; else batches of about MOVE_BATCH bytes, in order */
+        Py_ssize_t batch = nt == 1 ? (count ? count : 1) : (MOVE_BATCH + piece - 1) / piece;
+        move_work work = {(uint8_t *)dst.buf, (const uint8_t *)src.buf, doff, soff, count, batch, 0, (size_t)piece,
+                          overlap};
         pthread_t tids[MOVE_MAX_THREADS];
         int started[MOVE_MAX_THREADS] = {0};
-        for (long t = 0; t < nt; t++)
-            parts[t] = (move_part){(uint8_t *)dst.buf, (const uint8_t *)src.buf, doff, soff, count * t / nt,
-                                   count * (t + 1) / nt, (size_t)piece, overlap};
         PyThreadState *state = unlocked(total);
-        for (long t = 1; t < nt; t++) started[t] = pthread_create(&tids[t], NULL, move_run, &parts[t]) == 0;
-        move_run(&parts[0]);
-        for (long t = 1; t < nt; t++) {
-            if (started[t])
-                pthread_join(tids[t], NULL);
-            else
-                move_run(&parts[t]); /* no thread to be had: this one does its share */
+        if (nt == 1 || !pool_run(&work, nt - 1)) { /* the pool busy (another call): threads of its own */
+            for (long t = 1; t < nt; t++) started[t] = pthread_create(&tids[t], NULL, move_run, &work) == 0;
+            move_run(&work); /* this thread claims batches too, and the rest when no thread could start */
+            for (long t = 1; t < nt; t++)
+                if (started[t]) pthread_join(tids[t], NULL);
         }
         relock(state);
         result = PyLong_FromSsize_t(total);

@@ -34,6 +34,10 @@ try:  # the optional C helper (setup.py): a job's scattered blocks in one call
     from tieredkv._fastrec import move_pieces as _move_pieces
 except ImportError:  # not built here: NumPy's copy per run of blocks
     _move_pieces = None
+try:  # its helper threads woken ahead of a move (a build older than that lacks it)
+    from tieredkv._fastrec import move_wake as _move_wake
+except ImportError:
+    _move_wake = None
 
 __all__ = ["Copier", "KVGroupTensors", "StagingBuffer", "StagingPool"]
 
@@ -208,6 +212,14 @@ class Copier:
         if s is None:
             s = self._streams[device] = torch.cuda.Stream(device=device)
         return s
+
+    def wake(self, group: KVGroupTensors) -> None:
+        """On the engine thread when a job of ``group`` is queued: wake the C helper's threads
+        that its host moves will use, so they are running when the move starts (a vCPU that
+        went idle takes about a millisecond to wake on this machine kind; the loop's work before
+        the move hides it). Nothing for CUDA tensors, one thread, or without the helper."""
+        if _move_wake is not None and self.threads > 1 and group.host_arrays is not None:
+            _move_wake(self.threads)
 
     def record_ready(self, group: KVGroupTensors) -> Any:
         """On the engine thread at submit: an event marking the KV bytes as written (CUDA), else None."""

@@ -308,6 +308,45 @@ def test_move_pieces_in_a_forked_child_after_the_parent_used_its_pool(move_piece
     assert child.exitcode == 0
 
 
+def _wake_in_child(conn: Any) -> None:
+    import os
+
+    from tieredkv._fastrec import move_wake
+
+    def count() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = count()
+    move_wake(4)  # a fresh pool (this is a forked child): three helpers start, awake
+    woken = count() - before
+    move_wake(4)  # already there: none more
+    again = count() - before
+    dst, doff, src, soff, want = _big_case(43)
+    staging._move_pieces(dst, doff, src, soff, 16 << 10, 4)  # type: ignore[misc]
+    conn.send((woken, again, count() - before, bool(np.array_equal(dst, want))))
+
+
+def test_move_wake_starts_the_helpers_a_move_then_uses(move_pieces: Callable[..., int]) -> None:
+    """``move_wake`` (called when a job is queued) starts the pool's helpers ahead of the move;
+    the move then starts none of its own, and lands byte-exact. Its thread count is checked."""
+    import multiprocessing
+
+    from tieredkv._fastrec import move_wake
+
+    for bad in (0, 9, -1):
+        with pytest.raises(ValueError, match="threads must be 1..8"):
+            move_wake(bad)
+    move_wake(1)  # one thread: no helper to wake
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_wake_in_child, args=(there,))
+    child.start()
+    assert here.poll(120), "the child did not answer"  # a bound on a hang, not a wait
+    assert here.recv() == (3, 3, 3, True)
+    child.join()
+    assert child.exitcode == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Copier on CPU tensors, against a pure-torch reference
 # ---------------------------------------------------------------------------------------------
@@ -569,6 +608,30 @@ def test_every_path_refuses_block_ids_outside_the_tensors(path: str, monkeypatch
 def test_copier_threads_are_checked_when_made(threads: object) -> None:
     with pytest.raises(ValueError, match="Copier threads must be an int from 1 to 8"):
         Copier(threads=threads)  # type: ignore[arg-type]
+
+
+def test_copier_wakes_the_helpers_only_for_host_moves_on_several_threads(
+    move_pieces: Callable[..., int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Copier.wake`` (the pipeline calls it as a job is queued) wakes the C helper's threads
+    for a group in host memory and a copier of 2+ threads; not for one thread, nor for a group
+    whose moves take the device path."""
+    calls: list[int] = []
+    real = staging._move_wake
+    assert real is not None
+
+    def counted(threads: int) -> None:
+        calls.append(threads)
+        real(threads)
+
+    monkeypatch.setattr(staging, "_move_wake", counted)
+    host = KVGroupTensors([torch.zeros(8, 64, dtype=torch.uint8)])
+    Copier(threads=3).wake(host)
+    Copier(threads=1).wake(host)
+    device = KVGroupTensors([torch.zeros(8, 64, dtype=torch.uint8)])
+    device.host_arrays = None  # as a CUDA group has none
+    Copier(threads=2).wake(device)
+    assert calls == [3]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -762,8 +762,8 @@ static void pool_after_fork(void) {
  * nothing done, when another call holds the pool or its threads cannot be started (the caller
  * then moves ``w`` with threads of its own). */
 static int atfork_done;
-static int pool_run(move_work *w, long helpers) {
-    if (pthread_mutex_trylock(&pool.use) != 0) return 0;
+/* Starts helpers until the pool holds ``helpers`` (pool.use held). */
+static void pool_grow(long helpers) {
     if (!atfork_done) atfork_done = pthread_atfork(NULL, NULL, pool_after_fork) == 0 ? 1 : -1;
     while (pool.size < helpers && atfork_done > 0) {
         pthread_t t;
@@ -777,6 +777,11 @@ static int pool_run(move_work *w, long helpers) {
         if (rc != 0) break;
         pool.size++;
     }
+}
+
+static int pool_run(move_work *w, long helpers) {
+    if (pthread_mutex_trylock(&pool.use) != 0) return 0;
+    pool_grow(helpers);
     if (pool.size < helpers) {
         pthread_mutex_unlock(&pool.use);
         return 0;
@@ -796,6 +801,29 @@ static int pool_run(move_work *w, long helpers) {
     }
     pthread_mutex_unlock(&pool.use);
     return 1;
+}
+
+/* move_wake(threads) -> None
+ * Wakes the pool's helpers (starting them if the pool holds fewer than ``threads`` - 1), so that
+ * they spin, ready, for the next MOVE_SPIN_NS: called when a job is queued, so the move it will
+ * make finds them running instead of paying their wake-up (a millisecond on this VM) itself. A
+ * pool in use is awake already: nothing is done. */
+static PyObject *move_wake(PyObject *self, PyObject *arg) {
+    long threads = PyLong_AsLong(arg);
+    if (threads == -1 && PyErr_Occurred()) return NULL;
+    if (threads < 1 || threads > MOVE_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "move_wake: threads must be 1..%d, got %ld", MOVE_MAX_THREADS, threads);
+        return NULL;
+    }
+    if (threads > 1 && pthread_mutex_trylock(&pool.use) == 0) {
+        pool_grow(threads - 1);
+        __atomic_fetch_add(&pool.gen, 1, __ATOMIC_RELEASE); /* no call open: they join nothing, and spin */
+        pthread_mutex_lock(&pool.lock);
+        if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+        pthread_mutex_unlock(&pool.use);
+    }
+    Py_RETURN_NONE;
 }
 
 /* An int64 offsets buffer (format 'q', or 'l' where long is 64 bits), contiguous; -1 with a
@@ -1169,6 +1197,8 @@ static PyMethodDef methods[] = {
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {"move_pieces", (PyCFunction)(void (*)(void))move_pieces, METH_FASTCALL,
      "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied (scattered blocks)"},
+    {"move_wake", (PyCFunction)move_wake, METH_O,
+     "move_wake(threads) -> None: wake move_pieces' helper threads ahead of a move"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,
      "read_placed(directory, entries, keys, dsts, layout) -> list: read_records of records placed by index entries"},
     {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,

@@ -233,6 +233,7 @@ class Pipeline:
             self._events += 1
             return False
         grp, buf = admitted
+        self.copier.wake(grp.tensors)
         ready = self.copier.record_ready(grp.tensors)
         self.inflight.begin([c.key for c in job.chunks])
         self.loop.spawn(self._store(job, grp, buf, ready, time.perf_counter()))
@@ -247,6 +248,7 @@ class Pipeline:
         if admitted is None:
             return False
         grp, buf = admitted
+        self.copier.wake(grp.tensors)
         self.inflight.begin()
         self.loop.spawn(self._load(job, grp, buf, time.perf_counter()))
         return True

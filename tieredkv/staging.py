@@ -16,11 +16,16 @@ Primitives:
   caller's stream, and completion is an event; with CPU tensors a job's blocks move in one call
   per tensor (the C helper's ``move_pieces``: scattered blocks, non-temporal stores, the GIL
   released, split over ``threads``), or, without the helper, one NumPy copy per run of
-  consecutive blocks (``index_copy_`` on bytes is ~12x slower here).
+  consecutive blocks (``index_copy_`` on bytes is ~12x slower here). Asked to ``defer``, a host
+  move is queued to the C helper's mover thread and its completion is a :class:`HostMove` the
+  loop awaits (:meth:`Copier.wait`: woken through a pipe the mover writes to, no polling) while
+  it goes on with other jobs; :func:`settle` ends what a job that stops early has in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
 from bisect import insort
 from collections.abc import Sequence
@@ -38,8 +43,12 @@ try:  # its helper threads woken ahead of a move (a build older than that lacks 
     from tieredkv._fastrec import move_wake as _move_wake
 except ImportError:
     _move_wake = None
+try:  # a move queued to the helper's own thread (deferred moves; older builds: none)
+    from tieredkv._fastrec import move_pieces_async as _move_pieces_async
+except ImportError:
+    _move_pieces_async = None
 
-__all__ = ["Copier", "KVGroupTensors", "StagingBuffer", "StagingPool"]
+__all__ = ["Copier", "HostMove", "KVGroupTensors", "StagingBuffer", "StagingPool", "settle"]
 
 _ALIGN = 4096
 
@@ -202,6 +211,13 @@ class Copier:
     def __init__(self, threads: int = 1) -> None:
         self.cuda = torch.cuda.is_available()
         self._streams: dict[Any, Any] = {}
+        #: Deferred host moves: the pipe the mover thread writes a byte to as each ends (read
+        #: end, write end; made at the first), the moves not seen over yet (:meth:`close`
+        #: settles them before the pipe goes), and the loop's waiters.
+        self._notify: tuple[int, int] | None = None
+        self._moves: list[HostMove] = []
+        self._waiters: list[tuple[HostMove, asyncio.Future[None]]] = []
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 8:
             raise ValueError(f"Copier threads must be an int from 1 to 8, got {threads!r}")
         #: Host copies of one call are split over this many threads (:func:`_move_host`).
@@ -212,6 +228,78 @@ class Copier:
         if s is None:
             s = self._streams[device] = torch.cuda.Stream(device=device)
         return s
+
+    def _defer(self, calls: list[tuple[Any, ...]]) -> HostMove:
+        assert _move_pieces_async is not None
+        if self._notify is None:
+            self._notify = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = self._notify[1]
+        move = HostMove([_move_pieces_async(*call, self.threads, fd) for call in calls])
+        self._moves.append(move)
+        return move
+
+    async def wait(self, ev: Any) -> None:
+        """Wait, on the loop, for what a move returned: None (nothing), a :class:`HostMove`
+        (woken by the mover's pipe), or a CUDA event (polled)."""
+        if ev is None:
+            return
+        if not isinstance(ev, HostMove):
+            while not ev.query():
+                await asyncio.sleep(0.0002)
+            return
+        if ev.query():
+            return
+        assert self._notify is not None
+        loop = asyncio.get_running_loop()
+        if self._reader_loop is not loop:
+            self._unwatch()
+            loop.add_reader(self._notify[0], self._on_notify)
+            self._reader_loop = loop
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = (ev, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        finally:
+            if not fut.done():  # cancelled: no longer a waiter
+                self._waiters.remove(entry)
+
+    def _on_notify(self) -> None:
+        """The mover's pipe is readable: some move ended. Wake the waiters whose moves are over."""
+        assert self._notify is not None
+        try:
+            while os.read(self._notify[0], 4096):
+                pass
+        except BlockingIOError:
+            pass
+        waiting = []
+        for ev, fut in self._waiters:
+            if not ev.query():
+                waiting.append((ev, fut))
+            elif not fut.done():
+                fut.set_result(None)
+        self._waiters = waiting
+        self._moves = [m for m in self._moves if not m.query()]
+
+    def _unwatch(self) -> None:
+        if self._reader_loop is not None and self._notify is not None:
+            try:
+                self._reader_loop.remove_reader(self._notify[0])
+            except RuntimeError:  # the loop is closed: nothing to remove
+                pass
+        self._reader_loop = None
+
+    def close(self) -> None:
+        """Settle the deferred moves not seen over (none writes to the pipe after this) and close
+        the pipe (idempotent; a move deferred afterwards makes a new one)."""
+        settle(self._moves)
+        self._moves = []
+        self._waiters = []
+        self._unwatch()
+        if self._notify is not None:
+            for fd in self._notify:
+                os.close(fd)
+            self._notify = None
 
     def wake(self, group: KVGroupTensors) -> None:
         """On the engine thread when a job of ``group`` is queued: wake the C helper's threads
@@ -237,36 +325,61 @@ class Copier:
         after: Any = None,
         *,
         chunk_blocks: int | None = None,
+        defer: bool = False,
     ) -> Any:
         """Copy blocks ``block_ids`` into ``dst`` in payload layout. With ``chunk_blocks``, the ids
         are those of ``len(block_ids) // chunk_blocks`` whole chunks, one after another, and
         ``dst`` receives their payloads back to back (one call for a job's chunks); else they
-        are one chunk. Returns a completion event or None."""
+        are one chunk. Returns a completion event or None (``defer``: see :meth:`_move`)."""
         bpc = chunk_blocks or len(block_ids)
         if bpc and len(block_ids) % bpc:
             raise ValueError(f"{len(block_ids)} block ids are not whole chunks of {bpc} blocks")
-        return self._move(group, _Places(None, block_ids), bpc, dst, after, to_staging=True)
+        return self._move(group, _Places(None, block_ids), bpc, dst, after, to_staging=True, defer=defer)
 
     def scatter(
-        self, group: KVGroupTensors, placements: Sequence[tuple[int, int]], src: torch.Tensor, chunk_blocks: int
+        self,
+        group: KVGroupTensors,
+        placements: Sequence[tuple[int, int]],
+        src: torch.Tensor,
+        chunk_blocks: int,
+        *,
+        defer: bool = False,
     ) -> Any:
         """Copy payloads ``src`` (chunks of ``chunk_blocks`` blocks, back to back) into the device:
         each ``(position, block_id)`` of ``placements``, position ``q`` being block
         ``q % chunk_blocks`` of chunk ``q // chunk_blocks``; positions not listed are not copied."""
-        return self._move(group, _Places.of(placements), chunk_blocks, src, None, to_staging=False)
+        return self._move(group, _Places.of(placements), chunk_blocks, src, None, to_staging=False, defer=defer)
 
     def scatter_blocks(
-        self, group: KVGroupTensors, block_ids: Sequence[int], src: torch.Tensor, chunk_blocks: int
+        self,
+        group: KVGroupTensors,
+        block_ids: Sequence[int],
+        src: torch.Tensor,
+        chunk_blocks: int,
+        *,
+        defer: bool = False,
     ) -> Any:
         """:meth:`scatter` of whole chunks: block ``block_ids[q]`` gets position ``q`` (the
         reverse of :meth:`gather` with ``chunk_blocks``)."""
         if len(block_ids) % chunk_blocks:
             raise ValueError(f"{len(block_ids)} block ids are not whole chunks of {chunk_blocks} blocks")
-        return self._move(group, _Places(None, block_ids), chunk_blocks, src, None, to_staging=False)
+        return self._move(group, _Places(None, block_ids), chunk_blocks, src, None, to_staging=False, defer=defer)
 
     def _move(
-        self, group: KVGroupTensors, places: _Places, bpc: int, buf: torch.Tensor, after: Any, *, to_staging: bool
+        self,
+        group: KVGroupTensors,
+        places: _Places,
+        bpc: int,
+        buf: torch.Tensor,
+        after: Any,
+        *,
+        to_staging: bool,
+        defer: bool = False,
     ) -> Any:
+        """The move, checked here whatever the path. With ``defer``, a host move with the C helper
+        is queued to its mover thread (moves run in the order they were queued) and a
+        :class:`HostMove` is returned: :meth:`wait` for it before using the bytes, and
+        :func:`settle` it before the memory on either side is reused."""
         if not places.ids:
             return None
         lo, hi = min(places.ids), max(places.ids)
@@ -279,6 +392,8 @@ class Copier:
                 f" ({group.chunk_bytes(bpc) * chunks})"
             )
         if group.host_arrays is not None and buf.device.type == "cpu":
+            if defer and _move_pieces_async is not None:
+                return self._defer(_host_pieces(group, places, bpc, buf.numpy(), to_staging))
             return _move_host(group, places, bpc, buf.numpy(), to_staging, self.threads)
         on_cuda = group.device.type == "cuda"
         if on_cuda:
@@ -425,14 +540,8 @@ def _move_host(
     arrays = group.host_arrays
     assert arrays is not None
     if _move_pieces is not None:
-        pos, ids = places.arrays()
-        for arr, bb, at_buf in zip(arrays, group.block_bytes, _payload_offsets(group, pos, bpc)):
-            flat = arr.reshape(-1)
-            at_dev = ids * bb
-            if to_staging:
-                _move_pieces(buf, at_buf, flat, at_dev, bb, threads)
-            else:
-                _move_pieces(flat, at_dev, buf, at_buf, bb, threads)
+        for call in _host_pieces(group, places, bpc, buf, to_staging):
+            _move_pieces(*call, threads)
         return
     cb = group.chunk_bytes(bpc)
     base = 0
@@ -447,6 +556,56 @@ def _move_host(
             else:
                 np.copyto(dev, view)
         base += bpc * bb
+
+
+def _host_pieces(
+    group: KVGroupTensors, places: _Places, bpc: int, buf: np.ndarray, to_staging: bool
+) -> list[tuple[Any, ...]]:
+    """The ``move_pieces`` calls of a host move, one per tensor: ``(dst, dst_offsets, src,
+    src_offsets, piece)``."""
+    arrays = group.host_arrays
+    assert arrays is not None
+    pos, ids = places.arrays()
+    calls: list[tuple[Any, ...]] = []
+    for arr, bb, at_buf in zip(arrays, group.block_bytes, _payload_offsets(group, pos, bpc)):
+        flat, at_dev = arr.reshape(-1), ids * bb
+        calls.append((buf, at_buf, flat, at_dev, bb) if to_staging else (flat, at_dev, buf, at_buf, bb))
+    return calls
+
+
+class HostMove:
+    """A deferred host move: one ``move_pieces_async`` ticket per tensor, over when all are.
+    ``query()`` and ``synchronize()`` as a CUDA event; ``cancel()`` takes the tickets that have
+    not started off the mover's queue and waits for the others. A ticket holds its buffers until
+    its move is over (dropping one waits for that)."""
+
+    __slots__ = ("tickets",)
+
+    def __init__(self, tickets: list[Any]) -> None:
+        self.tickets = tickets
+
+    def query(self) -> bool:
+        return all(t.query() for t in self.tickets)
+
+    def synchronize(self) -> None:
+        for t in self.tickets:
+            t.synchronize()
+
+    def cancel(self) -> None:
+        for t in reversed(self.tickets):  # the last queued first: none starts after its turn
+            t.cancel()
+
+
+def settle(moves: Sequence[Any]) -> None:
+    """Block until none of ``moves`` (what :class:`Copier` returned: None, a CUDA event, a
+    :class:`HostMove`) can still touch memory: a deferred move not started yet is taken off the
+    queue, one running is waited for, a CUDA event is synchronized. For a job that ends early (an
+    error, a cancel, its timeout) before it gives back slots or staging another job may reuse."""
+    for ev in reversed(moves):
+        if isinstance(ev, HostMove):
+            ev.cancel()
+        elif ev is not None:
+            ev.synchronize()
 
 
 def _runs(placements: Sequence[tuple[int, int]], bpc: int | None = None) -> list[tuple[int, int, int]]:

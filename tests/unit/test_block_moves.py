@@ -347,6 +347,155 @@ def test_move_wake_starts_the_helpers_a_move_then_uses(move_pieces: Callable[...
     assert child.exitcode == 0
 
 
+# ---- moves queued to the mover thread (move_pieces_async) ----------------------------------
+
+
+@pytest.fixture
+def move_async(move_pieces: Callable[..., int]) -> Callable[..., Any]:
+    assert staging._move_pieces_async is not None, "a build with move_pieces has move_pieces_async"
+    return staging._move_pieces_async
+
+
+def test_queued_moves_land_byte_exact_in_order_and_notify(move_async: Callable[..., Any]) -> None:
+    """Twelve moves queued at once (each 4 MiB of scattered pieces), the later ones over the
+    same destination as earlier ones: they run in the order queued (the last writer wins), each
+    writes one byte to the notify pipe when over, and a ticket reports it."""
+    import os
+
+    r, w = os.pipe2(os.O_NONBLOCK)
+    try:
+        cases = [_big_case(200 + k) for k in range(6)]
+        shared = np.zeros_like(cases[0][0])
+        tickets = []
+        for dst, doff, src, soff, _ in cases:
+            tickets.append(move_async(dst, doff, src, soff, 16 << 10, 2, w))
+            tickets.append(move_async(shared, doff, src, soff, 16 << 10, 2, w))  # overwritten by the next
+        for t in tickets:
+            t.synchronize()
+            assert t.query()
+        for dst, _, _, _, want in cases:
+            assert np.array_equal(dst, want)
+        assert np.array_equal(shared, cases[-1][4])  # the last queued wrote last
+        assert len(os.read(r, 4096)) == len(tickets)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_queued_move_checks_its_arguments_at_the_call(move_async: Callable[..., Any]) -> None:
+    dst = np.zeros(64, dtype=np.uint8)
+    src = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="source offset 61"):
+        move_async(dst, _i64(0), src, _i64(61), 4, 1, -1)
+    with pytest.raises(ValueError, match="notify_fd"):
+        move_async(dst, _i64(0), src, _i64(0), 4, 1, -2)
+    with pytest.raises(TypeError):
+        move_async(dst, _i64(0), src, _i64(0), 4, 1)  # notify_fd is not optional
+    t = move_async(dst, _i64(0), src, _i64(8), 4, 1, -1)
+    t.synchronize()
+    assert dst[:4].tolist() == [8, 9, 10, 11]
+    assert not dst[4:].any()
+
+
+def test_cancel_takes_queued_moves_off_and_they_move_nothing(move_async: Callable[..., Any]) -> None:
+    """Behind a long move, queued ones cancelled before they start leave their destination as
+    it was; one cancelled after it ran reports False (it moved)."""
+    blocker = _big_case(300, count=2048)  # 32 MiB: the mover is busy with it for a while
+    first = move_async(blocker[0], blocker[1], blocker[2], blocker[3], 16 << 10, 2, -1)
+    queued = [_big_case(301 + k) for k in range(4)]
+    tickets = [move_async(d, do, sr, so, 16 << 10, 2, -1) for d, do, sr, so, _ in queued]
+    outcomes = [t.cancel() for t in reversed(tickets)]  # the last queued first
+    first.synchronize()
+    assert np.array_equal(blocker[0], blocker[4])
+    for t, ok, (dst, _, _, _, want) in zip(tickets, reversed(outcomes), queued):
+        assert t.query()
+        if ok:  # taken off before it ran: nothing written
+            assert not dst.any()
+        else:
+            assert np.array_equal(dst, want)
+    assert any(outcomes), "none of the four queued behind 32 MiB was still queued"
+    assert first.cancel() is False  # over already: it moved
+
+
+def test_dropping_tickets_waits_for_their_moves(move_async: Callable[..., Any]) -> None:
+    """A ticket holds its buffers: dropping one while queued or running waits for (or cancels)
+    its move before its buffers go. Dropped tickets and kept ones interleaved, then the kept ones
+    land byte-exact, and the process survives the buffers being freed at once."""
+    import gc
+
+    kept = []
+    for k in range(8):
+        dst, doff, src, soff, want = _big_case(400 + k)
+        t = move_async(dst, doff, src, soff, 16 << 10, 2, -1)
+        if k % 2:
+            kept.append((t, dst, want))
+        del t, dst, doff, src, soff  # the odd ones live on in ``kept``; the even ones go now
+        gc.collect()
+    for t, dst, want in kept:
+        t.synchronize()
+        assert np.array_equal(dst, want)
+
+
+def _async_in_child(conn: Any) -> None:
+    dst, doff, src, soff, want = _big_case(45)
+    t = staging._move_pieces_async(dst, doff, src, soff, 16 << 10, 2, -1)  # type: ignore[misc]
+    t.synchronize()
+    conn.send(bool(np.array_equal(dst, want)))
+
+
+def test_queued_moves_in_a_forked_child(move_async: Callable[..., Any]) -> None:
+    """The parent's mover thread is not in a forked child: the child starts its own."""
+    import multiprocessing
+
+    dst, doff, src, soff, want = _big_case(44)
+    move_async(dst, doff, src, soff, 16 << 10, 2, -1).synchronize()  # the parent's mover runs
+    assert np.array_equal(dst, want)
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_async_in_child, args=(there,))
+    child.start()
+    assert here.poll(120), "the child's queued move did not finish"  # a bound on a hang, not a wait
+    assert here.recv() is True
+    child.join()
+    assert child.exitcode == 0
+
+
+def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(move_pieces: Callable[..., int]) -> None:
+    """``Copier(defer=True)`` moves on the mover thread; ``Copier.wait`` returns once each move
+    is over (woken by the pipe, on a real asyncio loop); ``settle`` and ``close`` leave nothing
+    in flight and close the pipe."""
+    import asyncio
+    import os
+
+    g = torch.Generator().manual_seed(46)
+    kv = torch.randint(0, 256, (64, 64 << 10), dtype=torch.uint8, generator=g)
+    group = KVGroupTensors([kv])
+    copier = Copier(threads=2)
+    ids = torch.randperm(64, generator=g).tolist()
+    outs = [torch.zeros(16 * (64 << 10), dtype=torch.uint8) for _ in range(4)]
+
+    async def run() -> None:
+        moves = [copier.gather(group, ids[16 * k : 16 * k + 16], outs[k], chunk_blocks=4, defer=True) for k in range(4)]
+        assert all(isinstance(m, staging.HostMove) for m in moves)
+        for m in moves:
+            await copier.wait(m)
+            assert m.query()
+
+    asyncio.run(run())
+    for k in range(4):
+        assert torch.equal(outs[k].view(16, -1), kv[ids[16 * k : 16 * k + 16]])
+    assert copier._notify is not None
+    r, w = copier._notify
+    late = copier.gather(group, ids[:16], torch.zeros_like(outs[0]), chunk_blocks=4, defer=True)
+    copier.close()  # settles ``late`` and closes the pipe
+    assert late.query()
+    assert copier._notify is None
+    for fd in (r, w):
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    copier.close()  # idempotent
+
+
 # ---------------------------------------------------------------------------------------------
 # Copier on CPU tensors, against a pure-torch reference
 # ---------------------------------------------------------------------------------------------
@@ -801,3 +950,86 @@ def test_staging_prefault_touches_the_pool_only_while_nothing_is_in_use() -> Non
     pool.release(buf)
     pool.prefault()
     assert pool.free_bytes == pool.capacity
+
+
+class _GatedTicket:
+    """Fault injection around a real ``move_pieces_async`` ticket: it reports itself not over
+    until the test opens the gate, so a job is certain to be waiting on it; ``cancel`` and
+    ``synchronize`` go to the real ticket (and open the gate)."""
+
+    def __init__(self, real: Any, gate: Any, log: list[str]) -> None:
+        self.real, self.gate, self.log = real, gate, log
+
+    def query(self) -> bool:
+        return self.gate.is_set() and bool(self.real.query())
+
+    def cancel(self) -> bool:
+        self.log.append("settled")
+        self.gate.set()
+        return bool(self.real.cancel())
+
+    def synchronize(self) -> None:
+        self.gate.set()
+        self.real.synchronize()
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+def test_a_job_cancelled_while_its_copies_are_deferred_settles_them_before_its_slots_go_back(
+    move_pieces: Callable[..., int], monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """A slot-path job whose deferred copy is not over when the store closes under it (its task
+    cancelled): the copy is settled (taken off the mover's queue or waited for) before the CPU
+    tier gets the slots back (``abort`` of a store's reserved slots, ``give_back`` of a load's
+    borrowed ones), so no copy writes a slot another job may be handed, or reads one freed."""
+    import threading
+
+    from tieredkv.backends.cpu.slab import SlabTier
+    from tieredkv.config import NamespaceConfig, PipelineConfig, TieredKVConfig
+    from tieredkv.keys import Namespace
+    from tieredkv.store import TieredStore
+
+    bpc, n, bb = 4, 8, 16 << 10
+    kv = torch.randint(0, 256, (1 + 2 * n * bpc, bb), dtype=torch.uint8, generator=torch.Generator().manual_seed(47))
+    cfg = TieredKVConfig(
+        namespace=NamespaceConfig(model="gated"),
+        pipeline=PipelineConfig(max_batch_items=n),
+        tiers=[{"kind": "cpu", "capacity_bytes": "64MiB"}],
+    )
+    ns = Namespace(model="gated")
+    keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
+    chunks = [(keys[i], list(range(1 + i * bpc, 1 + (i + 1) * bpc))) for i in range(n)]
+    back = [(keys[i], list(range(1 + (n + i) * bpc, 1 + (n + i + 1) * bpc))) for i in range(n)]
+    log: list[str] = []
+    gate = threading.Event()
+    queued = threading.Event()
+    real_async = staging._move_pieces_async
+    assert real_async is not None
+
+    def gated(*args: Any) -> _GatedTicket:
+        queued.set()
+        return _GatedTicket(real_async(*args), gate, log)
+
+    for name in ("abort", "give_back"):
+        real = getattr(SlabTier, name)
+
+        def wrapped(self: Any, *a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            log.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(SlabTier, name, wrapped)
+    store = TieredStore(cfg, namespace=ns)
+    store.start()
+    try:
+        store.register_group(0, [kv], blocks_per_chunk=bpc)
+        if op == "load":  # stored first, ungated
+            (res,) = store.wait([store.store(0, chunks)]).values()
+            assert res.ok, res.error
+        monkeypatch.setattr(staging, "_move_pieces_async", gated)
+        job = store.store(0, chunks) if op == "store" else store.load(0, back)
+        assert job is not None
+        assert queued.wait(60)  # the job's copy is queued and held: it is waiting on it
+    finally:
+        store.close(timeout=0)  # cancels the job under its copy
+    want = "abort" if op == "store" else "give_back"
+    assert want in log and "settled" in log
+    assert log.index("settled") < log.index(want), log

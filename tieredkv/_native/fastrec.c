@@ -855,74 +855,294 @@ static int offsets(PyObject *o, Py_buffer *b, const char *what) {
  * MOVE_THREAD_AT bytes or more. Destination ranges must not overlap one another (what lands
  * there is then the last writer's); buffers that share memory are copied item by item with
  * memmove, in order, on one thread. */
+/* A move_pieces call's arguments checked and held: its four buffers (released by move_release)
+ * and its work; 0, or -1 with an exception set and nothing held. */
+typedef struct {
+    Py_buffer dst, src, db, sb;
+    move_work work;
+    long nt;            /* threads it runs on */
+    Py_ssize_t total;   /* bytes it moves */
+} move_args;
+
+static int move_prepare(const char *name, PyObject *const *args, Py_ssize_t nargs, move_args *m) {
+    Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
+    if (piece == -1 && PyErr_Occurred()) return -1;
+    long threads = nargs >= 6 ? PyLong_AsLong(args[5]) : 1;
+    if (threads == -1 && PyErr_Occurred()) return -1;
+    if (piece <= 0 || threads < 1 || threads > MOVE_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "%s: piece must be > 0 (got %zd) and threads 1..%d (got %ld)", name, piece,
+                     MOVE_MAX_THREADS, threads);
+        return -1;
+    }
+    Py_buffer *dst = &m->dst, *src = &m->src, *db = &m->db, *sb = &m->sb;
+    if (two_buffers(args[0], dst, PyBUF_WRITABLE, args[2], src, PyBUF_SIMPLE) < 0) return -1;
+    if (offsets(args[1], db, "dst_offsets") < 0) goto out2;
+    if (offsets(args[3], sb, "src_offsets") < 0) goto out1;
+    Py_ssize_t count = db->len / 8;
+    if (sb->len / 8 != count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd destination offsets but %zd source offsets", name, count, sb->len / 8);
+        goto out0;
+    }
+    const int64_t *doff = db->buf, *soff = sb->buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (doff[i] < 0 || doff[i] > (int64_t)(dst->len - piece) || dst->len < piece) {
+            PyErr_Format(PyExc_ValueError, "%s: destination offset %lld (item %zd) is outside %zd bytes", name,
+                         (long long)doff[i], i, dst->len);
+            goto out0;
+        }
+        if (soff[i] < 0 || soff[i] > (int64_t)(src->len - piece) || src->len < piece) {
+            PyErr_Format(PyExc_ValueError, "%s: source offset %lld (item %zd) is outside %zd bytes", name,
+                         (long long)soff[i], i, src->len);
+            goto out0;
+        }
+    }
+    uintptr_t d0 = (uintptr_t)dst->buf, s0 = (uintptr_t)src->buf;
+    int overlap = d0 < s0 + (uintptr_t)src->len && s0 < d0 + (uintptr_t)dst->len;
+    m->total = count * piece;
+    long nt = overlap ? 1 : threads;
+    while (nt > 1 && m->total / nt < MOVE_THREAD_AT) nt--;
+    m->nt = nt;
+    /* one thread: one batch; else batches of about MOVE_BATCH bytes, in order */
+    Py_ssize_t batch = nt == 1 ? (count ? count : 1) : (MOVE_BATCH + piece - 1) / piece;
+    m->work = (move_work){(uint8_t *)dst->buf, (const uint8_t *)src->buf, doff, soff, count, batch, 0, (size_t)piece,
+                          overlap};
+    return 0;
+out0:
+    PyBuffer_Release(sb);
+out1:
+    PyBuffer_Release(db);
+out2:
+    PyBuffer_Release(src);
+    PyBuffer_Release(dst);
+    return -1;
+}
+
+static void move_release(move_args *m) {
+    PyBuffer_Release(&m->sb);
+    PyBuffer_Release(&m->db);
+    PyBuffer_Release(&m->src);
+    PyBuffer_Release(&m->dst);
+}
+
+/* Runs a prepared move on nt threads, this one included (no GIL needed). */
+static void move_exec(move_work *work, long nt) {
+    pthread_t tids[MOVE_MAX_THREADS];
+    int started[MOVE_MAX_THREADS] = {0};
+    if (nt == 1 || !pool_run(work, nt - 1)) { /* the pool busy (another call): threads of its own */
+        for (long t = 1; t < nt; t++) started[t] = pthread_create(&tids[t], NULL, move_run, work) == 0;
+        move_run(work); /* this thread claims batches too, and the rest when no thread could start */
+        for (long t = 1; t < nt; t++)
+            if (started[t]) pthread_join(tids[t], NULL);
+    }
+}
+
+/* move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied
+ * Copies, for each i, the ``piece`` bytes of ``src`` at src_offsets[i] to ``dst`` at
+ * dst_offsets[i] (int64 arrays of the same length): a job's scattered blocks gathered into
+ * staging, or scattered back, in one call, the GIL released. Every offset is checked before the
+ * first byte moves (a ValueError names the first one out of range; nothing is copied). With
+ * ``threads`` > 1 the items are split among that many threads (this one included) when each gets
+ * MOVE_THREAD_AT bytes or more. Destination ranges must not overlap one another (what lands
+ * there is then the last writer's); buffers that share memory are copied item by item with
+ * memmove, in order, on one thread. */
 static PyObject *move_pieces(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 5 || nargs > 6) {
         PyErr_SetString(PyExc_TypeError, "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1)");
         return NULL;
     }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[4]);
-    if (piece == -1 && PyErr_Occurred()) return NULL;
-    long threads = nargs == 6 ? PyLong_AsLong(args[5]) : 1;
-    if (threads == -1 && PyErr_Occurred()) return NULL;
-    if (piece <= 0 || threads < 1 || threads > MOVE_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "move_pieces: piece must be > 0 (got %zd) and threads 1..%d (got %ld)", piece,
-                     MOVE_MAX_THREADS, threads);
+    move_args m;
+    if (move_prepare("move_pieces", args, nargs, &m) < 0) return NULL;
+    PyThreadState *state = unlocked(m.total);
+    move_exec(&m.work, m.nt);
+    relock(state);
+    move_release(&m);
+    return PyLong_FromSsize_t(m.total);
+}
+
+/* ---- moves in the background: one mover thread runs queued moves in order ----
+ * move_pieces_async queues a checked move and returns a MoveTicket at once; the mover thread
+ * (started at the first, again in a forked child) runs the queue in order, each move on the
+ * pool as move_pieces would, and never takes the GIL: the caller's loop goes on meanwhile. When
+ * a move is over the mover writes one byte to the ticket's ``notify_fd`` (a pipe the caller's
+ * loop watches; -1: none), so nobody polls. The ticket holds the buffers until the move is over:
+ * dropping it waits for that (or takes it off the queue if it has not started), so no move
+ * writes or reads memory that was given back. */
+typedef struct MoveTicket {
+    PyObject_HEAD
+    move_args m;
+    int notify_fd;
+    int state; /* 0 queued, 1 running, 2 done, 3 cancelled (under mover.lock; 2 and 3 final) */
+    struct MoveTicket *next;
+} MoveTicket;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t work; /* a move was queued */
+    pthread_cond_t done; /* a move ended */
+    MoveTicket *head, *tail;
+    MoveTicket *current; /* the move running */
+    int started;
+} mover = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, NULL, 0};
+
+static void *mover_main(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&mover.lock);
+    for (;;) {
+        while (mover.head == NULL) pthread_cond_wait(&mover.work, &mover.lock);
+        MoveTicket *t = mover.head;
+        mover.head = t->next;
+        if (mover.head == NULL) mover.tail = NULL;
+        t->state = 1;
+        mover.current = t;
+        pthread_mutex_unlock(&mover.lock);
+        move_exec(&t->m.work, t->m.nt);
+        pthread_mutex_lock(&mover.lock);
+        mover.current = NULL;
+        int fd = t->notify_fd;
+        __atomic_store_n(&t->state, 2, __ATOMIC_RELEASE); /* t may be freed once the lock is let go */
+        pthread_cond_broadcast(&mover.done);
+        if (fd >= 0) {
+            ssize_t w = write(fd, "m", 1); /* a full pipe has news to read already */
+            (void)w;
+        }
+    }
+    return NULL;
+}
+
+static void mover_after_fork(void) {
+    /* the parent's mover is not in the child: the parent's queued moves never run there */
+    pthread_mutex_init(&mover.lock, NULL);
+    pthread_cond_init(&mover.work, NULL);
+    pthread_cond_init(&mover.done, NULL);
+    for (MoveTicket *t = mover.head; t != NULL; t = t->next) t->state = 3;
+    if (mover.current != NULL) mover.current->state = 3; /* half moved, in the parent */
+    mover.head = mover.tail = mover.current = NULL;
+    mover.started = 0;
+}
+
+/* Waits (the GIL let go) until the ticket's move is over, or takes it off the queue when it has
+ * not started and ``cancel``. Returns its final state. */
+static int ticket_settle(MoveTicket *t, int cancel) {
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&mover.lock);
+    if (cancel && t->state == 0) {
+        MoveTicket **p = &mover.head, *prev = NULL;
+        while (*p != NULL && *p != t) {
+            prev = *p;
+            p = &(*p)->next;
+        }
+        if (*p == t) {
+            *p = t->next;
+            if (mover.tail == t) mover.tail = prev;
+        }
+        t->state = 3;
+    }
+    while (t->state < 2) pthread_cond_wait(&mover.done, &mover.lock);
+    st = t->state;
+    pthread_mutex_unlock(&mover.lock);
+    Py_END_ALLOW_THREADS
+    return st;
+}
+
+static void ticket_dealloc(MoveTicket *t) {
+    ticket_settle(t, 1);
+    move_release(&t->m);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *ticket_query(MoveTicket *t, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(__atomic_load_n(&t->state, __ATOMIC_ACQUIRE) >= 2);
+}
+
+static PyObject *ticket_synchronize(MoveTicket *t, PyObject *unused) {
+    (void)unused;
+    ticket_settle(t, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ticket_cancel(MoveTicket *t, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(ticket_settle(t, 1) == 3);
+}
+
+static PyMethodDef ticket_methods[] = {
+    {"query", (PyCFunction)ticket_query, METH_NOARGS, "query() -> whether the move is over (done or cancelled)"},
+    {"synchronize", (PyCFunction)ticket_synchronize, METH_NOARGS,
+     "synchronize() -> None: wait until the move is over (the GIL let go)"},
+    {"cancel", (PyCFunction)ticket_cancel, METH_NOARGS,
+     "cancel() -> True when the move was taken off the queue before it started (nothing moved); "
+     "else waits for it to end and returns False"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MoveTicketType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tieredkv._fastrec.MoveTicket",
+    .tp_basicsize = sizeof(MoveTicket),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A queued move_pieces_async move: query(), synchronize(), cancel().",
+    .tp_dealloc = (destructor)ticket_dealloc,
+    .tp_methods = ticket_methods,
+};
+
+static int mover_atfork;
+
+/* move_pieces_async(dst, dst_offsets, src, src_offsets, piece, threads, notify_fd) -> MoveTicket
+ * move_pieces, checked now (the same errors, raised here; nothing queued then), run by the mover
+ * thread after the moves queued before it; one byte is written to ``notify_fd`` (>= 0) when it is
+ * over. Without a mover thread to be had, the move runs here and the ticket comes back done
+ * (nothing written). */
+static PyObject *move_pieces_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "move_pieces_async(dst, dst_offsets, src, src_offsets, piece, threads, notify_fd)");
         return NULL;
     }
-    Py_buffer dst, src, db, sb;
-    if (two_buffers(args[0], &dst, PyBUF_WRITABLE, args[2], &src, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *result = NULL;
-    if (offsets(args[1], &db, "dst_offsets") < 0) goto out2;
-    if (offsets(args[3], &sb, "src_offsets") < 0) goto out1;
-    Py_ssize_t count = db.len / 8;
-    if (sb.len / 8 != count) {
-        PyErr_Format(PyExc_ValueError, "move_pieces: %zd destination offsets but %zd source offsets", count,
-                     sb.len / 8);
-        goto out0;
+    long fdl = PyLong_AsLong(args[6]);
+    if (fdl == -1 && PyErr_Occurred()) return NULL;
+    if (fdl < -1 || fdl > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "move_pieces_async: notify_fd must be a file descriptor or -1, got %ld", fdl);
+        return NULL;
     }
-    const int64_t *doff = db.buf, *soff = sb.buf;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (doff[i] < 0 || doff[i] > (int64_t)(dst.len - piece) || dst.len < piece) {
-            PyErr_Format(PyExc_ValueError, "move_pieces: destination offset %lld (item %zd) is outside %zd bytes",
-                         (long long)doff[i], i, dst.len);
-            goto out0;
-        }
-        if (soff[i] < 0 || soff[i] > (int64_t)(src.len - piece) || src.len < piece) {
-            PyErr_Format(PyExc_ValueError, "move_pieces: source offset %lld (item %zd) is outside %zd bytes",
-                         (long long)soff[i], i, src.len);
-            goto out0;
-        }
+    int fd = (int)fdl;
+    MoveTicket *t = PyObject_New(MoveTicket, &MoveTicketType);
+    if (t == NULL) return NULL;
+    if (move_prepare("move_pieces_async", args, nargs, &t->m) < 0) {
+        PyObject_Free(t); /* not a whole ticket: no dealloc */
+        return NULL;
     }
-    {
-        uintptr_t d0 = (uintptr_t)dst.buf, s0 = (uintptr_t)src.buf;
-        int overlap = d0 < s0 + (uintptr_t)src.len && s0 < d0 + (uintptr_t)dst.len;
-        Py_ssize_t total = count * piece;
-        long nt = overlap ? 1 : threads;
-        while (nt > 1 && total / nt < MOVE_THREAD_AT) nt--;
-        /* one thread: one batch; else batches of about MOVE_BATCH bytes, in order */
-        Py_ssize_t batch = nt == 1 ? (count ? count : 1) : (MOVE_BATCH + piece - 1) / piece;
-        move_work work = {(uint8_t *)dst.buf, (const uint8_t *)src.buf, doff, soff, count, batch, 0, (size_t)piece,
-                          overlap};
-        pthread_t tids[MOVE_MAX_THREADS];
-        int started[MOVE_MAX_THREADS] = {0};
-        PyThreadState *state = unlocked(total);
-        if (nt == 1 || !pool_run(&work, nt - 1)) { /* the pool busy (another call): threads of its own */
-            for (long t = 1; t < nt; t++) started[t] = pthread_create(&tids[t], NULL, move_run, &work) == 0;
-            move_run(&work); /* this thread claims batches too, and the rest when no thread could start */
-            for (long t = 1; t < nt; t++)
-                if (started[t]) pthread_join(tids[t], NULL);
-        }
-        relock(state);
-        result = PyLong_FromSsize_t(total);
+    t->next = NULL;
+    t->notify_fd = fd;
+    int queued = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&mover.lock);
+    if (!mover_atfork) mover_atfork = pthread_atfork(NULL, NULL, mover_after_fork) == 0 ? 1 : -1;
+    if (!mover.started && mover_atfork > 0) {
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        mover.started = pthread_create(&tid, &attr, mover_main, NULL) == 0;
+        pthread_attr_destroy(&attr);
     }
-out0:
-    PyBuffer_Release(&sb);
-out1:
-    PyBuffer_Release(&db);
-out2:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    return result;
+    if (mover.started) {
+        t->state = 0;
+        if (mover.tail != NULL)
+            mover.tail->next = t;
+        else
+            mover.head = t;
+        mover.tail = t;
+        queued = 1;
+        pthread_cond_signal(&mover.work);
+    }
+    pthread_mutex_unlock(&mover.lock);
+    if (!queued) {
+        move_exec(&t->m.work, t->m.nt);
+        __atomic_store_n(&t->state, 2, __ATOMIC_RELEASE);
+    }
+    Py_END_ALLOW_THREADS
+    return (PyObject *)t;
 }
 
 /* ---- records in record files (the LMDB tier's large batches, written by format.write_records) ---- */
@@ -1197,6 +1417,8 @@ static PyMethodDef methods[] = {
      "stream_into(dst, src) -> bytes copied (non-temporal stores)"},
     {"move_pieces", (PyCFunction)(void (*)(void))move_pieces, METH_FASTCALL,
      "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied (scattered blocks)"},
+    {"move_pieces_async", (PyCFunction)(void (*)(void))move_pieces_async, METH_FASTCALL,
+     "move_pieces_async(dst, dst_offsets, src, src_offsets, piece, threads, notify_fd) -> MoveTicket"},
     {"move_wake", (PyCFunction)move_wake, METH_O,
      "move_wake(threads) -> None: wake move_pieces' helper threads ahead of a move"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,
@@ -1208,4 +1430,13 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tieredkv._fastrec", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__fastrec(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fastrec(void) {
+    if (PyType_Ready(&MoveTicketType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "MoveTicket", (PyObject *)&MoveTicketType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -156,6 +156,7 @@ class Pipeline:
             log.error("close: the pipeline's shutdown ran past its %.1fs deadline; stopping its loop", timeout)
         finally:
             self.loop.stop(join_s=0.5)
+            self.copier.close()  # moves still queued end (or are taken off) before the memory goes
             self.staging.free()  # do not wait for the garbage collector to return the pool
 
     async def _shutdown(self, flush_s: float = 0.0, grace_s: float = 10.0) -> None:

@@ -6,7 +6,9 @@ by where the tensors live):
 * **slots** — the route's first tier offers slots of its own memory
   (:attr:`TierCapabilities.slots <tieredkv.backends.base.TierCapabilities.slots>`, the CPU
   slab): a store gathers device blocks straight into reserved slots and publishes them (one
-  copy); a load scatters hits straight from borrowed slots.
+  copy); a load scatters hits straight from borrowed slots. Host copies here are deferred to
+  the C helper's mover thread (:meth:`Copier.wait <tieredkv.staging.Copier.wait>`), so the loop
+  runs the next jobs' bookkeeping while they move; a job that ends early settles them first.
 * **direct** — the device bytes already are the payload (one CPU tensor, consecutive blocks):
   tiers read and write them with no staging copy (:meth:`GroupBinding.direct_views`).
 * **staged** — everything else: blocks are gathered into a staging buffer, written, and read
@@ -33,7 +35,7 @@ from tieredkv.pipeline.jobs import ChunkRef, LoadJob, StoreJob, parts
 from tieredkv.pipeline.lanes import Lanes
 from tieredkv.pipeline.writeback import WriteBack
 from tieredkv.policy import GroupRoute
-from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer
+from tieredkv.staging import Copier, KVGroupTensors, StagingBuffer, settle
 
 __all__ = ["GroupBinding", "SlotTier", "Transfers", "wait_event"]
 
@@ -108,19 +110,26 @@ class Transfers:
         self.writeback = writeback
         #: Where slots published are recorded (KV events), once asked for; None: nowhere.
         self.events: TierEvents | None = None
+        #: Slot stores between their reserve and their commit or abort (their copies deferred,
+        #: several can be): a reserve refused while some are (their reserved slots count against
+        #: the room and the tenants' quotas) waits for one to end and tries again.
+        self._slot_stores = 0
+        self._slot_ended: asyncio.Event | None = None
 
-    def _scatter(self, grp: GroupBinding, job: LoadJob, chunks: list[int], places: dict[int, Any], span: Any) -> Any:
+    def _scatter(
+        self, grp: GroupBinding, job: LoadJob, chunks: list[int], places: dict[int, Any], span: Any, *, defer: bool
+    ) -> Any:
         """Scatter the payloads of ``chunks`` (of ``job``), back to back in ``span``, into their blocks."""
         bpc = grp.blocks_per_chunk
         if all(places[x] is None for x in chunks):  # whole chunks in order: their ids are the placements
             ids = list(itertools.chain.from_iterable(job.chunks[x].block_ids for x in chunks))
-            return self.copier.scatter_blocks(grp.tensors, ids, span, bpc)
+            return self.copier.scatter_blocks(grp.tensors, ids, span, bpc, defer=defer)
         merged = [
             (c * bpc + p, blk)
             for c, x in enumerate(chunks)
             for p, blk in (enumerate(job.chunks[x].block_ids) if places[x] is None else places[x])
         ]
-        return self.copier.scatter(grp.tensors, merged, span, bpc)
+        return self.copier.scatter(grp.tensors, merged, span, bpc, defer=defer)
 
     def slot_tier(self, tiers: Sequence[str]) -> SlotTier | None:
         """The route's first tier when it offers slots and its breaker lets work through."""
@@ -145,25 +154,41 @@ class Transfers:
         self, tier: SlotTier, job: StoreJob, grp: GroupBinding, ready: Any
     ) -> tuple[list[bytes], dict[str, int]]:
         """Device blocks straight into the tier's slots (one copy), then publish them (as records
-        of the job's tenant)."""
+        of the job's tenant). Host copies are deferred (the C helper's mover thread runs them
+        while the loop goes on with other jobs); the slots go back only once no copy can write
+        them (:func:`~tieredkv.staging.settle`)."""
         keys = [c.key for c in job.chunks]
+        items = [(k, grp.chunk_bytes) for k in keys]
+        while True:
+            try:
+                slots = tier.reserve(items, job.tenant)
+                break
+            except TierFullError:
+                if not self._slot_stores:  # refused with nothing in flight: for good
+                    return [], {tier.name: 0}
+                if self._slot_ended is None:
+                    self._slot_ended = asyncio.Event()
+                await self._slot_ended.wait()
+        self._slot_stores += 1
+        moves: list[Any] = []
         try:
-            slots = tier.reserve([(k, grp.chunk_bytes) for k in keys], job.tenant)
-        except TierFullError:
-            return [], {tier.name: 0}
-        try:
-            ev = None
             bpc = grp.blocks_per_chunk
             full = all(len(c.block_ids) == bpc for c in job.chunks)
             for a, b, span in _slot_runs(tier, slots, merge=full):
                 ids = _flat_ids(job.chunks, a, b)
                 after = ready if a == 0 else None
-                ev = self.copier.gather(grp.tensors, ids, span, after=after, chunk_blocks=bpc if full else None)
-            await wait_event(ev)
+                chunk_blocks = bpc if full else None
+                moves.append(self.copier.gather(grp.tensors, ids, span, after, chunk_blocks=chunk_blocks, defer=True))
+            for ev in moves:
+                await self.copier.wait(ev)
         except BaseException:
+            settle(moves)
             tier.abort(slots)
             raise
-        tier.commit(list(zip(keys, slots)))
+        else:
+            tier.commit(list(zip(keys, slots)))
+        finally:
+            self._slot_store_ended()
         if self.events is not None:
             self.events.stored(tier.name, keys)
         self.writeback.mark_dirty(job.route or grp.route, keys, job.tenant)
@@ -209,6 +234,12 @@ class Transfers:
                 written[name] = written.get(name, 0) + n
         return done, written
 
+    def _slot_store_ended(self) -> None:
+        self._slot_stores -= 1
+        ended, self._slot_ended = self._slot_ended, None
+        if ended is not None:
+            ended.set()  # the stores waiting for room try again
+
     # ---- load ----------------------------------------------------------------------------------
 
     async def load(self, job: LoadJob, grp: GroupBinding, buf: StagingBuffer, found_in: dict[int, str]) -> None:
@@ -220,6 +251,7 @@ class Transfers:
         route = job.route or grp.route
         slots = self.slot_tier(route.tiers) if route.tiers else None
         borrowed: dict[int, Any] = {}
+        moves: list[Any] = []  # copies out of borrowed slots (deferred): over before they go back
         bpc = grp.blocks_per_chunk
         try:
             if slots is not None:  # hits in the slot tier are copied straight from their slots
@@ -264,7 +296,7 @@ class Transfers:
                         if j + 1 < len(part) and part[j + 1] in borrowed:
                             continue
                         for a, b, span in _slot_runs(cast(SlotTier, slots), [borrowed[x] for x in lent]):
-                            ev = self._scatter(grp, job, lent[a:b], places, span)
+                            moves.append(self._scatter(grp, job, lent[a:b], places, span, defer=True))
                         lent = []
                     elif direct[i] is None:
                         own = places[i]
@@ -280,6 +312,8 @@ class Transfers:
                             )
                             run = -1
                 await wait_event(ev)
+                for mv in moves:
+                    await self.copier.wait(mv)
                 first = route.tiers[0]
                 if route.promote and len(route.tiers) > 1 and any(found_in[i] != first for i in part):
                     await self.writeback.promote(
@@ -291,6 +325,7 @@ class Transfers:
                     )
         finally:
             if borrowed:
+                settle(moves)  # a job that ends early: no copy reads a slot once it is given back
                 cast(SlotTier, slots).give_back([keys[i] for i in borrowed], list(borrowed.values()))
 
 

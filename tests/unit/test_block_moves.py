@@ -576,7 +576,8 @@ def make_group(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if path == "c":
         request.getfixturevalue("move_pieces")
     if path == "numpy":
-        monkeypatch.setattr(staging, "_move_pieces", None)
+        for name in ("_move_pieces", "_move_pieces_async", "_move_wake"):  # no helper at all
+            monkeypatch.setattr(staging, name, None)
 
     def make(tensors: Sequence[torch.Tensor]) -> KVGroupTensors:
         group = KVGroupTensors(tensors)
@@ -899,15 +900,22 @@ def test_move_pieces_on_shared_memory_moves_item_by_item(move_pieces: Callable[.
     assert base[4:8].tolist() == [0, 1, 2, 3] and base[8:12].tolist() == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_the_pipeline_moves_scattered_blocks_on_its_configured_threads(threads: int) -> None:
+@pytest.mark.parametrize("threads", [1, 3, "no helper"])
+def test_the_pipeline_moves_scattered_blocks_on_its_configured_threads(
+    threads: int | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``pipeline.copy_threads`` reaches the store's copier, and a job of chunks at scattered
     block ids (a churned pool's) goes into the CPU tier and back into other scattered blocks
-    byte-exact (1 MiB and more per thread, so the C helper splits it)."""
+    byte-exact (1 MiB and more per thread, so the C helper splits it; the slot path's copies
+    deferred to its mover thread). Without the helper the same job moves by NumPy, at once."""
     from tieredkv.config import NamespaceConfig, PipelineConfig, TieredKVConfig
     from tieredkv.keys import Namespace
     from tieredkv.store import TieredStore
 
+    if threads == "no helper":
+        for name in ("_move_pieces", "_move_pieces_async", "_move_wake"):
+            monkeypatch.setattr(staging, name, None)
+        threads = 2
     bpc, n, bb = 4, 48, 32 << 10  # 48 chunks of 4 blocks of 32 KiB: 6 MiB a job
     g = torch.Generator().manual_seed(21)
     kv = torch.zeros(1 + 2 * n * bpc, bb, dtype=torch.uint8)

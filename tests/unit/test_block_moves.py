@@ -280,6 +280,21 @@ def test_move_pieces_calls_spaced_past_the_helpers_spin(move_pieces: Callable[..
         time.sleep(0.005)  # the state to test (helpers asleep), not a wait for a result
 
 
+def _in_forked_child(target: Callable[[Any], None]) -> Any:
+    """Run ``target(conn)`` in a forked child and return what it sent; the child must exit 0."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=target, args=(there,))
+    child.start()
+    assert here.poll(120), "the child did not answer"  # a bound on a hang, not a wait
+    got = here.recv()
+    child.join()
+    assert child.exitcode == 0
+    return got
+
+
 def _move_in_child(conn: Any) -> None:
     import os
 
@@ -293,19 +308,10 @@ def test_move_pieces_in_a_forked_child_after_the_parent_used_its_pool(move_piece
     """A forked child has none of the parent's helper threads: it starts its own three (a pool
     that counted the parent's would move on the calling thread alone; one that waited for them
     would hang)."""
-    import multiprocessing
-
     dst, doff, src, soff, want = _big_case(41)
     move_pieces(dst, doff, src, soff, 16 << 10, 4)  # the parent's pool: three helpers
     assert np.array_equal(dst, want)
-    ctx = multiprocessing.get_context("fork")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_move_in_child, args=(there,))
-    child.start()
-    assert here.poll(120), "the child's move did not finish"  # a bound on a hang, not a wait
-    assert here.recv() == (True, 3)
-    child.join()
-    assert child.exitcode == 0
+    assert _in_forked_child(_move_in_child) == (True, 3)
 
 
 def _wake_in_child(conn: Any) -> None:
@@ -329,22 +335,13 @@ def _wake_in_child(conn: Any) -> None:
 def test_move_wake_starts_the_helpers_a_move_then_uses(move_pieces: Callable[..., int]) -> None:
     """``move_wake`` (called when a job is queued) starts the pool's helpers ahead of the move;
     the move then starts none of its own, and lands byte-exact. Its thread count is checked."""
-    import multiprocessing
-
     from tieredkv._fastrec import move_wake
 
     for bad in (0, 9, -1):
         with pytest.raises(ValueError, match="threads must be 1..8"):
             move_wake(bad)
     move_wake(1)  # one thread: no helper to wake
-    ctx = multiprocessing.get_context("fork")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_wake_in_child, args=(there,))
-    child.start()
-    assert here.poll(120), "the child did not answer"  # a bound on a hang, not a wait
-    assert here.recv() == (3, 3, 3, True)
-    child.join()
-    assert child.exitcode == 0
+    assert _in_forked_child(_wake_in_child) == (3, 3, 3, True)
 
 
 # ---- moves queued to the mover thread (move_pieces_async) ----------------------------------
@@ -445,19 +442,10 @@ def _async_in_child(conn: Any) -> None:
 
 def test_queued_moves_in_a_forked_child(move_async: Callable[..., Any]) -> None:
     """The parent's mover thread is not in a forked child: the child starts its own."""
-    import multiprocessing
-
     dst, doff, src, soff, want = _big_case(44)
     move_async(dst, doff, src, soff, 16 << 10, 2, -1).synchronize()  # the parent's mover runs
     assert np.array_equal(dst, want)
-    ctx = multiprocessing.get_context("fork")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_async_in_child, args=(there,))
-    child.start()
-    assert here.poll(120), "the child's queued move did not finish"  # a bound on a hang, not a wait
-    assert here.recv() is True
-    child.join()
-    assert child.exitcode == 0
+    assert _in_forked_child(_async_in_child) is True
 
 
 def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(move_pieces: Callable[..., int]) -> None:

@@ -44,9 +44,10 @@ try:  # its helper threads woken ahead of a move (a build older than that lacks 
 except ImportError:
     _move_wake = None
 try:  # a move queued to the helper's own thread (deferred moves; older builds: none)
+    from tieredkv._fastrec import move_fence as _move_fence
     from tieredkv._fastrec import move_pieces_async as _move_pieces_async
 except ImportError:
-    _move_pieces_async = None
+    _move_pieces_async = _move_fence = None
 
 __all__ = ["Copier", "HostMove", "KVGroupTensors", "StagingBuffer", "StagingPool", "settle"]
 
@@ -297,6 +298,8 @@ class Copier:
         self._waiters = []
         self._unwatch()
         if self._notify is not None:
+            if _move_fence is not None:  # a move seen done may still be writing its byte
+                _move_fence()
             for fd in self._notify:
                 os.close(fd)
             self._notify = None

@@ -448,17 +448,34 @@ def test_queued_moves_in_a_forked_child(move_async: Callable[..., Any]) -> None:
     assert _in_forked_child(_async_in_child) is True
 
 
-def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(move_pieces: Callable[..., int]) -> None:
+def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(
+    move_pieces: Callable[..., int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``Copier(defer=True)`` moves on the mover thread; ``Copier.wait`` returns once each move
-    is over (woken by the pipe, on a real asyncio loop); ``settle`` and ``close`` leave nothing
-    in flight and close the pipe."""
+    is over (woken by the pipe, on a real asyncio loop); ``close`` settles what is in flight,
+    waits out the mover's last notification (``move_fence``: a move seen done may still be
+    writing its byte) and only then closes the pipe."""
     import asyncio
     import os
+
+    fenced: list[bool] = []
+    real_fence = staging._move_fence
+    assert real_fence is not None
+
+    def fence() -> None:
+        fenced.append(staging_pipe_open())
+        real_fence()
+
+    monkeypatch.setattr(staging, "_move_fence", fence)
 
     g = torch.Generator().manual_seed(46)
     kv = torch.randint(0, 256, (64, 64 << 10), dtype=torch.uint8, generator=g)
     group = KVGroupTensors([kv])
     copier = Copier(threads=2)
+
+    def staging_pipe_open() -> bool:
+        return copier._notify is not None and all(os.fstat(fd) is not None for fd in copier._notify)
+
     ids = torch.randperm(64, generator=g).tolist()
     outs = [torch.zeros(16 * (64 << 10), dtype=torch.uint8) for _ in range(4)]
 
@@ -475,8 +492,9 @@ def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(move_piece
     assert copier._notify is not None
     r, w = copier._notify
     late = copier.gather(group, ids[:16], torch.zeros_like(outs[0]), chunk_blocks=4, defer=True)
-    copier.close()  # settles ``late`` and closes the pipe
+    copier.close()  # settles ``late``, fences, and closes the pipe
     assert late.query()
+    assert fenced == [True]  # the fence ran while the pipe was still open
     assert copier._notify is None
     for fd in (r, w):
         with pytest.raises(OSError):

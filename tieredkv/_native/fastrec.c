@@ -1001,7 +1001,7 @@ static void *mover_main(void *arg) {
         int fd = t->notify_fd;
         __atomic_store_n(&t->state, 2, __ATOMIC_RELEASE); /* t may be freed once the lock is let go */
         pthread_cond_broadcast(&mover.done);
-        if (fd >= 0) {
+        if (fd >= 0) { /* after the state (a reader woken sees it done), under the lock (move_fence) */
             ssize_t w = write(fd, "m", 1); /* a full pipe has news to read already */
             (void)w;
         }
@@ -1065,6 +1065,21 @@ static PyObject *ticket_synchronize(MoveTicket *t, PyObject *unused) {
 static PyObject *ticket_cancel(MoveTicket *t, PyObject *unused) {
     (void)unused;
     return PyBool_FromLong(ticket_settle(t, 1) == 3);
+}
+
+/* move_fence() -> None
+ * Returns once the mover has finished any notification it was writing: it writes a move's byte
+ * while it holds its lock, after marking the move done, so a move seen done (query(), no lock)
+ * may still be writing. Copier.close calls it before it closes the pipe, so the mover never
+ * writes to a descriptor that was closed or reused. */
+static PyObject *move_fence(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&mover.lock);
+    pthread_mutex_unlock(&mover.lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef ticket_methods[] = {
@@ -1419,6 +1434,8 @@ static PyMethodDef methods[] = {
      "move_pieces(dst, dst_offsets, src, src_offsets, piece, threads=1) -> bytes copied (scattered blocks)"},
     {"move_pieces_async", (PyCFunction)(void (*)(void))move_pieces_async, METH_FASTCALL,
      "move_pieces_async(dst, dst_offsets, src, src_offsets, piece, threads, notify_fd) -> MoveTicket"},
+    {"move_fence", (PyCFunction)move_fence, METH_NOARGS,
+     "move_fence() -> None: wait until the mover writes no notification byte any more for moves seen done"},
     {"move_wake", (PyCFunction)move_wake, METH_O,
      "move_wake(threads) -> None: wake move_pieces' helper threads ahead of a move"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,

@@ -396,22 +396,31 @@ def test_a_queued_move_checks_its_arguments_at_the_call(move_async: Callable[...
 
 def test_cancel_takes_queued_moves_off_and_they_move_nothing(move_async: Callable[..., Any]) -> None:
     """Behind a long move, queued ones cancelled before they start leave their destination as
-    it was; one cancelled after it ran reports False (it moved)."""
+    it was; one cancelled after it ran reports False (it moved). Every case is built before the
+    first move is queued, and the round is repeated (fresh destinations) until a cancel has
+    caught a move still queued: a condition, not a wait on the clock."""
     blocker = _big_case(300, count=2048)  # 32 MiB: the mover is busy with it for a while
-    first = move_async(blocker[0], blocker[1], blocker[2], blocker[3], 16 << 10, 2, -1)
     queued = [_big_case(301 + k) for k in range(4)]
-    tickets = [move_async(d, do, sr, so, 16 << 10, 2, -1) for d, do, sr, so, _ in queued]
-    outcomes = [t.cancel() for t in reversed(tickets)]  # the last queued first
-    first.synchronize()
-    assert np.array_equal(blocker[0], blocker[4])
-    for t, ok, (dst, _, _, _, want) in zip(tickets, reversed(outcomes), queued):
-        assert t.query()
-        if ok:  # taken off before it ran: nothing written
-            assert not dst.any()
-        else:
-            assert np.array_equal(dst, want)
-    assert any(outcomes), "none of the four queued behind 32 MiB was still queued"
-    assert first.cancel() is False  # over already: it moved
+    caught = 0
+    for _ in range(20):
+        for case in (blocker, *queued):
+            case[0][:] = 0
+        first = move_async(blocker[0], blocker[1], blocker[2], blocker[3], 16 << 10, 1, -1)
+        tickets = [move_async(d, do, sr, so, 16 << 10, 2, -1) for d, do, sr, so, _ in queued]
+        outcomes = [t.cancel() for t in reversed(tickets)]  # the last queued first
+        first.synchronize()
+        assert np.array_equal(blocker[0], blocker[4])
+        for t, ok, (dst, _, _, _, want) in zip(tickets, reversed(outcomes), queued):
+            assert t.query()
+            if ok:  # taken off before it ran: nothing written
+                assert not dst.any()
+            else:
+                assert np.array_equal(dst, want)
+        assert first.cancel() is False  # over already: it moved
+        caught += sum(outcomes)
+        if caught:
+            break
+    assert caught, "in 20 rounds no cancel found a move still queued behind 32 MiB"
 
 
 def test_dropping_tickets_waits_for_their_moves(move_async: Callable[..., Any]) -> None:

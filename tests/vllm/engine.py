@@ -474,27 +474,39 @@ def reference_extra_config(blocks_per_chunk: int = 1, *, delay_steps: int = 0) -
     return cfg
 
 
-def write_tieredkv_config(path: Path, kind: str = "lmdb") -> Path:
-    """A minimal tieredkv config (JSON is YAML): one ``lmdb`` or ``cpu`` tier."""
+def lmdb_tier(path: Path, cap: str = "32MiB", map_size: str = "64MiB") -> dict[str, Any]:
+    """An ``lmdb`` tier named ``nvme``, its environment in ``path/lmdb``."""
+    return {
+        "kind": "lmdb",
+        "name": "nvme",
+        "path": str(Path(path) / "lmdb"),
+        "map_size_bytes": map_size,
+        "size_cap_bytes": cap,
+    }
+
+
+def write_config(file: Path, tiers: list[dict[str, Any]], model: str = "x", **sections: Any) -> Path:
+    """A tieredkv config at ``file`` (JSON is YAML): ``tiers`` with an 8 MiB staging pool, and
+    ``sections`` (``policy``, ``tenants``, ...) added."""
     import json
 
+    file = Path(file)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    cfg = {"version": 1, "namespace": {"model": model}, "tiers": tiers, "pipeline": {"staging_bytes": "8MiB"}}
+    file.write_text(json.dumps({**cfg, **sections}))
+    return file
+
+
+def write_tieredkv_config(path: Path, kind: str = "lmdb") -> Path:
+    """A minimal tieredkv config (JSON is YAML): one ``lmdb`` or ``cpu`` tier."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "lmdb":
-        tier = {
-            "kind": "lmdb",
-            "name": "nvme",
-            "path": str(path.parent / "lmdb"),
-            "map_size_bytes": "64MiB",
-            "size_cap_bytes": "32MiB",
-        }
+        tier = lmdb_tier(path.parent)
     elif kind == "cpu":
         tier = {"kind": "cpu", "name": "cpu", "capacity_bytes": "16MiB"}
     else:
         raise ValueError(kind)
-    cfg = {"version": 1, "namespace": {"model": "x"}, "tiers": [tier], "pipeline": {"staging_bytes": "8MiB"}}
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_config(path, [tier])
 
 
 def tieredkv_extra_config(blocks_per_chunk: int, tiers_file: Path) -> dict[str, Any]:

@@ -20,7 +20,6 @@ bounded scan).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -37,7 +36,15 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.kv_offload.base import Locality, Medium
 
 import tests.vllm.engine as harness
-from tests.vllm.engine import Engine, build_workload, cpu_workers, secondary_extra, spec_extra
+from tests.vllm.engine import (
+    Engine,
+    build_workload,
+    cpu_workers,
+    lmdb_tier,
+    secondary_extra,
+    spec_extra,
+    write_config,
+)
 from tieredkv.integrations.vllm.events import KVEvents, tier_event_fields
 from tieredkv.keys import FINGERPRINT_BYTES, GROUP_BYTES, PARTIAL_MARK, key_group
 from tieredkv.store import TieredStore
@@ -223,28 +230,7 @@ def check(out: dict[str, Any], *, evicting_by_server: tuple[tuple[str, str], ...
 
 
 def _write(path: Path, tiers: list[dict[str, Any]], policy: list[dict[str, Any]] | None = None) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    cfg: dict[str, Any] = {
-        "version": 1,
-        "namespace": {"model": "kv-events"},
-        "tiers": tiers,
-        "pipeline": {"staging_bytes": "8MiB"},
-    }
-    if policy:
-        cfg["policy"] = policy
-    f = path / "tiers.json"
-    f.write_text(json.dumps(cfg))
-    return f
-
-
-def _lmdb(tmp_path: Path, cap: str) -> dict[str, Any]:
-    return {
-        "kind": "lmdb",
-        "name": "nvme",
-        "path": str(tmp_path / "lmdb"),
-        "map_size_bytes": "16MiB",
-        "size_cap_bytes": cap,
-    }
+    return write_config(path / "tiers.json", tiers, model="kv-events", **({"policy": policy} if policy else {}))
 
 
 def _fs(tmp_path: Path) -> dict[str, Any]:
@@ -266,7 +252,7 @@ def _cpu_then(lower: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def test_spec_cpu_written_back_to_lmdb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lmdb = _lmdb(tmp_path, "96KiB")
+    lmdb = lmdb_tier(tmp_path, "96KiB", map_size="16MiB")
     out = run_row(
         spec_extra(1, _write(tmp_path, *_cpu_then(lmdb))), tmp_path, monkeypatch, secondary=False, settle=True
     )
@@ -277,7 +263,7 @@ def test_spec_cpu_written_back_to_lmdb(tmp_path: Path, monkeypatch: pytest.Monke
 def test_spec_hybrid_partial_records_behind_tieredkv_connector_async(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lmdb = _lmdb(tmp_path, "64KiB")
+    lmdb = lmdb_tier(tmp_path, "64KiB", map_size="16MiB")
     out = run_row(
         spec_extra(1, _write(tmp_path, *_cpu_then(lmdb))),
         tmp_path,
@@ -344,7 +330,7 @@ def test_secondary_redis_maxmemory(how: str, tmp_path: Path, monkeypatch: pytest
 
 
 def test_no_events_unless_vllm_asks(tmp_path: Path) -> None:
-    lmdb = _lmdb(tmp_path, "96KiB")
+    lmdb = lmdb_tier(tmp_path, "96KiB", map_size="16MiB")
     eng = Engine(spec_extra(1, _write(tmp_path, *_cpu_then(lmdb))), blocks_per_chunk=2, settle=True)
     try:
         harness._drive(eng, build_workload(0)[:1], 3000, 200, 0.001, 200, False)

@@ -14,7 +14,6 @@ vLLM loaded for it) and from the tiers themselves (which holds which key, bytes 
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections.abc import Callable
@@ -30,10 +29,12 @@ from tests.vllm.engine import (
     Engine,
     ReqSpec,
     RunResult,
+    lmdb_tier,
     reference_extra_config,
     run_engine,
     secondary_extra,
     spec_extra,
+    write_config,
 )
 from tieredkv.integrations.vllm.stats import HINT_ACTIONS, RETAINED, RETENTION, StoreStatsReporter, values_by_metric
 
@@ -63,11 +64,7 @@ def hints(*actions: tuple[str, str, dict[str, Any]], protocol: str = "1") -> KvH
 
 
 def tiers_file(path: Path, tiers: list[dict[str, Any]], **sections: Any) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    f = path / "tiers.json"
-    cfg = {"version": 1, "namespace": {"model": "controls"}, "tiers": tiers, "pipeline": {"staging_bytes": "8MiB"}}
-    f.write_text(json.dumps({**cfg, **sections}))
-    return f
+    return write_config(path / "tiers.json", tiers, model="controls", **sections)
 
 
 def cpu_tier(capacity: str = "16MiB") -> dict[str, Any]:
@@ -77,16 +74,6 @@ def cpu_tier(capacity: str = "16MiB") -> dict[str, Any]:
         "capacity_bytes": capacity,
         "segment_bytes": "64KiB",
         "min_slot_bytes": "1KiB",
-    }
-
-
-def lmdb_tier(path: Path, cap: str = "32MiB") -> dict[str, Any]:
-    return {
-        "kind": "lmdb",
-        "name": "nvme",
-        "path": str(path / "lmdb"),
-        "map_size_bytes": "64MiB",
-        "size_cap_bytes": cap,
     }
 
 

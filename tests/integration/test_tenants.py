@@ -5,7 +5,9 @@ tenant a record within its quota."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,93 @@ def test_two_threads_storing_for_two_tenants_each_stay_within_their_quota() -> N
             src = first[name] + 256 - n
             assert torch.equal(dev.kv[512 : 512 + n], dev.kv[src : src + n])
         assert store.tiers[0].counters["evictions"] == (256 - 64) + (256 - 32)
+
+
+class _HeldMove:
+    """Fault injection around a real queued host move (``move_pieces_async``'s ticket): it
+    reports itself not over until the test opens the gate, so the slot store that made it stays
+    in flight, holding its reserved slots against its tenant's quota."""
+
+    def __init__(self, real: Any, gate: threading.Event) -> None:
+        self.real, self.gate = real, gate
+
+    def query(self) -> bool:
+        return self.gate.is_set() and bool(self.real.query())
+
+    def cancel(self) -> bool:
+        return bool(self.real.cancel())
+
+    def synchronize(self) -> None:
+        self.real.synchronize()
+
+
+def test_stores_waiting_for_their_tenants_room_take_it_in_the_order_they_came(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """acme (4 chunks of quota) has 3 chunks in flight (X, their copies held); Y (2 chunks) is
+    refused and waits; Z (1 chunk) comes after it and would fit at once. Z waits behind Y: a
+    tenant's stores take their slots, and so their places in its eviction order, in the order
+    they came (Z first would outlive Y's newer chunks). bravo's store is in no one's line."""
+    from tieredkv import staging
+    from tieredkv.backends.cpu.slab import SlabTier
+
+    real_async = staging._move_pieces_async
+    if real_async is None:
+        pytest.skip("the C helper is not built")  # pragma: no cover - the test command builds it
+    gate = threading.Event()
+    fds: set[int] = set()
+    monkeypatch.setattr(staging, "_move_pieces_async", lambda *a: (fds.add(a[-1]), _HeldMove(real_async(*a), gate))[1])
+    log: list[tuple[str, bytes]] = []
+    real_reserve = SlabTier.reserve
+
+    def reserve(self: Any, items: list[tuple[bytes, int]], tenant: Any = 0) -> Any:
+        try:
+            slots = real_reserve(self, items, tenant)
+        except TierFullError:
+            log.append(("refused", items[0][0]))
+            raise
+        log.append(("reserved", items[0][0]))
+        return slots
+
+    monkeypatch.setattr(SlabTier, "reserve", reserve)
+    config = cfg(tenants={"quotas": {"acme": "64KiB", "bravo": "64KiB"}})
+    with tieredkv.open_store(config) as store:
+        dev = Device(store, 16)
+        acme, bravo = keys_of(store, "acme", 6), keys_of(store, "bravo", 1)
+        x, y, z = acme[:3], acme[3:5], acme[5:]
+
+        def send(keys: list[bytes], first: int, tenant: str) -> Any:
+            job = store.store(0, [(k, (first + i,)) for i, k in enumerate(keys)], tenant=tenant)
+            assert job is not None
+            return job
+
+        def until(what: tuple[str, bytes]) -> None:
+            deadline = time.monotonic() + 60  # a bound for a broken build, not a wait for work
+            while what not in log:
+                assert time.monotonic() < deadline, log
+                time.sleep(0.001)
+
+        jobs = [send(x, 0, "acme")]
+        until(("reserved", x[0]))
+        jobs.append(send(y, 3, "acme"))
+        until(("refused", y[0]))
+        jobs.append(send(z, 5, "acme"))
+        jobs.append(send(bravo, 6, "bravo"))
+        until(("reserved", bravo[0]))  # another tenant's store is held up by no line
+        assert ("reserved", z[0]) not in log, "a later store overtook one waiting for its tenant's room"
+        gate.set()
+        for fd in fds:  # the held moves are over: wake the loop's watch of the mover's pipe
+            os.write(fd, b"w")
+        results = store.wait(jobs, timeout=60)
+        assert all(r.ok for r in results.values()), results
+        order = [k for what, k in log if what == "reserved" and k in (x[0], y[0], z[0])]
+        assert order == [x[0], y[0], z[0]]
+        # acme's eviction order is the stores' order: its quota keeps X's newest chunk, Y and Z
+        held = [s is KeyState.HIT for s, _ in store.lookup(acme)]
+        assert held == [False, False, True, True, True, True]
+        job = store.load(0, [(k, (8 + i,)) for i, k in enumerate(acme[2:])], tenant="acme")
+        assert job is not None and store.wait([job])[job].ok
+        assert torch.equal(dev.kv[8:12], dev.kv[2:6])
 
 
 async def test_a_refused_tenant_in_a_shared_batch_leaves_the_others_stored() -> None:

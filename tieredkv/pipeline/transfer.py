@@ -114,7 +114,10 @@ class Transfers:
         #: several can be): a reserve refused while some are (their reserved slots count against
         #: the room and the tenants' quotas) waits for one to end and tries again.
         self._slot_stores = 0
-        self._slot_ended: asyncio.Event | None = None
+        #: Stores waiting for room, in arrival order, per (tier, tenant): a tenant's stores take
+        #: their slots (and so their places in its eviction order) in the order they came, and
+        #: one tenant's wait never holds up another's.
+        self._lines: dict[tuple[str, int], collections.deque[asyncio.Future[None]]] = {}
 
     def _scatter(
         self, grp: GroupBinding, job: LoadJob, chunks: list[int], places: dict[int, Any], span: Any, *, defer: bool
@@ -158,17 +161,9 @@ class Transfers:
         while the loop goes on with other jobs); the slots go back only once no copy can write
         them (:func:`~tieredkv.staging.settle`)."""
         keys = [c.key for c in job.chunks]
-        items = [(k, grp.chunk_bytes) for k in keys]
-        while True:
-            try:
-                slots = tier.reserve(items, job.tenant)
-                break
-            except TierFullError:
-                if not self._slot_stores:  # refused with nothing in flight: for good
-                    return [], {tier.name: 0}
-                if self._slot_ended is None:
-                    self._slot_ended = asyncio.Event()
-                await self._slot_ended.wait()
+        slots = await self._reserve(tier, [(k, grp.chunk_bytes) for k in keys], job.tenant)
+        if slots is None:
+            return [], {tier.name: 0}
         self._slot_stores += 1
         moves: list[Any] = []
         try:
@@ -234,11 +229,47 @@ class Transfers:
                 written[name] = written.get(name, 0) + n
         return done, written
 
+    async def _reserve(self, tier: SlotTier, items: list[tuple[bytes, int]], tenant: int) -> list[Any] | None:
+        """Slots for ``items``, or None when the tier refuses them with no slot store in flight
+        (no room will come back). A refusal while some are in flight waits in the (tier,
+        tenant) line: its first store tries again each time a slot store ends, and a store that
+        finds anyone of its line waiting queues behind them rather than overtaking them. A
+        tenant's later store taking room first would commit first and outlive an earlier one in
+        the tenant's eviction order."""
+        key = (tier.name, tenant)
+        line = self._lines.get(key)
+        if line is None:  # nobody of this tenant waits for room in this tier: try now
+            try:
+                return tier.reserve(items, tenant)
+            except TierFullError:
+                if not self._slot_stores:  # refused with nothing in flight: for good
+                    return None
+            line = self._lines[key] = collections.deque()
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        line.append(turn)
+        try:
+            while True:
+                await turn  # set once this store is first in line and a slot store has ended
+                try:
+                    return tier.reserve(items, tenant)
+                except TierFullError:
+                    if not self._slot_stores:
+                        return None
+                turn = line[0] = loop.create_future()  # still first: wait for the next to end
+        finally:
+            first = line[0] is turn
+            line.remove(turn)
+            if not line:
+                del self._lines[key]
+            elif first and not line[0].done():  # the next tries at once: the room left may fit it
+                line[0].set_result(None)
+
     def _slot_store_ended(self) -> None:
         self._slot_stores -= 1
-        ended, self._slot_ended = self._slot_ended, None
-        if ended is not None:
-            ended.set()  # the stores waiting for room try again
+        for line in self._lines.values():  # the first of each line tries again
+            if not line[0].done():
+                line[0].set_result(None)
 
     # ---- load ----------------------------------------------------------------------------------
 

@@ -239,16 +239,27 @@ class Copier:
         self._moves.append(move)
         return move
 
-    async def wait(self, ev: Any) -> None:
-        """Wait, on the loop, for what a move returned: None (nothing), a :class:`HostMove`
-        (woken by the mover's pipe), or a CUDA event (polled)."""
-        if ev is None:
-            return
-        if not isinstance(ev, HostMove):
+    async def wait(self, *evs: Any) -> None:
+        """Wait, on the loop, for what moves returned: None (nothing), :class:`HostMove` (woken
+        by the mover's pipe) or CUDA events (polled); all of a job's at once.
+
+        Host moves end in the order they were queued, and their waiters return in the order they
+        came: one whose moves are over still waits behind an earlier waiter. So jobs that queued
+        their copies in turn resume in turn (the CPU tier commits a tenant's stores, and so
+        orders its evictions, as they came)."""
+        host: list[Any] = []
+        for ev in evs:
+            if ev is None:
+                continue
+            if isinstance(ev, HostMove):
+                host += ev.tickets
+                continue
             while not ev.query():
                 await asyncio.sleep(0.0002)
+        if not host:
             return
-        if ev.query():
+        move = HostMove(host)
+        if not self._waiters and move.query():  # over, and no earlier waiter to let go first
             return
         assert self._notify is not None
         loop = asyncio.get_running_loop()
@@ -257,13 +268,17 @@ class Copier:
             loop.add_reader(self._notify[0], self._on_notify)
             self._reader_loop = loop
         fut: asyncio.Future[None] = loop.create_future()
-        entry = (ev, fut)
+        entry = (move, fut)
         self._waiters.append(entry)
+        if not self._waiters and move.query():  # over already, its byte maybe read: the earlier waiters may be too
+            self._wake()
         try:
             await fut
-        finally:
-            if not fut.done():  # cancelled: no longer a waiter
+        finally:  # a waiter is one until it runs again (woken ones run in turn, as they were woken)
+            if entry in self._waiters:  # else closed under it: the list was dropped
                 self._waiters.remove(entry)
+                if fut.cancelled() or not fut.done():  # cancelled: the next may wait only for it
+                    self._wake()
 
     def _on_notify(self) -> None:
         """The mover's pipe is readable: some move ended. Wake the waiters whose moves are over."""
@@ -273,14 +288,17 @@ class Copier:
                 pass
         except BlockingIOError:
             pass
-        waiting = []
-        for ev, fut in self._waiters:
-            if not ev.query():
-                waiting.append((ev, fut))
-            elif not fut.done():
-                fut.set_result(None)
-        self._waiters = waiting
+        self._wake()
         self._moves = [m for m in self._moves if not m.query()]
+
+    def _wake(self) -> None:
+        """Wake waiters in the order they came, up to the first whose moves are not over (a
+        woken waiter stays listed until it runs, so a later one cannot return before it)."""
+        for move, fut in self._waiters:
+            if not fut.done():
+                if not move.query():
+                    return
+                fut.set_result(None)
 
     def _unwatch(self) -> None:
         if self._reader_loop is not None and self._notify is not None:

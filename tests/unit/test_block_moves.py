@@ -511,6 +511,69 @@ def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(
     copier.close()  # idempotent
 
 
+def test_copier_waiters_return_in_the_order_they_came(move_pieces: Callable[..., int]) -> None:
+    """A waiter whose moves are over still returns after an earlier waiter whose move is held
+    (jobs resume in the order they queued their copies: the CPU tier commits a tenant's stores in
+    turn); a cancelled waiter lets the ones behind it go; one wait takes a job's several moves."""
+    import asyncio
+    import os
+    import threading
+
+    g = torch.Generator().manual_seed(52)
+    kv = torch.randint(0, 256, (32, 16 << 10), dtype=torch.uint8, generator=g)
+    group = KVGroupTensors([kv])
+    copier = Copier(threads=2)
+    gate = threading.Event()
+    log: list[str] = []
+    order: list[str] = []
+
+    def move(k: int, held: bool = False) -> Any:
+        m = copier.gather(group, [k], torch.zeros(16 << 10, dtype=torch.uint8), defer=True)
+        return staging.HostMove([_GatedTicket(t, gate, log) for t in m.tickets]) if held else m
+
+    async def waiter(name: str, *moves: Any) -> None:
+        await copier.wait(*moves)
+        order.append(name)
+
+    async def until(cond: Callable[[], bool]) -> None:
+        while not cond():
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        a = move(0, held=True)
+        b, c = move(1), move(2)
+        b.synchronize()
+        c.synchronize()  # over before their waiters come: they wait behind A all the same
+        ta = asyncio.create_task(waiter("a", a))
+        await until(lambda: len(copier._waiters) == 1)
+        tb = asyncio.create_task(waiter("b", None, b, c))
+        for _ in range(20):  # the loop runs on, with the pipe's bytes read, and B stays behind
+            await asyncio.sleep(0)
+        assert order == [] and not tb.done()
+        gate.set()
+        assert copier._notify is not None
+        os.write(copier._notify[1], b"w")  # the held move is over: wake the pipe's watch
+        await asyncio.gather(ta, tb)
+        assert order == ["a", "b"]
+
+        gate.clear()
+        d, e = move(3, held=True), move(4)
+        e.synchronize()
+        td = asyncio.create_task(waiter("d", d))
+        await until(lambda: len(copier._waiters) == 1)
+        te = asyncio.create_task(waiter("e", e))
+        await until(lambda: len(copier._waiters) == 2)
+        td.cancel()  # D's job is cancelled: E waited only for it
+        await te
+        assert order == ["a", "b", "e"] and td.cancelled()
+        gate.set()
+        d.synchronize()
+
+    asyncio.run(run())
+    assert copier._waiters == []
+    copier.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Copier on CPU tensors, against a pure-torch reference
 # ---------------------------------------------------------------------------------------------

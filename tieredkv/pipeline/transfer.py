@@ -174,8 +174,7 @@ class Transfers:
                 after = ready if a == 0 else None
                 chunk_blocks = bpc if full else None
                 moves.append(self.copier.gather(grp.tensors, ids, span, after, chunk_blocks=chunk_blocks, defer=True))
-            for ev in moves:
-                await self.copier.wait(ev)
+            await self.copier.wait(*moves)
         except BaseException:
             settle(moves)
             tier.abort(slots)
@@ -343,8 +342,7 @@ class Transfers:
                             )
                             run = -1
                 await wait_event(ev)
-                for mv in moves:
-                    await self.copier.wait(mv)
+                await self.copier.wait(*moves)
                 first = route.tiers[0]
                 if route.promote and len(route.tiers) > 1 and any(found_in[i] != first for i in part):
                     await self.writeback.promote(

@@ -270,8 +270,8 @@ class Copier:
         fut: asyncio.Future[None] = loop.create_future()
         entry = (move, fut)
         self._waiters.append(entry)
-        if not self._waiters and move.query():  # over already, its byte maybe read: the earlier waiters may be too
-            self._wake()
+        if move.query():  # over already, its byte maybe read: wake it in turn, after those woken
+            loop.call_soon(self._wake)
         try:
             await fut
         finally:  # a waiter is one until it runs again (woken ones run in turn, as they were woken)

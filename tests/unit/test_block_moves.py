@@ -514,8 +514,11 @@ def test_copier_defers_host_moves_and_wakes_the_loop_through_its_pipe(
 def test_copier_waiters_return_in_the_order_they_came(move_pieces: Callable[..., int]) -> None:
     """A waiter whose moves are over still returns after an earlier waiter whose move is held
     (jobs resume in the order they queued their copies: the CPU tier commits a tenant's stores in
-    turn); a cancelled waiter lets the ones behind it go; one wait takes a job's several moves."""
+    turn); a cancelled waiter lets the ones behind it go; one wait takes a job's several moves;
+    a waiter over already that comes while an earlier one is woken but has not run goes right
+    after it, with no byte of the pipe left to wake it."""
     import asyncio
+    import contextlib
     import os
     import threading
 
@@ -568,6 +571,29 @@ def test_copier_waiters_return_in_the_order_they_came(move_pieces: Callable[...,
         assert order == ["a", "b", "e"] and td.cancelled()
         gate.set()
         d.synchronize()
+
+        # F is woken and has not run yet; G, over already, comes now: no byte of the pipe is left
+        # to wake it, so its own wait must see that it may go once F has
+        gate.clear()
+        f, g_ = move(5, held=True), move(6)
+        g_.synchronize()
+        f.tickets[0].real.synchronize()  # the held move is over underneath; it reports so once the gate opens
+        assert staging._move_fence is not None
+        staging._move_fence()  # every byte of the two moves is in the pipe: read them here
+        with contextlib.suppress(BlockingIOError):
+            while os.read(copier._notify[0], 4096):
+                pass
+        for _ in range(3):  # a watch that saw the bytes before they were read runs (and finds none)
+            await asyncio.sleep(0)
+        tf = asyncio.create_task(waiter("f", f))
+        await until(lambda: len(copier._waiters) == 1)
+        gate.set()
+        copier._on_notify()  # the pipe's watch (no byte is left to call it): F's future is set
+        async with asyncio.timeout(60):  # a bound for a broken build, not a wait for work
+            await copier.wait(g_)  # in this task, at once: F is still listed when G comes
+        order.append("g")
+        await tf
+        assert order == ["a", "b", "e", "f", "g"]
 
     asyncio.run(run())
     assert copier._waiters == []

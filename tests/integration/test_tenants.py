@@ -202,6 +202,57 @@ class _HeldMove:
         self.real.synchronize()
 
 
+class _HeldSlotStores:
+    """Slot stores held in flight on a real store: every host copy is queued for real but
+    reported not over (:class:`_HeldMove`) until :meth:`release`, and the CPU tier's reserves
+    are logged (``("reserved" | "refused", first key)``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tieredkv import staging
+        from tieredkv.backends.cpu.slab import SlabTier
+
+        real_async = staging._move_pieces_async
+        assert real_async is not None, "the C helper is not built"  # the test command builds it
+        self.gate = threading.Event()
+        self.fds: set[int] = set()
+        self.log: list[tuple[str, bytes]] = []
+
+        def held(*a: Any) -> _HeldMove:
+            self.fds.add(a[-1])
+            return _HeldMove(real_async(*a), self.gate)
+
+        real_reserve = SlabTier.reserve
+
+        def reserve(tier: Any, items: list[tuple[bytes, int]], tenant: Any = 0) -> Any:
+            try:
+                slots = real_reserve(tier, items, tenant)
+            except TierFullError:
+                self.log.append(("refused", items[0][0]))
+                raise
+            self.log.append(("reserved", items[0][0]))
+            return slots
+
+        monkeypatch.setattr(staging, "_move_pieces_async", held)
+        monkeypatch.setattr(SlabTier, "reserve", reserve)
+
+    def until(self, what: tuple[str, bytes]) -> None:
+        deadline = time.monotonic() + 60  # a bound for a broken build, not a wait for work
+        while what not in self.log:
+            assert time.monotonic() < deadline, self.log
+            time.sleep(0.001)
+
+    def release(self) -> None:
+        self.gate.set()
+        for fd in self.fds:  # the held moves are over: wake the loop's watch of the mover's pipe
+            os.write(fd, b"w")
+
+
+def _send(store: Any, keys: list[bytes], first: int, tenant: str) -> Any:
+    job = store.store(0, [(k, (first + i,)) for i, k in enumerate(keys)], tenant=tenant)
+    assert job is not None
+    return job
+
+
 def test_stores_waiting_for_their_tenants_room_take_it_in_the_order_they_came(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -209,66 +260,62 @@ def test_stores_waiting_for_their_tenants_room_take_it_in_the_order_they_came(
     refused and waits; Z (1 chunk) comes after it and would fit at once. Z waits behind Y: a
     tenant's stores take their slots, and so their places in its eviction order, in the order
     they came (Z first would outlive Y's newer chunks). bravo's store is in no one's line."""
-    from tieredkv import staging
-    from tieredkv.backends.cpu.slab import SlabTier
-
-    real_async = staging._move_pieces_async
-    if real_async is None:
-        pytest.skip("the C helper is not built")  # pragma: no cover - the test command builds it
-    gate = threading.Event()
-    fds: set[int] = set()
-    monkeypatch.setattr(staging, "_move_pieces_async", lambda *a: (fds.add(a[-1]), _HeldMove(real_async(*a), gate))[1])
-    log: list[tuple[str, bytes]] = []
-    real_reserve = SlabTier.reserve
-
-    def reserve(self: Any, items: list[tuple[bytes, int]], tenant: Any = 0) -> Any:
-        try:
-            slots = real_reserve(self, items, tenant)
-        except TierFullError:
-            log.append(("refused", items[0][0]))
-            raise
-        log.append(("reserved", items[0][0]))
-        return slots
-
-    monkeypatch.setattr(SlabTier, "reserve", reserve)
+    held = _HeldSlotStores(monkeypatch)
     config = cfg(tenants={"quotas": {"acme": "64KiB", "bravo": "64KiB"}})
     with tieredkv.open_store(config) as store:
         dev = Device(store, 16)
         acme, bravo = keys_of(store, "acme", 6), keys_of(store, "bravo", 1)
         x, y, z = acme[:3], acme[3:5], acme[5:]
-
-        def send(keys: list[bytes], first: int, tenant: str) -> Any:
-            job = store.store(0, [(k, (first + i,)) for i, k in enumerate(keys)], tenant=tenant)
-            assert job is not None
-            return job
-
-        def until(what: tuple[str, bytes]) -> None:
-            deadline = time.monotonic() + 60  # a bound for a broken build, not a wait for work
-            while what not in log:
-                assert time.monotonic() < deadline, log
-                time.sleep(0.001)
-
-        jobs = [send(x, 0, "acme")]
-        until(("reserved", x[0]))
-        jobs.append(send(y, 3, "acme"))
-        until(("refused", y[0]))
-        jobs.append(send(z, 5, "acme"))
-        jobs.append(send(bravo, 6, "bravo"))
-        until(("reserved", bravo[0]))  # another tenant's store is held up by no line
-        assert ("reserved", z[0]) not in log, "a later store overtook one waiting for its tenant's room"
-        gate.set()
-        for fd in fds:  # the held moves are over: wake the loop's watch of the mover's pipe
-            os.write(fd, b"w")
+        jobs = [_send(store, x, 0, "acme")]
+        held.until(("reserved", x[0]))
+        jobs.append(_send(store, y, 3, "acme"))
+        held.until(("refused", y[0]))
+        jobs.append(_send(store, z, 5, "acme"))
+        jobs.append(_send(store, bravo, 6, "bravo"))
+        held.until(("reserved", bravo[0]))  # another tenant's store is held up by no line
+        assert ("reserved", z[0]) not in held.log, "a later store overtook one waiting for its tenant's room"
+        held.release()
         results = store.wait(jobs, timeout=60)
         assert all(r.ok for r in results.values()), results
-        order = [k for what, k in log if what == "reserved" and k in (x[0], y[0], z[0])]
+        order = [k for what, k in held.log if what == "reserved" and k in (x[0], y[0], z[0])]
         assert order == [x[0], y[0], z[0]]
         # acme's eviction order is the stores' order: its quota keeps X's newest chunk, Y and Z
-        held = [s is KeyState.HIT for s, _ in store.lookup(acme)]
-        assert held == [False, False, True, True, True, True]
+        kept = [s is KeyState.HIT for s, _ in store.lookup(acme)]
+        assert kept == [False, False, True, True, True, True]
         job = store.load(0, [(k, (8 + i,)) for i, k in enumerate(acme[2:])], tenant="acme")
         assert job is not None and store.wait([job])[job].ok
         assert torch.equal(dev.kv[8:12], dev.kv[2:6])
+
+
+def test_a_store_refused_for_good_at_the_head_of_its_line_lets_the_next_one_try(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Y (5 chunks, more than acme's whole 4-chunk quota) is refused while X is in flight, so it
+    waits in acme's line, and Z (1 chunk) queues behind it. When X ends, Y is refused again with
+    nothing in flight (for good: its keys fail, counted) and Z tries at once: no slot store is
+    left to end and wake it, so waiting for one would hang it."""
+    held = _HeldSlotStores(monkeypatch)
+    config = cfg(tenants={"quotas": {"acme": "64KiB"}})
+    with tieredkv.open_store(config) as store:
+        dev = Device(store, 16)
+        acme = keys_of(store, "acme", 9)
+        x, y, z = acme[:3], acme[3:8], acme[8:]
+        jobs = [_send(store, x, 0, "acme")]
+        held.until(("reserved", x[0]))
+        jobs.append(_send(store, y, 3, "acme"))
+        held.until(("refused", y[0]))
+        jobs.append(_send(store, z, 8, "acme"))
+        held.release()
+        results = store.wait(jobs, timeout=60)
+        assert len(results) == 3, results
+        rx, ry, rz = (results[j] for j in jobs)
+        assert rx.ok and rz.ok, results
+        assert not ry.ok and set(ry.failed) == set(y)
+        assert [what for what, k in held.log if k == y[0]] == ["refused", "refused"]
+        assert [s is KeyState.HIT for s, _ in store.lookup(acme)] == [True] * 3 + [False] * 5 + [True]
+        job = store.load(0, [(z[0], (12,))], tenant="acme")
+        assert job is not None and store.wait([job])[job].ok
+        assert torch.equal(dev.kv[12], dev.kv[8])
 
 
 async def test_a_refused_tenant_in_a_shared_batch_leaves_the_others_stored() -> None:

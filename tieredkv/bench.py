@@ -68,6 +68,7 @@ __all__ = [
     "block_ids",
     "cell",
     "make_tier",
+    "parse_sizes",
     "ratios",
     "raw_figures",
     "raw_file",
@@ -519,7 +520,9 @@ def add_run_args(ap: Any, *, total_mib: int, per: str, reps: int, quick_sizes: S
     """The options every bench script takes for what it runs: ``--sizes`` (KiB), ``--total-mib``
     (bytes moved per size and ``per``), ``--reps`` and ``--quick`` (a smoke run of
     ``quick_sizes``, ``quick_mib`` MiB, one rep); :func:`run_plan` reads them back."""
-    ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
+    ap.add_argument(
+        "--sizes", type=_sizes_option, default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB"
+    )
     ap.add_argument("--total-mib", type=int, default=total_mib, help=f"bytes moved per size, {per}")
     ap.add_argument("--reps", type=int, default=reps, help="repetitions per size (the median is reported)")
     ap.add_argument(
@@ -535,7 +538,30 @@ def run_plan(a: Any) -> tuple[list[int], int, int]:
     if a.quick:
         sizes, total = a.quick_plan
         return sizes, total, 1
-    return [int(x) * KiB for x in a.sizes.split(",")], a.total_mib * MiB, a.reps
+    return parse_sizes(a.sizes), a.total_mib * MiB, a.reps
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Chunk sizes given in KiB, comma-separated (``64,256,1024``), in bytes; ValueError saying
+    what was given and what is expected otherwise."""
+    try:
+        sizes = [int(x) * KiB for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"got {text!r}; expected chunk sizes in KiB, comma-separated, like 64,256,1024")
+    return sizes
+
+
+def _sizes_option(text: str) -> str:
+    """argparse ``type`` of ``--sizes``: the text, once :func:`parse_sizes` takes it."""
+    import argparse
+
+    try:
+        parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def size_label(size: int) -> str:

@@ -754,3 +754,23 @@ def test_the_bench_moves_chunks_from_and_into_the_layouts_blocks(tmp_path: Path,
         ts, tl = bench.pipeline_store_load(tier, src, torch.zeros_like(src), ns, blocks, layout=layout, seed=5)
         assert ts > 0 and tl > 0 and tier.counters["hits"] == 48
     assert int(blocks[0].sum()) == 0  # the null block is never written
+
+
+@pytest.mark.parametrize("bad", ["256KiB", "", "64,,256", "0", "-64", "64,x"])
+def test_a_bench_scripts_sizes_option_names_what_it_got_and_what_it_wants(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--sizes`` of the bench scripts (``add_run_args``): a bad list is argparse's usage error
+    naming the option, the value and the form expected, never a traceback from ``run_plan``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench")
+    bench.add_run_args(ap, total_mib=8, per="rep", reps=1, quick_sizes=[64 * 1024], quick_mib=8)
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--sizes", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sizes" in err and repr(bad) in err and "like 64,256,1024" in err
+    a = ap.parse_args(["--sizes", "64,1024"])
+    assert bench.run_plan(a)[0] == [64 * 1024, 1024 * 1024]
+    assert bench.run_plan(ap.parse_args([]))[0] == bench.SIZES

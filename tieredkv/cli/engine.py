@@ -264,9 +264,9 @@ def _bench(
     cfg = load(config)
     tiers = select_tiers(cfg, names, allow_in_process=True)
     try:
-        size_list = [int(x) * 1024 for x in sizes.split(",")]
-    except ValueError:
-        raise CLIError(EXIT_BAD_INPUT, f"--sizes: got {sizes!r}; expected KiB numbers like 64,256,1024") from None
+        size_list = b.parse_sizes(sizes)
+    except ValueError as e:
+        raise CLIError(EXIT_BAD_INPUT, f"--sizes: {e}") from None
     lays = [x.strip() for x in layouts.split(",") if x.strip()]
     if not lays or any(x not in b.LAYOUTS for x in lays):
         raise CLIError(

@@ -241,6 +241,15 @@ class _HeldSlotStores:
             assert time.monotonic() < deadline, self.log
             time.sleep(0.001)
 
+    def hold_then_refuse(self, store: Any, held: list[bytes], refused: list[bytes], tenant: str) -> list[Any]:
+        """Store ``held`` (blocks from 0) until its slots are reserved and its copies held, then
+        ``refused`` (the blocks after) until the tier has refused it once; their job ids."""
+        jobs = [_send(store, held, 0, tenant)]
+        self.until(("reserved", held[0]))
+        jobs.append(_send(store, refused, len(held), tenant))
+        self.until(("refused", refused[0]))
+        return jobs
+
     def release(self) -> None:
         self.gate.set()
         for fd in self.fds:  # the held moves are over: wake the loop's watch of the mover's pipe
@@ -266,10 +275,7 @@ def test_stores_waiting_for_their_tenants_room_take_it_in_the_order_they_came(
         dev = Device(store, 16)
         acme, bravo = keys_of(store, "acme", 6), keys_of(store, "bravo", 1)
         x, y, z = acme[:3], acme[3:5], acme[5:]
-        jobs = [_send(store, x, 0, "acme")]
-        held.until(("reserved", x[0]))
-        jobs.append(_send(store, y, 3, "acme"))
-        held.until(("refused", y[0]))
+        jobs = held.hold_then_refuse(store, x, y, "acme")
         jobs.append(_send(store, z, 5, "acme"))
         jobs.append(_send(store, bravo, 6, "bravo"))
         held.until(("reserved", bravo[0]))  # another tenant's store is held up by no line
@@ -300,10 +306,7 @@ def test_a_store_refused_for_good_at_the_head_of_its_line_lets_the_next_one_try(
         dev = Device(store, 16)
         acme = keys_of(store, "acme", 9)
         x, y, z = acme[:3], acme[3:8], acme[8:]
-        jobs = [_send(store, x, 0, "acme")]
-        held.until(("reserved", x[0]))
-        jobs.append(_send(store, y, 3, "acme"))
-        held.until(("refused", y[0]))
+        jobs = held.hold_then_refuse(store, x, y, "acme")
         jobs.append(_send(store, z, 8, "acme"))
         held.release()
         results = store.wait(jobs, timeout=60)

@@ -29,7 +29,9 @@ records), but without it:
   - host block moves (the CPU tier, staging) copy a chunk's blocks one NumPy call at a time:
     scattered 64 KiB chunks of 4 blocks stored and loaded about 2.2-2.4x slower;
   - the LMDB tier's puts of 64 KiB chunks run up to about 1.25x slower (headers hashed with
-    the GIL held).
+    the GIL held);
+  - each store or load call costs the engine thread about 0.75 us per chunk to check instead
+    of 0.06.
 To build it: a C compiler (gcc or clang) and Python's headers (Debian: build-essential and
 python3-dev), then reinstall (pip install -e .). See docs/native.md.
 """

@@ -72,6 +72,11 @@ from tieredkv.staging import KVGroupTensors
 from tieredkv.tenants import TenantQuotas
 from tieredkv.weights import namespace_weights
 
+try:  # the optional C helper (setup.py): a call's chunks checked in one C call
+    from tieredkv._fastrec import check_chunks as _check_chunks
+except ImportError:  # not built here (or built before it had it): the Python loop below
+    _check_chunks = None
+
 __all__ = ["KeyState", "TieredStore", "open_store"]
 
 ChunkArg = tuple[bytes, Sequence[int]]
@@ -547,6 +552,15 @@ class TieredStore(StoreControls):
         bpc = self._geometry[group][0].blocks_per_chunk
         fp = self.namespace.fingerprint if self._own_namespace else b""
         suffix = group_suffix(group)
+        if _check_chunks is not None:  # the C helper takes the common forms in one call
+            if type(chunks) is not list and type(chunks) is not tuple:
+                chunks = list(chunks)
+            got = _check_chunks(
+                chunks, ChunkRef, fp, suffix, bpc, self._num_blocks[group], MIN_STORED_KEY_BYTES, MAX_KEY_BYTES
+            )
+            if type(got) is tuple:
+                return got
+            # a chunk it does not take: checked again below, which says what is wrong with it
         index = operator.index
         new = tuple.__new__
         refs: list[ChunkRef] = []

@@ -4,8 +4,9 @@
  * What is here is what measured faster than tieredkv/format.py's pure-Python path by a stated
  * margin on the benches' paths (docs/native.md has the figures): the checked copies of a read
  * transaction's records (verify_many; records kept as header and payload apart,
- * verify_parts_many), the reads of records in record files (read_records, read_placed), and a
- * non-temporal host copy for staging.py (stream_into). Encoding records, their headers, writing
+ * verify_parts_many), the reads of records in record files (read_records, read_placed), a
+ * non-temporal host copy for staging.py (stream_into), and the engine thread's check of a store or
+ * load call's chunks (check_chunks, for tieredkv/store.py). Encoding records, their headers, writing
  * record files and the Redis tier's one-record checked copy are Python only (format.py): C bought
  * them under 1.2x through the pipeline.
  *
@@ -1415,6 +1416,105 @@ done:
     return result;
 }
 
+/* ---- the engine thread's check of a store or load call (tieredkv.store.TieredStore._checked) ---- */
+
+/* One ids sequence of a chunk in the form this takes: an exact tuple or list of exactly bpc
+ * exact ints, each in 0..n_blocks-1. Returns a new tuple of them (the same tuple when it is one),
+ * or NULL with no exception set when the chunk is not in that form (the caller's Python path
+ * then says what is wrong, or accepts a form this does not take). */
+static PyObject *checked_ids(PyObject *ids, Py_ssize_t bpc, Py_ssize_t n_blocks) {
+    int is_tuple = PyTuple_CheckExact(ids);
+    if (!is_tuple && !PyList_CheckExact(ids)) return NULL;
+    if (Py_SIZE(ids) != bpc) return NULL;
+    PyObject **items = is_tuple ? &PyTuple_GET_ITEM(ids, 0) : PySequence_Fast_ITEMS(ids);
+    for (Py_ssize_t j = 0; j < bpc; j++) {
+        PyObject *v = items[j];
+        if (!PyLong_CheckExact(v)) return NULL;
+        int overflow = 0;
+        long long b = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || b < 0 || b >= n_blocks) return NULL; /* never sets an error for an exact int */
+    }
+    return is_tuple ? Py_NewRef(ids) : PyList_AsTuple(ids);
+}
+
+/* check_chunks(chunks, ref_type, fp, suffix, bpc, n_blocks, min_key, max_key): the chunks of a
+ * call, each (key, block_ids), as a tuple of ref_type (a tuple subclass of two fields, e.g.
+ * ChunkRef), when every chunk is in the form this takes: an exact tuple or list (or ref_type) of
+ * two; the key exact bytes of min_key..max_key bytes starting with fp and ending with suffix;
+ * block_ids as checked_ids takes them. Else the index (int) of the first chunk it does not take:
+ * the caller checks the call again in Python, which raises what is wrong or takes a form this
+ * does not (any iterable, keys of other buffer types, ids of other index types). Nothing here
+ * calls back into Python, so no list it reads can change under it. */
+static PyObject *check_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0])) || !PyType_Check(args[1]) ||
+        !PyBytes_CheckExact(args[2]) || !PyBytes_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "check_chunks(chunks: list | tuple, ref_type: type, fp: bytes, suffix: "
+                                         "bytes, bpc: int, n_blocks: int, min_key: int, max_key: int)");
+        return NULL;
+    }
+    PyTypeObject *ref = (PyTypeObject *)args[1];
+    if (!PyType_IsSubtype(ref, &PyTuple_Type) || ref->tp_basicsize != PyTuple_Type.tp_basicsize ||
+        ref->tp_itemsize != PyTuple_Type.tp_itemsize) {
+        PyErr_SetString(PyExc_TypeError, "check_chunks: ref_type must be a tuple subclass with no fields of its own");
+        return NULL;
+    }
+    Py_ssize_t num[4];
+    for (int i = 0; i < 4; i++) {
+        num[i] = PyLong_AsSsize_t(args[4 + i]);
+        if (num[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    Py_ssize_t bpc = num[0], n_blocks = num[1], min_key = num[2], max_key = num[3];
+    if (bpc < 1 || n_blocks < 0) {
+        PyErr_SetString(PyExc_ValueError, "check_chunks: bpc must be at least 1 and n_blocks not negative");
+        return NULL;
+    }
+    const char *fp = PyBytes_AS_STRING(args[2]), *suffix = PyBytes_AS_STRING(args[3]);
+    Py_ssize_t fplen = PyBytes_GET_SIZE(args[2]), sufflen = PyBytes_GET_SIZE(args[3]);
+    PyObject *chunks = args[0];
+    Py_ssize_t n = Py_SIZE(chunks);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_CheckExact(chunks) ? PyList_GET_ITEM(chunks, i) : PyTuple_GET_ITEM(chunks, i);
+        PyObject *key, *ids;
+        if ((PyTuple_CheckExact(item) || Py_IS_TYPE(item, ref)) && PyTuple_GET_SIZE(item) == 2) {
+            key = PyTuple_GET_ITEM(item, 0);
+            ids = PyTuple_GET_ITEM(item, 1);
+        } else if (PyList_CheckExact(item) && PyList_GET_SIZE(item) == 2) {
+            key = PyList_GET_ITEM(item, 0);
+            ids = PyList_GET_ITEM(item, 1);
+        } else
+            goto refuse;
+        if (!PyBytes_CheckExact(key)) goto refuse;
+        Py_ssize_t klen = PyBytes_GET_SIZE(key);
+        const char *k = PyBytes_AS_STRING(key);
+        if (klen < min_key || klen > max_key || klen < fplen || klen < sufflen || memcmp(k, fp, (size_t)fplen) != 0 ||
+            memcmp(k + klen - sufflen, suffix, (size_t)sufflen) != 0)
+            goto refuse;
+        PyObject *block_ids = checked_ids(ids, bpc, n_blocks);
+        if (block_ids == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            goto refuse;
+        }
+        PyObject *r = ref->tp_alloc(ref, 2);
+        if (r == NULL) {
+            Py_DECREF(block_ids);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(r, 0, Py_NewRef(key));
+        PyTuple_SET_ITEM(r, 1, block_ids);
+        PyTuple_SET_ITEM(out, i, r);
+        continue;
+    refuse:
+        Py_DECREF(out);
+        return PyLong_FromSsize_t(i);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"set_layout", (PyCFunction)(void (*)(void))set_layout, METH_VARARGS | METH_KEYWORDS,
      "set_layout(*, header, magic, magic_at, version, header_size, fingerprint, group, flags, length, checksum, "
@@ -1440,6 +1540,9 @@ static PyMethodDef methods[] = {
      "move_wake(threads) -> None: wake move_pieces' helper threads ahead of a move"},
     {"read_placed", (PyCFunction)(void (*)(void))read_placed_py, METH_FASTCALL,
      "read_placed(directory, entries, keys, dsts, layout) -> list: read_records of records placed by index entries"},
+    {"check_chunks", (PyCFunction)(void (*)(void))check_chunks, METH_FASTCALL,
+     "check_chunks(chunks, ref_type, fp, suffix, bpc, n_blocks, min_key, max_key) -> tuple of ref_type, or the "
+     "index of the first chunk to check again in Python"},
     {"read_records", (PyCFunction)(void (*)(void))read_records_py, METH_FASTCALL,
      "read_records(paths, offsets, sizes, keys, dsts) -> list of payload lengths, -1, -2 or OSError"},
     {NULL, NULL, 0, NULL},

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tieredkv.backends.fs import FSTier, FSTierConfig
 from tieredkv.backends.fs.layout import Layout
+from tieredkv.bench import sizes_option
 from tieredkv.format import HEADER_SIZE, encode_heads_into, verify_parts
 from tieredkv.keys import Namespace
 
@@ -135,14 +136,14 @@ WAYS = {"tier": by_tier, "one hop": by_one_hop, "one thread": by_one_thread}
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="64,1024", help="chunk sizes in KiB")
+    ap.add_argument("--sizes", type=sizes_option, default="64,1024", help="chunk sizes in KiB")
     ap.add_argument("--total-mib", type=int, default=128, help="bytes of records per size and run")
     ap.add_argument("--reps", type=int, default=2, help="runs of every way (each one printed)")
     ap.add_argument("--workdir", default=None, help="where the record directories go (default: a temporary one)")
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="tieredkv-fs-hops-", dir=a.workdir)
     try:
-        for size in (int(s) * KiB for s in a.sizes.split(",")):
+        for size in a.sizes:
             recs = Records(size, max(4, a.total_mib * MiB // size))
             print(f"{size // KiB} KiB x {recs.n}, batches of {recs.batch}; load average {os.getloadavg()[0]:.1f}")
             for rep in range(a.reps):

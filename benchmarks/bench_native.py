@@ -15,7 +15,9 @@ run the same code in both columns, a check on the noise:
 * ``verify_many_into`` / ``verify_many_parts_into``: a batch's checked copies (the LMDB read);
 * ``write_records`` / ``read_records_into`` / ``read_placed_into``: the LMDB tier's record files
   (16 MiB files in the temp dir: page cache, no sync);
-* ``host_copy``: ``staging``'s host block copy (the CPU tier's gathers and scatters).
+* ``host_copy``: ``staging``'s host block move (the CPU tier's gathers and scatters): a gather of
+  chunks of 4 blocks at permuted ids into staging, ``move_pieces`` on two threads against NumPy's
+  copy per run of blocks.
 
 ``--without-helper SCRIPT [ARGS]`` instead runs another bench script with the helper blocked
 (e.g. ``benchmarks/bench_tiers.py --tiers cpu,lmdb``), to set its figures beside a run with it.
@@ -40,9 +42,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from tieredkv import format as fmt
 from tieredkv import staging
+from tieredkv.bench import sizes_option
 from tieredkv.keys import Namespace
 
 KiB, MiB = 1024, 1024 * 1024
@@ -51,6 +55,10 @@ KiB, MiB = 1024, 1024 * 1024
 #: noise) or wall time (``--clock wall``).
 CLOCK: Callable[[], float] = time.thread_time
 FILE_BYTES = 16 * MiB  # the LMDB tier's default file_batch_bytes
+HOST_BPC, HOST_THREADS = (
+    4,
+    2,
+)  # host_copy: blocks per chunk (as the benches), move_pieces threads (PipelineConfig.copy_threads)
 _PLACE = struct.Struct("<dQ16sQ")  # the LMDB tier's filed access entry: stamp, size, token, offset
 _LAYOUT = (_PLACE.size, 8, 16, 32)
 
@@ -99,6 +107,8 @@ class Case:
                 self.entries.append(memoryview(_PLACE.pack(1.0, size + 64, token, at)))
         self.wdir = tempfile.mkdtemp(dir=work)
         self.written = 0
+        self.kv: staging.KVGroupTensors | None = None  # host_copy's group, made at its first call
+        self.ids: Any = None
 
     def check(self) -> None:
         if not np.array_equal(self.dst, self.src):
@@ -163,8 +173,14 @@ class Case:
             assert got == [self.size] * len(got), got[:3]
 
     def host_copy(self) -> None:
-        for i in range(self.count):
-            staging._copy(self.dst[i], self.src[i])
+        if self.kv is None:  # the payloads as a KV group's blocks, 4 to a chunk, at permuted ids
+            nb, bb = self.count * HOST_BPC, self.size // HOST_BPC
+            self.ids = np.random.default_rng(self.size).permutation(nb)
+            blocks = aligned(nb * bb).reshape(nb, bb)
+            blocks[self.ids] = self.src.reshape(nb, bb)
+            self.kv = staging.KVGroupTensors([torch.from_numpy(blocks)])
+        places = staging._Places(None, self.ids.tolist())
+        staging._move_host(self.kv, places, HOST_BPC, self.dst.reshape(-1), True, HOST_THREADS)
 
 
 OPS = [
@@ -182,10 +198,10 @@ _CHECKED = {"verify_into", "verify_many_into", "verify_many_parts_into", "read_r
 _CHECKED |= {"host_copy"}
 
 
-def use_native(on: bool, helper: Any, stream: Any) -> None:
+def use_native(on: bool, helper: Any, mover: Any) -> None:
     """Switch the helper on or off for ``format`` and ``staging`` (as the tests do)."""
     fmt._fastrec = helper if on else None
-    staging._stream_into = stream if on else None
+    staging._move_pieces = mover if on else None
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -196,7 +212,7 @@ def timed(fn: Callable[[], None]) -> float:
 
 
 def measure(sizes: list[int], total: int, reps: int, ops: list[str]) -> list[dict[str, Any]]:
-    helper, stream = fmt._fastrec, staging._stream_into
+    helper, mover = fmt._fastrec, staging._move_pieces
     if helper is None:
         raise SystemExit("the C helper is not built here: nothing to compare (pip install -e .)")
     work = tempfile.mkdtemp(prefix="tieredkv-native-")
@@ -209,13 +225,13 @@ def measure(sizes: list[int], total: int, reps: int, ops: list[str]) -> list[dic
                 got: dict[str, list[float]] = {"native": [], "python": []}
                 for rep in range(reps + 1):
                     for path in ("native", "python") if rep % 2 == 0 else ("python", "native"):
-                        use_native(path == "native", helper, stream)
+                        use_native(path == "native", helper, mover)
                         seconds = timed(fn)
                         if op in _CHECKED:
                             case.check()
                         if rep:
                             got[path].append(case.count * size / seconds / 1e9)
-                use_native(True, helper, stream)
+                use_native(True, helper, mover)
                 med = {p: statistics.median(v) for p, v in got.items()}
                 row = {"size": size, "op": op, "gbps": med, "reps": got}
                 line = f"{size // KiB:>5} KiB {op:<24} {med['native']:6.2f} {med['python']:6.2f} "
@@ -226,7 +242,7 @@ def measure(sizes: list[int], total: int, reps: int, ops: list[str]) -> list[dic
             shutil.rmtree(case.wdir, ignore_errors=True)
             del case
     finally:
-        use_native(True, helper, stream)
+        use_native(True, helper, mover)
         shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -252,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--without-helper"]:
         return run_without_helper(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="64,256,1024", help="chunk sizes in KiB")
+    ap.add_argument("--sizes", type=sizes_option, default="64,256,1024", help="chunk sizes in KiB")
     ap.add_argument("--total-mib", type=int, default=64, help="payload bytes per op, path and rep")
     ap.add_argument("--reps", type=int, default=7, help="kept repetitions per op and path (the median is printed)")
     ap.add_argument("--ops", default=",".join(OPS), help="which functions")
@@ -261,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=None, help="write the figures to this JSON file")
     a = ap.parse_args(argv)
-    sizes = [int(x) * KiB for x in a.sizes.split(",")]
+    sizes = a.sizes
     global CLOCK
     CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     head = f"{'chunk':>9} {'function':<24} {'C':>6} {'Python':>6} {'ratio':>6}"

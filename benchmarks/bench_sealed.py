@@ -35,7 +35,17 @@ from typing import Any
 import torch
 
 from tieredkv.backends.registry import build_tier
-from tieredkv.bench import BATCH_BYTES, KiB, MiB, frozen_heap, machine_info, size_label, steady_malloc, warm_free_pages
+from tieredkv.bench import (
+    BATCH_BYTES,
+    KiB,
+    MiB,
+    frozen_heap,
+    machine_info,
+    size_label,
+    sizes_option,
+    steady_malloc,
+    warm_free_pages,
+)
 from tieredkv.config import NamespaceConfig, PipelineConfig, RedisTierConfig, TieredKVConfig
 from tieredkv.keys import Namespace
 from tieredkv.sealing import Keyring, sealed_size
@@ -142,13 +152,15 @@ def aes_gcm(src: torch.Tensor, ns: Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB")
+    ap.add_argument(
+        "--sizes", type=sizes_option, default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB"
+    )
     ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per size, figure and rep")
     ap.add_argument("--reps", type=int, default=7, help="repetitions per size (the median is reported; at least 5)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 KiB and 1 MiB, 16 MiB, 1 rep")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
-    sizes = [64 * KiB, 1 * MiB] if a.quick else [int(x) * KiB for x in a.sizes.split(",")]
+    sizes = [64 * KiB, 1 * MiB] if a.quick else a.sizes
     total = 16 * MiB if a.quick else a.total_mib * MiB
     reps = 1 if a.quick else max(5, a.reps)
     steady_malloc()

@@ -78,6 +78,7 @@ __all__ = [
     "redis_benchmark",
     "run_plan",
     "run_tier_bench",
+    "sizes_option",
     "tier_figures",
 ]
 
@@ -521,7 +522,7 @@ def add_run_args(ap: Any, *, total_mib: int, per: str, reps: int, quick_sizes: S
     (bytes moved per size and ``per``), ``--reps`` and ``--quick`` (a smoke run of
     ``quick_sizes``, ``quick_mib`` MiB, one rep); :func:`run_plan` reads them back."""
     ap.add_argument(
-        "--sizes", type=_sizes_option, default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB"
+        "--sizes", type=sizes_option, default=",".join(str(s // KiB) for s in SIZES), help="chunk sizes in KiB"
     )
     ap.add_argument("--total-mib", type=int, default=total_mib, help=f"bytes moved per size, {per}")
     ap.add_argument("--reps", type=int, default=reps, help="repetitions per size (the median is reported)")
@@ -538,7 +539,7 @@ def run_plan(a: Any) -> tuple[list[int], int, int]:
     if a.quick:
         sizes, total = a.quick_plan
         return sizes, total, 1
-    return parse_sizes(a.sizes), a.total_mib * MiB, a.reps
+    return list(a.sizes), a.total_mib * MiB, a.reps
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -553,15 +554,16 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _sizes_option(text: str) -> str:
-    """argparse ``type`` of ``--sizes``: the text, once :func:`parse_sizes` takes it."""
+def sizes_option(text: str) -> list[int]:
+    """argparse ``type`` of every bench script's ``--sizes``: :func:`parse_sizes`, a bad list
+    argparse's usage error naming what was given and the form expected (a string default is
+    parsed the same way)."""
     import argparse
 
     try:
-        parse_sizes(text)
+        return parse_sizes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def size_label(size: int) -> str:

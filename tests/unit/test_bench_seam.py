@@ -774,3 +774,42 @@ def test_a_bench_scripts_sizes_option_names_what_it_got_and_what_it_wants(
     a = ap.parse_args(["--sizes", "64,1024"])
     assert bench.run_plan(a)[0] == [64 * 1024, 1024 * 1024]
     assert bench.run_plan(ap.parse_args([]))[0] == bench.SIZES
+
+
+@pytest.mark.parametrize("script", ["bench_sealed", "bench_fs_hops", "bench_native"])
+def test_bench_scripts_with_their_own_options_parse_sizes_the_same_way(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The scripts that declare ``--sizes`` themselves take it through ``bench.sizes_option``:
+    the same usage error for a bad list (before anything runs), and no parser of their own."""
+    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--sizes", "64,x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sizes" in err and "'64,x'" in err and "like 64,256,1024" in err
+    text = (ROOT / "benchmarks" / f"{script}.py").read_text()
+    assert "type=sizes_option" in text and "sizes.split" not in text
+
+
+def test_bench_native_runs_every_function_it_names_on_both_paths() -> None:
+    """``benchmarks/bench_native.py`` (C against Python per function) runs each of its ops, the
+    helper switched on and off, and each checked op's bytes come out right (``Case.check``): a
+    function the helper or staging no longer has fails here, not at someone's next bench run."""
+    from tieredkv import format as fmt
+    from tieredkv import staging
+
+    if fmt._fastrec is None:
+        pytest.skip("needs the C helper (tieredkv._fastrec)")
+    spec = importlib.util.spec_from_file_location("bench_native", ROOT / "benchmarks" / "bench_native.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    helper, mover = fmt._fastrec, staging._move_pieces
+    rows = mod.measure([64 * 1024], 1 << 20, 1, list(mod.OPS))
+    assert [r["op"] for r in rows] == list(mod.OPS)
+    assert all(len(r["reps"]["native"]) == len(r["reps"]["python"]) == 1 for r in rows)
+    assert (fmt._fastrec, staging._move_pieces) == (helper, mover)  # switched back on

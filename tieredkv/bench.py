@@ -149,6 +149,7 @@ def pipeline_store_load(
     *,
     layout: str = LAYOUTS[0],
     seed: int = 0,
+    phase: Callable[[str, bool], None] | None = None,
 ) -> tuple[float, float]:
     """(store seconds, load seconds) of every chunk of ``src`` through a one-tier store; bytes verified.
 
@@ -156,7 +157,9 @@ def pipeline_store_load(
     of :data:`BLOCKS_PER_CHUNK` blocks. Chunk ``i`` of ``src`` is placed (untimed) in the blocks a
     pool of ``layout`` hands out (:func:`~tieredkv.layouts.round_ids`, drawn from ``seed``) among blocks
     ``1 .. N``, stored from there, and loaded into blocks drawn the same way among ``N+1 .. 2N``,
-    zeroed first. Every key it writes is deleted again (a shared tier is left as it was found)."""
+    zeroed first. Every key it writes is deleted again (a shared tier is left as it was found).
+    ``phase(op, started)``, if given, is called right before each timed phase (``op``: ``store``
+    or ``load``) starts its clock and right after it stops it (a profiler's marks)."""
     import numpy as np
 
     n, size = src.shape
@@ -184,16 +187,21 @@ def pipeline_store_load(
         store.register_group(0, [blocks], blocks_per_chunk=bpc)
         store.prefault_staging()  # an engine's pool is faulted in once, not per run
 
-        def run(submit: Callable[[list[tuple[bytes, Sequence[int]]]], int | None], ids: list[int]) -> float:
+        def run(op: str, ids: list[int]) -> float:
+            submit: Callable[[int, list[tuple[bytes, Sequence[int]]]], int | None] = getattr(store, op)
             chunked = [tuple(ids[i * bpc : (i + 1) * bpc]) for i in range(n)]  # as the scheduler holds them
+            if phase is not None:
+                phase(op, True)
             t0 = time.perf_counter()
             for b in range(0, n, per):
                 chunks: list[tuple[bytes, Sequence[int]]] = list(zip(keys[b : b + per], chunked[b : b + per]))
-                while submit(chunks) is None:  # staging full: wait for room (back-pressure)
+                while submit(0, chunks) is None:  # staging full: wait for room (back-pressure)
                     time.sleep(0.0005)
             if not store.drain(600):
                 raise RuntimeError("pipeline did not drain")
             dt = time.perf_counter() - t0
+            if phase is not None:
+                phase(op, False)
             bad = [r for r in store.poll() if not r.ok]
             if bad:
                 raise RuntimeError(f"{len(bad)} jobs failed: {bad[0].error}")
@@ -201,8 +209,8 @@ def pipeline_store_load(
 
         try:
             warm_free_pages(src)  # as every raw baseline does before it writes
-            ts = run(lambda chunks: store.store(0, chunks), store_ids)
-            tl = run(lambda chunks: store.load(0, chunks), load_ids)
+            ts = run("store", store_ids)
+            tl = run("load", load_ids)
         finally:
             store.run(tier.delete_many(keys), timeout=120)
     if not np.array_equal(rows[np.asarray(load_ids)].reshape(n, size), src.numpy()):

@@ -813,3 +813,64 @@ def test_bench_native_runs_every_function_it_names_on_both_paths() -> None:
     assert [r["op"] for r in rows] == list(mod.OPS)
     assert all(len(r["reps"]["native"]) == len(r["reps"]["python"]) == 1 for r in rows)
     assert (fmt._fastrec, staging._move_pieces) == (helper, mover)  # switched back on
+
+
+def test_pipeline_store_load_marks_each_timed_phase_around_its_clock(tmp_path: Path) -> None:
+    """``phase`` (a profiler's marks) is called right before each phase's clock starts and right
+    after it stops: store then load, each started then ended, and the time between the marks
+    holds the phase's own time."""
+    src = torch.randint(0, 256, (16, 64 * KiB), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    tier = bench.make_tier(CPUTierConfig(capacity_bytes=64 << 20), 64 * KiB, 16, str(tmp_path))
+    marks: list[tuple[str, bool, float]] = []
+    ts, tl = bench.pipeline_store_load(
+        tier,
+        src,
+        dst,
+        bench.Namespace(model="m"),
+        phase=lambda op, started: marks.append((op, started, time.perf_counter())),
+    )
+    assert [(op, s) for op, s, _ in marks] == [("store", True), ("store", False), ("load", True), ("load", False)]
+    assert marks[1][2] - marks[0][2] >= ts and marks[3][2] - marks[2][2] >= tl
+    assert marks[2][2] >= marks[1][2]
+
+
+def _budget_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_cpu_budget", ROOT / "benchmarks/bench_cpu_budget.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_cpu_budget_bench_splits_the_tiers_cpu_and_checks_the_copies_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/bench_cpu_budget.py (``./scripts/bench budget``): every figure of a small run is
+    measured (the copy threads, the loop and the caller each used CPU; the budget follows from
+    the limit), and copies that did not move the bytes fail the run instead of timing it."""
+    mod = _budget_module()
+    lines: list[str] = []
+    got = mod.measure([64 * KiB], 4 << 20, 1, log=lines.append)
+    s = got[64 * KiB]["summary"]
+    assert set(s) == {"store", "load"} and len(lines) == 2
+    for op in ("store", "load"):
+        f = s[op]
+        assert f["limit"] in ("gather", "copy", "copy_2t_nt")
+        assert f["tier_gbps"] > 0 and f["copies_gbps"] > 0 and f["copies_cpu_s"] > 0
+        assert f["tier_cpu_s"]["loop"] > 0 and f["tier_cpu_s"]["caller"] > 0
+        assert f["busy_vcpus"] > 0 and f["goal"] == 0.7 and f["chunks"] == 64
+        budget = 2 * 64 * 64 * KiB / (0.7 * f["limit_gbps"] * 1e9)
+        assert f["goal_cpu_budget_s"] == pytest.approx(budget)
+        assert f["left_per_chunk_us"] == pytest.approx((budget - f["copies_cpu_s"]) / 64 * 1e6)
+    assert mod.goal(64 * KiB) == 0.7 and mod.goal(256 * KiB) == 0.7 and mod.goal(4 << 20) == 0.9
+    # the bench's own copies moving nothing on loads (the tier's pipeline untouched): the check
+    # at the end of a size raises
+
+    class Idle(mod.Copier):  # type: ignore[name-defined,misc]
+        def scatter_blocks(self, *a: Any, **k: Any) -> None:
+            return None
+
+    monkeypatch.setattr(mod, "Copier", Idle)
+    with pytest.raises(RuntimeError, match="lost bytes"):
+        mod.measure([64 * KiB], 1 << 20, 1, log=lines.append)

@@ -573,7 +573,8 @@ def test_frozen_heap_freezes_for_the_runs_and_always_thaws() -> None:
 def test_every_timed_write_starts_on_freshly_backed_free_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """This VM hands freed memory back to its host; a write that lands on such pages runs at a
     quarter speed. Every raw baseline that writes and every tier run warm the pages first, with
-    room for what they write, so both sides of a ratio start alike."""
+    room for what they write, so both sides of a ratio start alike; where neither writes a fresh
+    page (the CPU tier and host memory), neither warms."""
     from tieredkv.backends import _rawbench
 
     warmed: list[int] = []
@@ -587,6 +588,19 @@ def test_every_timed_write_starts_on_freshly_backed_free_pages(tmp_path: Path, m
     # Warm-up rep and one timed rep, each: raw file (page cache), raw file (durable), raw py-lmdb,
     # raw py-lmdb checked, the tier in each of the three layouts.
     assert warmed == [1 << 20] * 14
+    # A tier that stores into its own memory, touched at open (the CPU slab), and its raw
+    # baseline (host memory copies) warm nothing: neither writes a fresh page.
+    warmed.clear()
+    bench.run_tier_bench([CPUTierConfig()], [64 * KiB], 1 << 20, 1, workdir=str(tmp_path), log=lambda m: None)
+    assert warmed == []
+    cpu = bench.make_tier(CPUTierConfig(), 64 * KiB, 16, str(tmp_path))
+    assert cpu.capabilities.slots and not bench.writes_fresh_pages(cpu)
+    unfaulted = bench.build_tier(CPUTierConfig(prefault=False))  # its first stores fault pages in
+    assert bench.writes_fresh_pages(unfaulted)
+    assert all(
+        bench.writes_fresh_pages(bench.make_tier(c, 64 * KiB, 16, str(tmp_path)))
+        for c in (LMDBTierConfig(), FSTierConfig())
+    )
 
 
 def test_steady_malloc_is_reported_with_the_results() -> None:

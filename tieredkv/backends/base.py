@@ -248,6 +248,15 @@ class Tier(ABC):
         The medium-specific code of the built-in tiers is in :mod:`tieredkv.backends._rawbench`."""
         return None
 
+    @classmethod
+    def bench_writes_fresh_pages(cls, config: Any) -> bool:
+        """Whether this tier's stores write pages the kernel hands out as they go (the page cache,
+        a heap, a server's memory), for ``tieredkv bench``: then the bench warms free pages before
+        its timed stores (:func:`~tieredkv.backends._rawbench.warm_free_pages`), as the raw
+        baselines of such media do. True (the default); False for a tier that stores into its
+        own memory, touched when it opened (the CPU slab with ``prefault``)."""
+        return True
+
     # ---- lifecycle -----------------------------------------------------------------
 
     async def open(self) -> Self:

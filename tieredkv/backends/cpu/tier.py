@@ -85,6 +85,12 @@ class CPUTier(SlabTier):
         limit = tuple(figures)
         return RawLimits(figures, {"store": limit, "load": limit})
 
+    @classmethod
+    def bench_writes_fresh_pages(cls, config: Any) -> bool:
+        """A prefaulted slab takes stores into pages touched at open: no fresh page (and host
+        memory, the raw limit, warms none either)."""
+        return not config.prefault
+
     # ---- lifecycle -------------------------------------------------------------------
 
     async def _open(self) -> None:

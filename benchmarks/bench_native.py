@@ -47,7 +47,9 @@ import torch
 from tieredkv import format as fmt
 from tieredkv import staging
 from tieredkv.bench import sizes_option
+from tieredkv.config import PipelineConfig
 from tieredkv.keys import Namespace
+from tieredkv.layouts import BLOCKS_PER_CHUNK
 
 KiB, MiB = 1024, 1024 * 1024
 #: The clock of a timed call: the calling thread's CPU time (``--clock cpu``, the default: the time
@@ -55,10 +57,8 @@ KiB, MiB = 1024, 1024 * 1024
 #: noise) or wall time (``--clock wall``).
 CLOCK: Callable[[], float] = time.thread_time
 FILE_BYTES = 16 * MiB  # the LMDB tier's default file_batch_bytes
-HOST_BPC, HOST_THREADS = (
-    4,
-    2,
-)  # host_copy: blocks per chunk (as the benches), move_pieces threads (PipelineConfig.copy_threads)
+#: host_copy: blocks per chunk (as the other benches) and move_pieces threads (the pipeline's default)
+HOST_BPC, HOST_THREADS = BLOCKS_PER_CHUNK, PipelineConfig().copy_threads
 _PLACE = struct.Struct("<dQ16sQ")  # the LMDB tier's filed access entry: stamp, size, token, offset
 _LAYOUT = (_PLACE.size, 8, 16, 32)
 

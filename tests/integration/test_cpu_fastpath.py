@@ -63,6 +63,39 @@ def test_fragmented_slots_and_scattered_blocks_load_byte_exact(tmp_path: Path) -
         assert not any(top.is_pinned(c.key) for c in loads)
 
 
+def test_a_load_of_slot_hits_only_copies_each_chunk_as_it_is_placed(tmp_path: Path) -> None:
+    """Every chunk a hit in the slot tier (copied straight from the slots, a run per call):
+    whole chunks at scattered ids land byte-exact; a first chunk cut short by ``skip_blocks``,
+    or one holding the null block, copies only the blocks it lists. Every slot goes back."""
+    src = blocks(40, 4)
+    top = cpu()
+    with make([top, lmdb(tmp_path)], [PolicyRule(tiers=["cpu"])]) as p:
+        p.register_group(0, [src], blocks_per_chunk=2)
+        cs = tuple(ChunkRef(key(200 + i), (1 + 2 * i, 2 + 2 * i)) for i in range(6))
+        assert p.submit_store(StoreJob(1, 0, cs))
+        assert wait_results(p, 1)[1].ok
+        dst = torch.zeros(40, BLOCK, dtype=torch.uint8)
+        p.register_group(1, [dst], blocks_per_chunk=2, null_block=0)
+        scattered = [(31, 7), (12, 13), (25, 3), (9, 38), (20, 21), (33, 16)]
+        assert p.submit_load(LoadJob(2, 1, tuple(ChunkRef(c.key, b) for c, b in zip(cs, scattered))))
+        res = wait_results(p, 1)[2]
+        assert res.ok and res.tiers == {"cpu": 6}
+        flat = [b for ids in scattered for b in ids]
+        assert torch.equal(dst[flat], src[1:13])
+        assert not dst[0].any() and not dst[[i for i in range(40) if i not in flat]].any()
+        dst.zero_()
+        short = LoadJob(3, 1, (ChunkRef(cs[0].key, (5,)), ChunkRef(cs[1].key, (6, 7))), skip_blocks=1)
+        assert p.submit_load(short)
+        assert wait_results(p, 1)[3].ok
+        assert torch.equal(dst[5:8], src[2:5]) and not dst[:5].any() and not dst[8:].any()
+        dst.zero_()
+        assert p.submit_load(LoadJob(4, 1, (ChunkRef(cs[2].key, (0, 9)), ChunkRef(cs[3].key, (10, 11)))))
+        assert wait_results(p, 1)[4].ok
+        assert torch.equal(dst[9:12], src[6:9]) and not dst[0].any() and not dst[12:].any()
+        assert not any(top.is_pinned(c.key) for c in cs)
+        assert p.run(top.stats(), 30).extra["lent_slots"] == 0
+
+
 def test_multi_tensor_group_round_trips_through_slots(tmp_path: Path) -> None:
     """A group of several tensors (per-layer KV): chunks do not concatenate, runs stay per chunk."""
     src = [blocks(24, 2), blocks(24, 3)]

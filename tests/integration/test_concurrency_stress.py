@@ -253,6 +253,8 @@ def _tensor_worker(
             if not r.ok:
                 model.count("load_misses")
                 continue
+            if r.tiers == {"cpu": len(kids)}:  # every chunk copied straight from its borrowed slot
+                model.count("slot_only_loads")
             for kid, ref, acked in zip(kids, refs, before):
                 data = b"".join(t[b].numpy().tobytes() for t in tensors for b in ref.block_ids)
                 model.check(kid, data, acked, f"tensor load job {jid}")
@@ -444,7 +446,7 @@ def test_concurrent_store_load_promote_evict_overwrite_never_returns_wrong_bytes
             f"\n  pipeline={st.counters}"
         )
         assert model.errors == [] and f["wrong_bytes"] == 0, model.errors
-        assert f["chunks_verified"] > 0
+        assert f["chunks_verified"] > 0 and f["slot_only_loads"] > 0  # loads of slot hits only, among overwrites
         assert cs.extra["lent_slots"] == 0 and cs.extra["parked_slots"] == 0, cs.extra
         assert cs.counters.get("evictions", 0) > 0 and st.counters.get("promotions", 0) > 0
 

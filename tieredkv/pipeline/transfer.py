@@ -282,14 +282,14 @@ class Transfers:
         slots = self.slot_tier(route.tiers) if route.tiers else None
         borrowed: dict[int, Any] = {}
         moves: list[Any] = []  # copies out of borrowed slots (deferred): over before they go back
-        bpc = grp.blocks_per_chunk
+        bpc, null = grp.blocks_per_chunk, grp.null_block
         try:
             if slots is not None:  # hits in the slot tier are copied straight from their slots
                 for i, slot in enumerate(slots.borrow(keys)):
                     if slot is not None:
                         borrowed[i] = slot
                         found_in[i] = slots.name
-                if len(borrowed) == len(keys) and _whole(job, bpc, grp.null_block):
+                if len(borrowed) == len(keys) and all(_placements(job, i, bpc, null) is None for i in borrowed):
                     # every chunk a hit in the slot tier (a warm prefix): copied straight from the
                     # slots, a run of them per call; nothing read, staged or promoted
                     for a, b, span in _slot_runs(slots, list(borrowed.values())):
@@ -300,7 +300,6 @@ class Transfers:
             direct = grp.direct_views(job.chunks, load=True, skip=borrowed)
             # where each chunk's blocks go, for those copied (not read straight into their blocks)
             copied = not all(direct) or bool(borrowed)  # else every chunk is read straight into its blocks
-            null = grp.null_block
             # per chunk copied (not read straight into its blocks): None when its block ids are a
             # whole chunk's in order (moved with other such chunks in one call), else its placements
             places = (
@@ -390,14 +389,6 @@ def _flat_ids(chunks: Sequence[ChunkRef], a: int, b: int) -> list[int]:
     if b - a == 1:
         return list(chunks[a].block_ids)
     return list(itertools.chain.from_iterable(c.block_ids for c in chunks[a:b]))
-
-
-def _whole(job: LoadJob, bpc: int, null: int | None) -> bool:
-    """Whether every chunk of ``job`` lists one block id per block, none of them the null block
-    (every block copied: :meth:`LoadJob.placements` is each chunk's ids in order)."""
-    if not all(len(c.block_ids) == bpc for c in job.chunks):
-        return False
-    return null is None or not any(null in c.block_ids for c in job.chunks)
 
 
 def _short(job: StoreJob, i: int, bpc: int) -> bool:

@@ -147,3 +147,129 @@ def test_a_record_seen_both_as_its_temporary_file_and_in_place_is_counted_once(t
             os.unlink(seen_twice)
 
     asyncio.run(run())
+
+
+def _order(t: FSTier) -> list[bytes]:
+    """This process's eviction order (first = evicted first)."""
+    with t._index_lock:
+        return list(t._policy.victims())
+
+
+def test_a_record_counted_as_in_the_making_stays_in_the_eviction_index(tmp_path: Path) -> None:
+    """A record renamed into place while a recount walks is counted once, as its temporary file;
+    it is still a record this process can evict. (Before, the recount left it out of the index it
+    rebuilt: a record nothing here would ever evict, while newer ones went in its place.)"""
+    d = tmp_path / "d"
+    size = 10 * KiB + 64
+
+    async def run() -> None:
+        async with tier(d, size_cap_bytes=4 * size) as t:
+            await t.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(3)])
+            seen_twice = t._next_temp(size, skey(0))  # skey(0) mid-rename, as in the test above
+            Path(seen_twice).write_bytes(b"\0" * size)
+            await t.reconcile()
+            os.unlink(seen_twice)
+            assert _order(t) == [skey(0), skey(1), skey(2)]
+            await t.put_many([(skey(3), payload(3, 1, 10 * KiB))])
+            await t.put_many([(skey(4), payload(4, 1, 10 * KiB))])  # room for it: the oldest goes
+            assert await t.contains_many([skey(i) for i in range(5)]) == [False, True, True, True, True]
+
+    asyncio.run(run())
+
+
+def test_a_store_that_lands_during_a_recount_walk_stays_in_the_eviction_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store reserved before a recount took the ledger renames its record while the walk is
+    held open, after its directory was listed: the recount's listing lacks it, the index this
+    process keeps does not lose it, and it keeps its place (newest)."""
+    import tieredkv.backends.fs.tier as fs_tier
+
+    d = tmp_path / "d"
+    real_write = fs_tier.write_slice
+    at_write, write_on = threading.Event(), threading.Event()
+
+    def gated_write(todo: Any, *a: Any) -> Any:
+        at_write.set()
+        assert write_on.wait(60), "the test never let the store go on"
+        return real_write(todo, *a)
+
+    async def run() -> None:
+        async with tier(d) as t:
+            await t.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(3)])
+            while (await t.stats()).extra["records_known_here"] < 3:
+                await asyncio.sleep(0.01)
+            monkeypatch.setattr(fs_tier, "write_slice", gated_write)
+            store = asyncio.ensure_future(t.put_many([(skey(3), payload(3, 1, 10 * KiB))]))
+            assert await asyncio.to_thread(at_write.wait, 60)  # reserved, its temporary file made
+            in_walk, walk_on = threading.Event(), threading.Event()
+            real_walk = t.layout.walk
+
+            def held_walk(*a: Any) -> Any:
+                got = real_walk(*a)
+                in_walk.set()
+                assert walk_on.wait(60), "the test never let the walk finish"
+                return got
+
+            t.layout.walk = held_walk  # type: ignore[method-assign]
+            recount = asyncio.ensure_future(t.reconcile())
+            assert await asyncio.to_thread(in_walk.wait, 60)
+            write_on.set()
+            await store  # renamed into place and known here, the listing already taken
+            walk_on.set()
+            await recount
+            t.layout.walk = real_walk  # type: ignore[method-assign]
+            assert _order(t) == [skey(0), skey(1), skey(2), skey(3)]
+        st = ledger(d)
+        assert (st.used, st.records) == on_disk(d) == (4 * (10 * KiB + 64), 4)
+
+    asyncio.run(run())
+
+
+def test_a_recount_keeps_what_this_process_read_since_the_last_touch(tmp_path: Path) -> None:
+    """A read within ``touch_interval_s`` of a record's last touch does not set its atime (noatime,
+    relatime); this process's index saw the read. A recount orders by the later of the two, so
+    the record read last here is still evicted last."""
+    d = tmp_path / "d"
+
+    async def run() -> None:
+        async with tier(d, touch_interval_s=3600) as t:
+            await t.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(4)])
+            for i in (0, 1, 2, 3, 0):  # skey(0) read last: relatime moved its atime once at most
+                assert await t.get_many([skey(i)]) == [payload(i, 1, 10 * KiB)]
+            assert _order(t) == [skey(1), skey(2), skey(3), skey(0)]
+            await t.reconcile()
+            assert _order(t) == [skey(1), skey(2), skey(3), skey(0)]
+
+    asyncio.run(run())
+
+
+def test_records_listed_at_open_are_older_than_what_this_process_stores_meanwhile(tmp_path: Path) -> None:
+    """A process lists the directory after open (on an I/O thread) while its stores already go
+    on: what another node wrote before is older than those stores, and is evicted first. (Before,
+    the listing went to the back of the index: this process's own new records went first.)"""
+    d = tmp_path / "d"
+
+    async def run() -> None:
+        async with tier(d) as other:
+            await other.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(3)])
+        late = tier(d)
+        in_walk, walk_on = threading.Event(), threading.Event()
+        real_walk = late.layout.walk
+
+        def held_walk(*a: Any) -> Any:
+            got = real_walk(*a)
+            in_walk.set()
+            assert walk_on.wait(60), "the test never let the walk finish"
+            return got
+
+        late.layout.walk = held_walk  # type: ignore[method-assign]
+        async with late:
+            assert await asyncio.to_thread(in_walk.wait, 60)  # the listing at open, held
+            await late.put_many([(skey(3), payload(3, 1, 10 * KiB))])
+            walk_on.set()
+            while (await late.stats()).extra["records_known_here"] < 4:
+                await asyncio.sleep(0.01)
+            assert _order(late) == [skey(0), skey(1), skey(2), skey(3)]
+
+    asyncio.run(run())

@@ -255,10 +255,11 @@ class FSSpace(Tier):
     def _recount_locked(self) -> LedgerState:
         """Set the ledger (its lock held) to what the directory holds: every record, and every
         record being written by a live writer (by the size in its temporary file's name; this
-        process's batches not yet reserved left out); rebuild this process's eviction index from
-        the listing."""
+        process's batches not yet reserved left out); merge the listing into this process's
+        eviction index (:meth:`_install`)."""
+        since = time.time()
         used, records, index = self._walked()
-        self._install(index)
+        self._install(index, since)
         state = LedgerState(used, records, time.time())
         if self._read_only is None:
             self._led.write(state)
@@ -267,25 +268,39 @@ class FSSpace(Tier):
 
     def _walked(self) -> tuple[int, int, list[tuple[bytes, int, float]]]:
         """What the directory holds: bytes (every record, and every live writer's record in the
-        making, by the size in its name), records, and ``(key, size, atime)`` of each record,
-        oldest access first. Sweeps crashed writers' temporary files."""
+        making, by the size in its name), records, and ``(key, size, atime)`` of each record in
+        place, oldest access first. Sweeps crashed writers' temporary files."""
         # temporary files first: one renamed into place while the walk goes on is counted as the
         # file it was (its record, found by its key's tag, is not counted again), never missed
         making, n_making, tags = self._sweep_sync()
-        found = [r for r in self.layout.walk() if key_tag(r[0]) not in tags]  # (counted as in the making)
+        listed = self.layout.walk()
+        found = [r for r in listed if key_tag(r[0]) not in tags]  # (counted as in the making)
         used = sum(st.st_size for _, _, st in found) + making
-        index = sorted(((k, st.st_size, st.st_atime) for k, _, st in found), key=lambda r: r[2])
+        index = sorted(((k, st.st_size, st.st_atime) for k, _, st in listed), key=lambda r: r[2])
         return used, len(found) + n_making, index
 
-    def _install(self, index: list[tuple[bytes, int, float]]) -> None:
-        """This process's eviction index rebuilt from a listing (oldest access first)."""
-        policy = make_policy(self.config.eviction_policy)
-        stamps: dict[bytes, float] = {}
-        for key, size, atime in index:
-            policy.insert(key, size)
-            stamps[key] = atime
+    def _install(self, index: list[tuple[bytes, int, float]], since: float) -> None:
+        """Merge a listing (oldest access first) taken from ``since`` on into this process's
+        eviction index. Each record's place is its last access that anyone knows of: the later
+        of its atime and this process's own last store or read of it (a read within
+        ``touch_interval_s`` of the last touch does not move the atime; this process's index
+        saw it). A record this process stored or read since the listing began stays even where
+        the listing missed it (renamed into place after its directory was listed); one the
+        index knew from before that the listing did not find is gone (another node evicted it)."""
         with self._index_lock:
-            self._policy, self._stamps = policy, stamps
+            old, stamps = self._policy, self._stamps
+            sizes = {key: size for key, size, _ in index}
+            order = [(max(atime, stamps.get(key, atime)), key) for key, _, atime in index]
+            for key in list(old.victims()):
+                size = old.remove(key)
+                if key not in sizes and stamps.get(key, 0.0) >= since:
+                    sizes[key] = size
+                    order.append((stamps[key], key))
+            order.sort(key=lambda r: r[0])  # (stable: the listing's order, then the index's, at a tie)
+            policy = make_policy(self.config.eviction_policy)
+            for _, key in order:
+                policy.insert(key, sizes[key])
+            self._policy, self._stamps = policy, {key: at for at, key in order}
 
     def _sweep_sync(self) -> tuple[int, int, set[str]]:
         """Remove temporary files of writers that are gone: of a dead process of this host at once,

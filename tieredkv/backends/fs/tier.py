@@ -220,12 +220,9 @@ class FSTier(FSSpace):
                     return
             except LedgerBusyError as e:
                 log.info("tier %s: %s; listing without a recount", self.name, e)
+        since = time.time()
         _, _, index = self._walked()
-        with self._index_lock:
-            for key, size, atime in index:
-                if key not in self._policy:  # (what this process wrote since open is newer)
-                    self._policy.insert(key, size)
-                    self._stamps[key] = atime
+        self._install(index, since)
 
     def _probe_write(self) -> None:
         """Create and remove a temporary file: a read-only mount or a missing permission shows here."""

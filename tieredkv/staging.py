@@ -386,6 +386,57 @@ class Copier:
             raise ValueError(f"{len(block_ids)} block ids are not whole chunks of {chunk_blocks} blocks")
         return self._move(group, _Places(None, block_ids), chunk_blocks, src, None, to_staging=False, defer=defer)
 
+    def can_place(self, group: KVGroupTensors, buf: torch.Tensor) -> bool:
+        """Whether :meth:`place` can move ``group``'s chunks to and from ``buf`` (host tensors on
+        both sides, and the C helper's deferred moves)."""
+        return _move_pieces_async is not None and group.host_arrays is not None and buf.device.type == "cpu"
+
+    def place(
+        self,
+        group: KVGroupTensors,
+        block_ids: Sequence[int],
+        buf: torch.Tensor,
+        starts: Sequence[int],
+        chunk_blocks: int,
+        *,
+        to_buf: bool,
+    ) -> HostMove | None:
+        """A deferred host move of whole chunks between their blocks and payloads wherever they
+        lie in ``buf``: chunk ``c`` is blocks ``block_ids[c * chunk_blocks : (c + 1) *
+        chunk_blocks]`` and its payload starts at byte ``starts[c]`` of ``buf`` (``to_buf``: a
+        gather into ``buf``, else a scatter out of it). One ``move_pieces_async`` call per tensor
+        whatever the payloads' order: the CPU tier's slots, scattered over its slab once
+        evictions have churned it, move with a job's one call as slots back to back do. Checked
+        as :meth:`gather` (ids, sizes; each payload inside ``buf``); only where
+        :meth:`can_place`."""
+        if not self.can_place(group, buf):
+            raise ValueError("place: host tensors and the C helper's deferred moves only (see can_place)")
+        bpc = chunk_blocks
+        if not block_ids:
+            return None
+        if bpc < 1 or len(block_ids) != len(starts) * bpc:
+            raise ValueError(f"{len(block_ids)} block ids are not {len(starts)} whole chunks of {bpc} blocks")
+        lo, hi = min(block_ids), max(block_ids)
+        if lo < 0 or hi >= group.num_blocks:
+            raise ValueError(f"block ids must be in 0..{group.num_blocks - 1}, got {lo if lo < 0 else hi}")
+        cb = group.chunk_bytes(bpc)
+        first = np.fromiter(starts, np.int64, len(starts))
+        if first.min() < 0 or first.max() > buf.numel() - cb:
+            raise ValueError(f"a payload of {cb} bytes at {int(first.max())} lies outside {buf.numel()} bytes")
+        ids = np.fromiter(block_ids, np.int64, len(block_ids))
+        inner = np.tile(np.arange(bpc, dtype=np.int64), len(starts))
+        at_chunk = np.repeat(first, bpc)
+        arrays = group.host_arrays
+        assert arrays is not None
+        flat_buf = buf.numpy()
+        calls: list[tuple[Any, ...]] = []
+        base = 0
+        for arr, bb in zip(arrays, group.block_bytes):
+            at_buf, at_dev, flat = at_chunk + (inner * bb + base), ids * bb, arr.reshape(-1)
+            calls.append((flat_buf, at_buf, flat, at_dev, bb) if to_buf else (flat, at_dev, flat_buf, at_buf, bb))
+            base += bpc * bb
+        return self._defer(calls)
+
     def _move(
         self,
         group: KVGroupTensors,

@@ -48,6 +48,9 @@ class SlotTier(Protocol):
     def reserve(self, items: list[tuple[bytes, int]], tenant: int = 0) -> list[Any]: ...
     def slot_view(self, slot: Any) -> Any: ...
     def span_view(self, slots: Sequence[Any]) -> Any: ...
+    def slot_starts(self, slots: Sequence[Any]) -> list[int]: ...
+    @property
+    def slab(self) -> Any: ...
     def commit(self, items: list[tuple[bytes, Any]], *, count: bool = True) -> None: ...
     def abort(self, slots: list[Any]) -> None: ...
     def borrow(self, keys: list[bytes]) -> list[Any | None]: ...
@@ -134,6 +137,21 @@ class Transfers:
         ]
         return self.copier.scatter(grp.tensors, merged, span, bpc, defer=defer)
 
+    def _scatter_lent(
+        self, tier: SlotTier, grp: GroupBinding, job: LoadJob, chunks: list[int], slots: list[Any]
+    ) -> list[Any]:
+        """The deferred moves of whole ``chunks`` (of ``job``, every block id copied) out of their
+        borrowed ``slots`` into their blocks: one call wherever the slots lie (host tensors), else
+        one per run of slots back to back."""
+        bpc = grp.blocks_per_chunk
+        ids = list(itertools.chain.from_iterable(job.chunks[x].block_ids for x in chunks))
+        if self.copier.can_place(grp.tensors, tier.slab):
+            return [self.copier.place(grp.tensors, ids, tier.slab, tier.slot_starts(slots), bpc, to_buf=False)]
+        return [
+            self.copier.scatter_blocks(grp.tensors, ids[a * bpc : b * bpc], span, bpc, defer=True)
+            for a, b, span in _slot_runs(tier, slots)
+        ]
+
     def slot_tier(self, tiers: Sequence[str]) -> SlotTier | None:
         """The route's first tier when it offers slots and its breaker lets work through."""
         lane = self.lanes[tiers[0]]
@@ -169,11 +187,17 @@ class Transfers:
         try:
             bpc = grp.blocks_per_chunk
             full = all(len(c.block_ids) == bpc for c in job.chunks)
-            for a, b, span in _slot_runs(tier, slots, merge=full):
-                ids = _flat_ids(job.chunks, a, b)
-                after = ready if a == 0 else None
-                chunk_blocks = bpc if full else None
-                moves.append(self.copier.gather(grp.tensors, ids, span, after, chunk_blocks=chunk_blocks, defer=True))
+            if full and self.copier.can_place(grp.tensors, tier.slab):  # one call, wherever the slots lie
+                ids = _flat_ids(job.chunks, 0, len(slots))
+                moves.append(self.copier.place(grp.tensors, ids, tier.slab, tier.slot_starts(slots), bpc, to_buf=True))
+            else:  # a run of slots back to back per call (device tensors; a short chunk on its own)
+                for a, b, span in _slot_runs(tier, slots, merge=full):
+                    ids = _flat_ids(job.chunks, a, b)
+                    after = ready if a == 0 else None
+                    chunk_blocks = bpc if full else None
+                    moves.append(
+                        self.copier.gather(grp.tensors, ids, span, after, chunk_blocks=chunk_blocks, defer=True)
+                    )
             await self.copier.wait(*moves)
         except BaseException:
             settle(moves)
@@ -292,9 +316,7 @@ class Transfers:
                 if len(borrowed) == len(keys) and all(_placements(job, i, bpc, null) is None for i in borrowed):
                     # every chunk a hit in the slot tier (a warm prefix): copied straight from the
                     # slots, a run of them per call; nothing read, staged or promoted
-                    for a, b, span in _slot_runs(slots, list(borrowed.values())):
-                        ids = _flat_ids(job.chunks, a, b)
-                        moves.append(self.copier.scatter_blocks(grp.tensors, ids, span, bpc, defer=True))
+                    moves += self._scatter_lent(slots, grp, job, list(range(len(keys))), list(borrowed.values()))
                     await self.copier.wait(*moves)
                     return
             direct = grp.direct_views(job.chunks, load=True, skip=borrowed)
@@ -332,8 +354,12 @@ class Transfers:
                         lent.append(i)
                         if j + 1 < len(part) and part[j + 1] in borrowed:
                             continue
-                        for a, b, span in _slot_runs(cast(SlotTier, slots), [borrowed[x] for x in lent]):
-                            moves.append(self._scatter(grp, job, lent[a:b], places, span, defer=True))
+                        lent_slots = [borrowed[x] for x in lent]
+                        if all(places[x] is None for x in lent):  # whole chunks: wherever their slots lie
+                            moves += self._scatter_lent(cast(SlotTier, slots), grp, job, lent, lent_slots)
+                        else:
+                            for a, b, span in _slot_runs(cast(SlotTier, slots), lent_slots):
+                                moves.append(self._scatter(grp, job, lent[a:b], places, span, defer=True))
                         lent = []
                     elif direct[i] is None:
                         own = places[i]

@@ -138,6 +138,12 @@ class SlabTier(TenantBooks):
                 return None
         return self._slab[off : off + n * len(slots)]
 
+    def slot_starts(self, slots: Sequence[_Slot]) -> list[int]:
+        """Where each slot's payload starts in the slab (the :attr:`slab` tensor), in bytes: a
+        job's slots wherever they lie move with one call (:meth:`Copier.place
+        <tieredkv.staging.Copier.place>`)."""
+        return [s.offset for s in slots]
+
     def commit(self, items: list[tuple[bytes, _Slot]], *, count: bool = True) -> None:
         """Publish reserved slots whose bytes are written (``count``: as puts, for callers
         outside :meth:`put_many`)."""

@@ -44,6 +44,25 @@ async def test_cpu_power_of_two_chunks_fill_slots_exactly() -> None:
         assert tier.counters["evictions"] == 1
 
 
+async def test_cpu_a_full_tiers_batch_evicts_the_oldest_it_needs_skipping_pinned_and_read() -> None:
+    """A batch into a full tier finds its room in one walk of the policy: exactly as many
+    records as it needs go, the least recently used first, never a pinned one or one read
+    since; the new records and everything else stay."""
+    async with CPUTier(CPUTierConfig(capacity_bytes=8 * MiB, segment_bytes=1 * MiB)) as tier:
+        await tier.put_many([(k(i), payload(256 * KiB, i)) for i in range(32)])  # full
+        tier.pin_many([k(1)])
+        assert await tier.get_many([k(0)]) == [payload(256 * KiB, 0).numpy().tobytes()]  # read: the newest now
+        new = [(k(100 + i), payload(256 * KiB, 100 + i)) for i in range(5)]
+        await tier.put_many(new)
+        gone = [i for i, held in enumerate(await tier.contains_many([k(i) for i in range(32)])) if not held]
+        assert gone == [2, 3, 4, 5, 6]
+        assert tier.counters["evictions"] == 5
+        assert await tier.get_many([key for key, _ in new]) == [v.numpy().tobytes() for _, v in new]
+        tier.unpin_many([k(1)])
+        await tier.put_many([(k(200), payload(256 * KiB, 200))])  # unpinned, k(1) is the oldest
+        assert await tier.contains_many([k(1), k(7)]) == [False, True]
+
+
 async def test_cpu_odd_sizes_waste_at_most_a_third() -> None:
     async with CPUTier(CPUTierConfig(capacity_bytes=8 * MiB, segment_bytes=1 * MiB)) as tier:
         await tier.put_many([(k(i), payload(3 * 64 * KiB + 1, i)) for i in range(10)])

@@ -106,7 +106,7 @@ async def test_counters_snapshot_and_the_evict_listener_hook_are_declared_on_eve
 
     evicted: list[tuple[bytes, bytes, int]] = []
     tier = CPUTier(CPUTierConfig(capacity_bytes="2MiB", segment_bytes="1MiB", min_slot_bytes="512KiB"))
-    tier.set_evict_listener(lambda k, payload, tenant: evicted.append((k, payload, tenant)))
+    tier.set_evict_listener(lambda k, payload, tenant: evicted.append((k, bytes(payload), tenant)))  # (a view)
     async with tier:
         ns = Namespace(model="m")
         for i in range(6):  # 512 KiB records in 2 MiB: the oldest are evicted

@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 #: ``observer(tier_name, op, keys, nbytes, seconds, outcome)``; outcome is "ok" or an error class name.
 OpObserver = Callable[[str, str, int, int, float, str], None]
 #: ``listener(key, payload, tenant)``: a record the tier's own policy evicts (see
-#: :meth:`Tier.set_evict_listener`).
-EvictListener = Callable[[bytes, bytes, int], None]
+#: :meth:`Tier.set_evict_listener`); ``payload`` is valid during the call only.
+EvictListener = Callable[[bytes, memoryview, int], None]
 #: ``listener(keys)``: stored keys this tier stopped holding by its own doing (see
 #: :meth:`Tier.set_removal_listener`).
 RemovalListener = Callable[[list[bytes]], None]
@@ -352,7 +352,9 @@ class Tier(ABC):
     def set_evict_listener(self, fn: EvictListener | None) -> None:
         """Call ``fn(key, payload, tenant)`` for every record this tier's own policy evicts (not
         deletes), before its space is reused: write-back demotes it to the next tier of its route,
-        as its tenant's record. The default passes nothing on (a tier that evicts nothing a
+        as its tenant's record. ``payload`` is a view of the record's bytes where they lie, valid
+        during the call only (the space is reused right after): a listener copies what it keeps,
+        and one that keeps nothing costs no copy (a full CPU tier evicts a record per store). The default passes nothing on (a tier that evicts nothing a
         route still needs, or whose server evicts: Redis ``maxmemory``); the CPU tier overrides it.
         Set by the pipeline once the tier is open."""
 

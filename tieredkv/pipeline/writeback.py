@@ -71,16 +71,16 @@ class WriteBack:
             for k in keys:
                 self.dirty[k] = entry
 
-    def evict_listener(self, tier: str) -> Callable[[bytes, bytes, int], None]:
+    def evict_listener(self, tier: str) -> Callable[[bytes, memoryview, int], None]:
         """The eviction listener of tier ``tier`` (``set_evict_listener``): :meth:`on_evict` of
         the records it evicts."""
 
-        def listener(key: bytes, payload: bytes, tenant: int) -> None:
+        def listener(key: bytes, payload: memoryview, tenant: int) -> None:
             self.on_evict(key, payload, tenant, tier=tier)
 
         return listener
 
-    def on_evict(self, key: bytes, payload: bytes, tenant: int = 0, *, tier: str | None = None) -> None:
+    def on_evict(self, key: bytes, payload: bytes | memoryview, tenant: int = 0, *, tier: str | None = None) -> None:
         """First-tier eviction (loop thread) of a record of ``tenant``: write-back groups send the
         chunk one tier down, as that tenant's record. A dirty chunk (acknowledged, held only by the
         first tier) that the next tier does not take is lost: counted in ``write_back_lost`` when
@@ -95,7 +95,7 @@ class WriteBack:
         if route.write != "back" or len(route.tiers) < 2:
             return
         self.inflight.begin([key])  # pending for lookups, in flight for drain(), until written
-        fut = self.lanes[route.tiers[1]].write(key, memoryview(payload), tenant)
+        fut = self.lanes[route.tiers[1]].write(key, memoryview(bytes(payload)), tenant)  # (a view: the slot is reused)
         self._queued[fut] = dirty is not None
         self.counters["write_backs"] += 1
 

@@ -31,10 +31,11 @@ to fit its quota (:meth:`SlabTier._make_room`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tieredkv.backends.base import EvictListener
 from tieredkv.backends.cpu.tenants import TenantBooks
 from tieredkv.errors import ConfigError, CorruptRecordError, TierClosedError, TierFullError
 from tieredkv.eviction import EvictionPolicy
@@ -65,7 +66,7 @@ class SlabTier(TenantBooks):
     # Set (and described) in CPUTier.__init__ and CPUTier._open.
     _slab: Any
     _mv: memoryview | None
-    _evict_listener: Callable[[bytes, bytes, int], None] | None
+    _evict_listener: EvictListener | None
     _free_segs: list[int]
     _seg_cls: dict[int, int]
     _seg_keys: dict[int, set[bytes]]
@@ -106,6 +107,8 @@ class SlabTier(TenantBooks):
                 if cls is None:
                     cls = cls_of[n] = self._class_for(n)
                 free = free_lists[cls]
+                if not free and not self._free_segs and not self._over:  # a full tier: room for the rest at once
+                    self._evict_for(cls, sum(1 for _, m in items[len(plan) :] if m == n), reserved)
                 if free:  # the common case: a free slot of the class
                     off = free.pop()
                     seg = off // seg_bytes
@@ -323,6 +326,21 @@ class SlabTier(TenantBooks):
                 return True
         return False
 
+    def _evict_for(self, cls: int, want: int, reserved: set[bytes]) -> None:
+        """Evict up to ``want`` records of class ``cls`` in one walk of its policy, oldest first
+        (neither pinned nor reserved by the batch): the slots a full tier's batch needs, found
+        together rather than a walk per slot. Their slots go on the free list so that the
+        oldest's is taken first, as :meth:`_evict_one` one at a time would hand them out."""
+        victims: list[bytes] = []
+        for key in self._policies[cls].victims():  # collected first: evicting changes the policy
+            if key not in reserved and not self.is_pinned(key):
+                victims.append(key)
+                if len(victims) >= want:
+                    break
+        index = self._index
+        for key in reversed(victims):
+            self._evict(key, index[key])
+
     def _reclaim_segment(self, cls: int, reserved: set[bytes], segs: set[int]) -> None:
         """Evict a whole segment of another class (all unpinned) and carve it for ``cls``."""
         best: int | None = None
@@ -349,7 +367,7 @@ class SlabTier(TenantBooks):
             if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
                 self._count("evictions")
                 return
-            self._evict_listener(key, bytes(self._mv[slot.offset : slot.offset + slot.length]), slot.tenant)
+            self._evict_listener(key, self._mv[slot.offset : slot.offset + slot.length], slot.tenant)
         self._drop(key, slot)
         self._count("evictions")
         if self._removal_listener is not None:

@@ -23,10 +23,10 @@ millisecond; a thread hop would cost more). A tier instance belongs to one event
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Container, Sequence
+from collections.abc import AsyncIterator, Container, Sequence
 from typing import Any
 
-from tieredkv.backends.base import RawLimits, RecordInfo, TierCapabilities, TierStats
+from tieredkv.backends.base import EvictListener, RawLimits, RecordInfo, TierCapabilities, TierStats
 from tieredkv.backends.cpu.config import CPUTierConfig
 from tieredkv.backends.cpu.slab import SlabTier, _Slot
 from tieredkv.backends.cpu.tenants import header_tenant
@@ -65,7 +65,7 @@ class CPUTier(SlabTier):
         self._class_sizes = sorted({x for x in sizes if x < self._seg_bytes} | {self._seg_bytes})
         self._slab: Any = None
         self._mv: memoryview | None = None
-        self._evict_listener: Callable[[bytes, bytes, int], None] | None = None
+        self._evict_listener: EvictListener | None = None
         self.pinned = False
         # Tenants (ids other than 0 only; see tieredkv.backends.cpu.tenants).
         self._tbytes: dict[int, int] = {}  # tenant -> slot bytes held, reserved slots included
@@ -128,10 +128,11 @@ class CPUTier(SlabTier):
 
     # ---- public extras -----------------------------------------------------------------
 
-    def set_evict_listener(self, fn: Callable[[bytes, bytes, int], None] | None) -> None:
-        """Call ``fn(key, payload_bytes, tenant)`` for every record evicted (not deleted), before
-        its slot is reused — write-back demotes it to a lower tier, under its own tenant. Corrupt
-        records are not passed on."""
+    def set_evict_listener(self, fn: EvictListener | None) -> None:
+        """Call ``fn(key, payload, tenant)`` for every record evicted (not deleted), before its
+        slot is reused — write-back demotes it to a lower tier, under its own tenant. ``payload``
+        is a view of the slot, valid during the call only (copy what you keep). Corrupt records
+        are not passed on."""
         self._evict_listener = fn
 
     @property

@@ -137,6 +137,37 @@ def test_write_back_demotes_on_cpu_eviction(tmp_path: Path) -> None:
         assert next(iter(wait_results(p, 1).values())).ok
 
 
+def test_only_a_write_back_routes_first_tier_hands_its_evictions_on(tmp_path: Path) -> None:
+    """A tier's evictions go to write-back only where some rule writes back with that tier first:
+    elsewhere the tier evicts without passing each record's bytes to a listener that would drop
+    them (a full CPU tier evicts a record per store)."""
+    chunk_bytes = BPC * 2 * 4096
+    first, second, top = (
+        CPUTier(CPUTierConfig(capacity_bytes=4 << 20, segment_bytes=1 << 20), name=n)
+        for n in ("first", "second", "top")
+    )
+    rules = [
+        PolicyRule(tiers=["first", "lmdb"], write="back", max_chunk_bytes=chunk_bytes),
+        PolicyRule(tiers=["second", "lmdb"], write="through"),
+    ]
+    with make([first, second, top, lmdb(tmp_path)], rules):
+        assert first._evict_listener is not None
+        assert second._evict_listener is None and top._evict_listener is None
+    through = cpu(capacity_bytes=4 * chunk_bytes, segment_bytes=chunk_bytes)
+    src = kv(7)
+    with make([through, lmdb(tmp_path / "t")], [PolicyRule(tiers=["cpu", "lmdb"])]) as p:
+        assert through._evict_listener is None
+        p.register_group(0, src, blocks_per_chunk=BPC)
+        cs = chunks(8)
+        assert p.submit_store(StoreJob(1, 0, tuple(cs[:4])))
+        assert wait_results(p, 1)[1].ok
+        assert p.submit_store(StoreJob(2, 0, tuple(cs[4:])))
+        assert wait_results(p, 1)[2].ok
+        assert through.counters["evictions"] == 4
+        assert p.stats().counters.get("write_backs", 0) == 0
+        assert [t for _, t in p.lookup([c.key for c in cs])] == ["lmdb"] * 4 + ["cpu"] * 4
+
+
 def test_probe_answers_in_process_routes_at_once_and_counts_each_answer(tmp_path: Path) -> None:
     """The scheduler's per-key probe on a CPU + LMDB route: hit (from either tier), miss and
     pending from the calling thread, each hit and miss counted once in the group's lookups, also

@@ -110,7 +110,8 @@ class Pipeline:
                 lane.breaker.trip()
             lane.task = asyncio.get_running_loop().create_task(lane.run(), name=f"tieredkv-writer-{tier.name}")
             self._lanes[tier.name] = lane
-            tier.set_evict_listener(self.writeback.evict_listener(tier.name))
+            if self.writeback.sends_evictions_down(tier.name):  # else an eviction's bytes go nowhere
+                tier.set_evict_listener(self.writeback.evict_listener(tier.name))
 
     def record_tier_events(self) -> TierEvents:
         """From now on, record what each tier comes to hold and stops holding

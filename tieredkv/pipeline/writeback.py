@@ -71,6 +71,18 @@ class WriteBack:
             for k in keys:
                 self.dirty[k] = entry
 
+    def sends_evictions_down(self, tier: str) -> bool:
+        """Whether a record ``tier`` evicts can go down a route (:meth:`on_evict` does something):
+        some rule writes back, with ``tier`` first among two or more. Every route a job takes is
+        one of the rules' or narrower (:meth:`GroupRoute.among`: write-back only where the
+        rule's is), and a group no rule names writes through."""
+        names = self.policy.tier_names
+        return any(
+            rule.write == "back" and len(tiers) > 1 and tiers[0] == tier
+            for rule in self.policy.rules
+            for tiers in [tuple(rule.tiers) or names]
+        )
+
     def evict_listener(self, tier: str) -> Callable[[bytes, memoryview, int], None]:
         """The eviction listener of tier ``tier`` (``set_evict_listener``): :meth:`on_evict` of
         the records it evicts."""

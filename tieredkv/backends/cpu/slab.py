@@ -337,9 +337,19 @@ class SlabTier(TenantBooks):
                 victims.append(key)
                 if len(victims) >= want:
                     break
-        index = self._index
-        for key in reversed(victims):
-            self._evict(key, index[key])
+        index, listener, mv = self._index, self._evict_listener, self._mv
+        dropped: list[bytes] = []
+        for key in reversed(victims):  # _evict, with the counts once for the batch
+            slot = index[key]
+            if listener is not None and mv is not None:
+                if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
+                    continue
+                listener(key, mv[slot.offset : slot.offset + slot.length], slot.tenant)
+            self._drop(key, slot)
+            dropped.append(key)
+        self._count("evictions", len(victims))
+        if self._removal_listener is not None and dropped:
+            self._removed(dropped)
 
     def _reclaim_segment(self, cls: int, reserved: set[bytes], segs: set[int]) -> None:
         """Evict a whole segment of another class (all unpinned) and carve it for ``cls``."""

@@ -18,7 +18,10 @@ direction, each repetition measures, interleaved (the order turns each rep), 256
   real pipeline, bytes verified), with the CPU time of every thread of the process over each
   timed phase (``/proc/self/task/*/schedstat``, nanoseconds): the copy threads (the C helper's
   mover and helpers: every thread Python does not know), the pipeline's loop thread, the
-  calling (engine) thread, other Python threads.
+  calling (engine) thread, other Python threads;
+* ``full``: the same on a full tier (``pipeline_store_load(full=True)``: filled first, so every
+  store evicts a record, the steady state of an engine's CPU tier; its free slots then come in
+  whatever order evictions left them).
 
 Printed per cell: each figure in GB/s, the tier and the copies over the limit, the tier's CPU by
 thread class and how many vCPUs it kept busy, and the budget the goal leaves: to reach the goal's
@@ -59,6 +62,8 @@ KiB, MiB = 1024, 1024 * 1024
 GOALS = {64 * KiB: 0.7, 1 * MiB: 0.9}
 LOOP_THREAD = "tieredkv-pipeline"
 CLASSES = ("copy threads", "loop", "caller", "other python")
+#: The tier's figures: a fresh tier (room for every chunk), and a full one (every store evicts).
+TIERS = {"tier": "tier", "full": "full tier"}
 
 
 def goal(size: int) -> float:
@@ -145,8 +150,9 @@ class Case:
             raise RuntimeError("the copies lost bytes")
         return out
 
-    def tier(self, seed: int) -> dict[str, tuple[float, float, dict[str, float]]]:
-        """(GB/s, wall seconds, CPU seconds by thread class) of the tier, store and load."""
+    def tier(self, seed: int, full: bool = False) -> dict[str, tuple[float, float, dict[str, float]]]:
+        """(GB/s, wall seconds, CPU seconds by thread class) of the tier, store and load
+        (``full``: on a full tier)."""
         marks: dict[str, list[dict[str, float]]] = {}
 
         def phase(op: str, started: bool) -> None:
@@ -154,7 +160,7 @@ class Case:
 
         t = bench.make_tier(CPUTierConfig(), self.size, self.n, self.work)
         ts, tl = bench.pipeline_store_load(
-            t, self.src, self.dst, self.ns, self.blocks, layout="permuted", seed=seed, phase=phase
+            t, self.src, self.dst, self.ns, self.blocks, layout="permuted", seed=seed, phase=phase, full=full
         )
         out = {}
         for op, secs in (("store", ts), ("load", tl)):
@@ -177,6 +183,7 @@ def measure(
                     ("limit", lambda r, c=case: c.limit()),
                     ("copies", lambda r, c=case: c.copies(r, copier)),
                     ("tier", case.tier),
+                    ("full", lambda r, c=case: c.tier(r, full=True)),
                 ]
                 for r in range(-1, reps):  # rep -1: an untimed warm-up
                     row = {}
@@ -187,24 +194,25 @@ def measure(
                         results.setdefault(size, {"reps": []})["reps"].append(row)
                 case.copies(reps, copier, check=True)  # the bytes the copies moved, checked once
                 res = results[size]
-                res["summary"] = {op: summarize(size, case.n, res["reps"], op) for op in bench.OPS}
-                for op in bench.OPS:
-                    log(line(size, op, res["summary"][op]))
+                for which in TIERS:
+                    res[f"summary_{which}"] = {op: summarize(size, case.n, res["reps"], op, which) for op in bench.OPS}
+                    for op in bench.OPS:
+                        log(line(size, op, res[f"summary_{which}"][op], which))
     finally:
         copier.close()
     return results
 
 
-def summarize(size: int, n: int, reps: list[dict[str, Any]], op: str) -> dict[str, Any]:
+def summarize(size: int, n: int, reps: list[dict[str, Any]], op: str, which: str = "tier") -> dict[str, Any]:
     med = statistics.median
     limits = {k: med(r["limit"][k] for r in reps) for k in reps[0]["limit"]}
     limit = max(limits, key=limits.__getitem__)
     limit_gbps = limits[limit]
     copies_gbps = med(r["copies"][op][0] for r in reps)
     copies_cpu = med(r["copies"][op][1] for r in reps)
-    tier_gbps = med(r["tier"][op][0] for r in reps)
-    wall = med(r["tier"][op][1] for r in reps)
-    cpu = {k: med(r["tier"][op][2][k] for r in reps) for k in CLASSES}
+    tier_gbps = med(r[which][op][0] for r in reps)
+    wall = med(r[which][op][1] for r in reps)
+    cpu = {k: med(r[which][op][2][k] for r in reps) for k in CLASSES}
     nbytes = n * size
     g = goal(size)
     budget = 2 * nbytes / (g * limit_gbps * 1e9)  # CPU seconds on two vCPUs at the goal
@@ -228,12 +236,12 @@ def summarize(size: int, n: int, reps: list[dict[str, Any]], op: str) -> dict[st
     }
 
 
-def line(size: int, op: str, s: dict[str, Any]) -> str:
+def line(size: int, op: str, s: dict[str, Any], which: str = "tier") -> str:
     ms = {k: v * 1e3 for k, v in s["tier_cpu_s"].items()}
     split = ", ".join(f"{k} {v:.0f}" for k, v in ms.items())
     return (
         f"{bench.size_label(size)} {op}: limit {s['limit']} {s['limit_gbps']:.2f} GB/s | copies alone"
-        f" {s['copies_gbps']:.2f} ({s['copies_ratio']:.2f}x), {s['copies_cpu_s'] * 1e3:.0f} ms CPU | tier"
+        f" {s['copies_gbps']:.2f} ({s['copies_ratio']:.2f}x), {s['copies_cpu_s'] * 1e3:.0f} ms CPU | {TIERS[which]}"
         f" {s['tier_gbps']:.2f} ({s['tier_ratio']:.2f}x): {s['tier_wall_s'] * 1e3:.0f} ms, CPU ms {split}"
         f" ({s['busy_vcpus']:.2f} vCPUs busy) | goal {s['goal']:.1f}x: {s['goal_cpu_budget_s'] * 1e3:.0f} ms"
         f" of CPU on two vCPUs, {s['left_per_chunk_us']:.2f} us a chunk left beside the copies,"

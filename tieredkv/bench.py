@@ -150,6 +150,7 @@ def pipeline_store_load(
     layout: str = LAYOUTS[0],
     seed: int = 0,
     phase: Callable[[str, bool], None] | None = None,
+    full: bool = False,
 ) -> tuple[float, float]:
     """(store seconds, load seconds) of every chunk of ``src`` through a one-tier store; bytes verified.
 
@@ -159,7 +160,10 @@ def pipeline_store_load(
     ``1 .. N``, stored from there, and loaded into blocks drawn the same way among ``N+1 .. 2N``,
     zeroed first. Every key it writes is deleted again (a shared tier is left as it was found).
     ``phase(op, started)``, if given, is called right before each timed phase (``op``: ``store``
-    or ``load``) starts its clock and right after it stops it (a profiler's marks)."""
+    or ``load``) starts its clock and right after it stops it (a profiler's marks). ``full``: the
+    tier is first filled (untimed) with as many chunks under other keys, so the timed store
+    evicts them as a full tier in an engine does (:func:`bench_config` gives it room for ``src``
+    and 8 MiB), and the loads read what evictions and overwrites left where it lies."""
     import numpy as np
 
     n, size = src.shape
@@ -183,24 +187,25 @@ def pipeline_store_load(
     cfg = TieredKVConfig(namespace=NamespaceConfig(model=ns.model), pipeline=pipeline)
     store = TieredStore(cfg, namespace=ns, tiers=[tier])
     keys = [ns.key(i.to_bytes(32, "big"), 0) for i in range(n)]
+    fill = [ns.key((n + i).to_bytes(32, "big"), 0) for i in range(n)] if full else []
     with store.start():
         store.register_group(0, [blocks], blocks_per_chunk=bpc)
         store.prefault_staging()  # an engine's pool is faulted in once, not per run
 
-        def run(op: str, ids: list[int]) -> float:
+        def run(op: str, ids: list[int], names: list[bytes] = keys) -> float:
             submit: Callable[[int, list[tuple[bytes, Sequence[int]]]], int | None] = getattr(store, op)
             chunked = [tuple(ids[i * bpc : (i + 1) * bpc]) for i in range(n)]  # as the scheduler holds them
-            if phase is not None:
+            if phase is not None and names is keys:
                 phase(op, True)
             t0 = time.perf_counter()
             for b in range(0, n, per):
-                chunks: list[tuple[bytes, Sequence[int]]] = list(zip(keys[b : b + per], chunked[b : b + per]))
+                chunks: list[tuple[bytes, Sequence[int]]] = list(zip(names[b : b + per], chunked[b : b + per]))
                 while submit(0, chunks) is None:  # staging full: wait for room (back-pressure)
                     time.sleep(0.0005)
             if not store.drain(600):
                 raise RuntimeError("pipeline did not drain")
             dt = time.perf_counter() - t0
-            if phase is not None:
+            if phase is not None and names is keys:
                 phase(op, False)
             bad = [r for r in store.poll() if not r.ok]
             if bad:
@@ -208,12 +213,14 @@ def pipeline_store_load(
             return dt
 
         try:
+            if fill:
+                run("store", store_ids, fill)
             if writes_fresh_pages(tier):
                 warm_free_pages(src)  # as every raw baseline does before it writes
             ts = run("store", store_ids)
             tl = run("load", load_ids)
         finally:
-            store.run(tier.delete_many(keys), timeout=120)
+            store.run(tier.delete_many(keys + fill), timeout=120)
     if not np.array_equal(rows[np.asarray(load_ids)].reshape(n, size), src.numpy()):
         raise RuntimeError(f"tier {tier.name!r}: loaded bytes differ from stored bytes")
     return ts, tl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 import statistics
 import sys
@@ -849,6 +850,24 @@ def test_pipeline_store_load_marks_each_timed_phase_around_its_clock(tmp_path: P
     assert marks[2][2] >= marks[1][2]
 
 
+def test_pipeline_store_load_on_a_full_tier_evicts_on_every_store_and_leaves_it_empty(tmp_path: Path) -> None:
+    """``full``: the tier is filled first (untimed, no phase marks), so the timed store evicts
+    the fill as it goes; the loads still verify every byte, and every key of both is deleted."""
+    n, size = 256, 64 * KiB
+    src = torch.randint(0, 256, (n, size), dtype=torch.uint8)
+    tier = bench.make_tier(CPUTierConfig(segment_bytes=1 << 20), size, n, str(tmp_path))
+    holds = tier.config.capacity_bytes // size  # room for the chunks and 8 MiB more, in whole segments
+    assert n < holds < 2 * n
+    marks: list[tuple[str, bool]] = []
+    bench.pipeline_store_load(
+        tier, src, torch.empty_like(src), bench.Namespace(model="m"), full=True, phase=lambda o, s: marks.append((o, s))
+    )
+    assert marks == [("store", True), ("store", False), ("load", True), ("load", False)]
+    assert tier.counters["evictions"] == 2 * n - holds  # the fill's oldest, as the timed store went
+    assert tier.counters["puts"] == 2 * n and tier.counters["hits"] == n
+    assert tier.counters["deletes"] == holds
+
+
 def _budget_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_cpu_budget", ROOT / "benchmarks/bench_cpu_budget.py")
     assert spec is not None and spec.loader is not None
@@ -866,9 +885,10 @@ def test_the_cpu_budget_bench_splits_the_tiers_cpu_and_checks_the_copies_bytes(
     mod = _budget_module()
     lines: list[str] = []
     got = mod.measure([64 * KiB], 4 << 20, 1, log=lines.append)
-    s = got[64 * KiB]["summary"]
-    assert set(s) == {"store", "load"} and len(lines) == 2
-    for op in ("store", "load"):
+    assert len(lines) == 4 and sum("full tier" in x for x in lines) == 2
+    for which, op in itertools.product(("tier", "full"), ("store", "load")):
+        s = got[64 * KiB][f"summary_{which}"]
+        assert set(s) == {"store", "load"}
         f = s[op]
         limits = got[64 * KiB]["reps"][0]["limit"]  # every candidate the CPU tier names, measured
         assert set(limits) == {"gather", "copy", "copy_2t_nt"}

@@ -179,7 +179,8 @@ class Transfers:
         while the loop goes on with other jobs); the slots go back only once no copy can write
         them (:func:`~tieredkv.staging.settle`)."""
         keys = [c.key for c in job.chunks]
-        slots = await self._reserve(tier, [(k, grp.chunk_bytes) for k in keys], job.tenant)
+        cb = grp.chunk_bytes
+        slots = await self._reserve(tier, [(k, cb) for k in keys], job.tenant)
         if slots is None:
             return [], {tier.name: 0}
         self._slot_stores += 1

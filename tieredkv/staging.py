@@ -416,26 +416,12 @@ class Copier:
             return None
         if bpc < 1 or len(block_ids) != len(starts) * bpc:
             raise ValueError(f"{len(block_ids)} block ids are not {len(starts)} whole chunks of {bpc} blocks")
-        lo, hi = min(block_ids), max(block_ids)
-        if lo < 0 or hi >= group.num_blocks:
-            raise ValueError(f"block ids must be in 0..{group.num_blocks - 1}, got {lo if lo < 0 else hi}")
+        _check_ids(group, block_ids)
         cb = group.chunk_bytes(bpc)
         first = np.fromiter(starts, np.int64, len(starts))
         if first.min() < 0 or first.max() > buf.numel() - cb:
             raise ValueError(f"a payload of {cb} bytes at {int(first.max())} lies outside {buf.numel()} bytes")
-        ids = np.fromiter(block_ids, np.int64, len(block_ids))
-        inner = np.tile(np.arange(bpc, dtype=np.int64), len(starts))
-        at_chunk = np.repeat(first, bpc)
-        arrays = group.host_arrays
-        assert arrays is not None
-        flat_buf = buf.numpy()
-        calls: list[tuple[Any, ...]] = []
-        base = 0
-        for arr, bb in zip(arrays, group.block_bytes):
-            at_buf, at_dev, flat = at_chunk + (inner * bb + base), ids * bb, arr.reshape(-1)
-            calls.append((flat_buf, at_buf, flat, at_dev, bb) if to_buf else (flat, at_dev, flat_buf, at_buf, bb))
-            base += bpc * bb
-        return self._defer(calls)
+        return self._defer(_host_pieces(group, _Places(None, block_ids), bpc, buf.numpy(), to_buf, starts=first))
 
     def _move(
         self,
@@ -454,9 +440,7 @@ class Copier:
         :func:`settle` it before the memory on either side is reused."""
         if not places.ids:
             return None
-        lo, hi = min(places.ids), max(places.ids)
-        if lo < 0 or hi >= group.num_blocks:  # never a negative index's wrap, a short copy or a device assert
-            raise ValueError(f"block ids must be in 0..{group.num_blocks - 1}, got {lo if lo < 0 else hi}")
+        _check_ids(group, places.ids)
         chunks = places.chunks(bpc)
         if buf.numel() < group.chunk_bytes(bpc) * chunks:
             raise ValueError(
@@ -538,14 +522,24 @@ class _Places:
         return pos, ids
 
 
-def _payload_offsets(group: KVGroupTensors, pos: np.ndarray, bpc: int) -> list[np.ndarray]:
+def _check_ids(group: KVGroupTensors, ids: Sequence[int]) -> None:
+    """Block ids (not empty) inside ``group``: never a negative index's wrap, a short copy or a
+    device assert."""
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= group.num_blocks:
+        raise ValueError(f"block ids must be in 0..{group.num_blocks - 1}, got {lo if lo < 0 else hi}")
+
+
+def _payload_offsets(
+    group: KVGroupTensors, pos: np.ndarray, bpc: int, starts: np.ndarray | None = None
+) -> list[np.ndarray]:
     """Per tensor of ``group``, the byte offset in the payloads of each position of ``pos``:
-    chunk ``q // bpc`` starts at its multiple of the chunk's bytes and holds, tensor by tensor,
-    the bytes of its ``bpc`` blocks."""
-    if len(group.block_bytes) == 1:  # chunks back to back are their blocks back to back
+    chunk ``q // bpc`` starts at its multiple of the chunk's bytes (or at ``starts[q // bpc]``:
+    payloads wherever they lie) and holds, tensor by tensor, the bytes of its ``bpc`` blocks."""
+    if starts is None and len(group.block_bytes) == 1:  # chunks back to back are their blocks back to back
         return [pos * group.block_bytes[0]]
     chunk, inner = np.divmod(pos, bpc)
-    start = chunk * group.chunk_bytes(bpc)
+    start = chunk * group.chunk_bytes(bpc) if starts is None else starts[chunk]
     out, base = [], 0
     for bb in group.block_bytes:
         out.append(start + (inner * bb + base))
@@ -631,15 +625,21 @@ def _move_host(
 
 
 def _host_pieces(
-    group: KVGroupTensors, places: _Places, bpc: int, buf: np.ndarray, to_staging: bool
+    group: KVGroupTensors,
+    places: _Places,
+    bpc: int,
+    buf: np.ndarray,
+    to_staging: bool,
+    starts: np.ndarray | None = None,
 ) -> list[tuple[Any, ...]]:
     """The ``move_pieces`` calls of a host move, one per tensor: ``(dst, dst_offsets, src,
-    src_offsets, piece)``."""
+    src_offsets, piece)`` (``starts``: each chunk's payload offset in ``buf``, see
+    :func:`_payload_offsets`)."""
     arrays = group.host_arrays
     assert arrays is not None
     pos, ids = places.arrays()
     calls: list[tuple[Any, ...]] = []
-    for arr, bb, at_buf in zip(arrays, group.block_bytes, _payload_offsets(group, pos, bpc)):
+    for arr, bb, at_buf in zip(arrays, group.block_bytes, _payload_offsets(group, pos, bpc, starts)):
         flat, at_dev = arr.reshape(-1), ids * bb
         calls.append((buf, at_buf, flat, at_dev, bb) if to_staging else (flat, at_dev, buf, at_buf, bb))
     return calls

@@ -30,6 +30,22 @@ def on_disk(path: Path) -> tuple[int, int]:
     return sum(st.st_size for _, _, st in found), len(found)
 
 
+def hold_walks(t: FSTier) -> tuple[threading.Event, threading.Event]:
+    """Hold ``t``'s directory walks once listed: the first event is set when a walk has its
+    listing, which it returns once the test sets the second."""
+    listed, go_on = threading.Event(), threading.Event()
+    real = t.layout.walk
+
+    def held(*a: Any) -> Any:
+        got = real(*a)
+        listed.set()
+        assert go_on.wait(60), "the test never let the walk finish"
+        return got
+
+    t.layout.walk = held  # type: ignore[method-assign]
+    return listed, go_on
+
+
 def ledger(path: Path) -> LedgerState:
     led = acquire(Layout(str(path)).ledger)
     try:
@@ -52,16 +68,7 @@ def test_a_recount_holds_the_ledger_and_a_store_that_waits_too_long_is_refused(t
             async with tier(d) as walker:
                 while (await walker.stats()).extra["records_known_here"] < 8:  # its listing at open is done
                     await asyncio.sleep(0.01)
-                in_walk, go_on = threading.Event(), threading.Event()
-                real = walker.layout.walk
-
-                def slow_walk(*a: Any) -> Any:
-                    got = real(*a)
-                    in_walk.set()
-                    assert go_on.wait(60), "the test never let the walk finish"
-                    return got
-
-                walker.layout.walk = slow_walk  # type: ignore[method-assign]
+                in_walk, go_on = hold_walks(walker)
                 recount = asyncio.ensure_future(walker.reconcile())
                 assert await asyncio.to_thread(in_walk.wait, 60)
                 with pytest.raises(TierTimeoutError, match="usage ledger"):
@@ -202,23 +209,13 @@ def test_a_store_that_lands_during_a_recount_walk_stays_in_the_eviction_index(
             monkeypatch.setattr(fs_tier, "write_slice", gated_write)
             store = asyncio.ensure_future(t.put_many([(skey(3), payload(3, 1, 10 * KiB))]))
             assert await asyncio.to_thread(at_write.wait, 60)  # reserved, its temporary file made
-            in_walk, walk_on = threading.Event(), threading.Event()
-            real_walk = t.layout.walk
-
-            def held_walk(*a: Any) -> Any:
-                got = real_walk(*a)
-                in_walk.set()
-                assert walk_on.wait(60), "the test never let the walk finish"
-                return got
-
-            t.layout.walk = held_walk  # type: ignore[method-assign]
+            in_walk, walk_on = hold_walks(t)
             recount = asyncio.ensure_future(t.reconcile())
             assert await asyncio.to_thread(in_walk.wait, 60)
             write_on.set()
             await store  # renamed into place and known here, the listing already taken
             walk_on.set()
             await recount
-            t.layout.walk = real_walk  # type: ignore[method-assign]
             assert _order(t) == [skey(0), skey(1), skey(2), skey(3)]
         st = ledger(d)
         assert (st.used, st.records) == on_disk(d) == (4 * (10 * KiB + 64), 4)
@@ -254,16 +251,7 @@ def test_records_listed_at_open_are_older_than_what_this_process_stores_meanwhil
         async with tier(d) as other:
             await other.put_many([(skey(i), payload(i, 1, 10 * KiB)) for i in range(3)])
         late = tier(d)
-        in_walk, walk_on = threading.Event(), threading.Event()
-        real_walk = late.layout.walk
-
-        def held_walk(*a: Any) -> Any:
-            got = real_walk(*a)
-            in_walk.set()
-            assert walk_on.wait(60), "the test never let the walk finish"
-            return got
-
-        late.layout.walk = held_walk  # type: ignore[method-assign]
+        in_walk, walk_on = hold_walks(late)
         async with late:
             assert await asyncio.to_thread(in_walk.wait, 60)  # the listing at open, held
             await late.put_many([(skey(3), payload(3, 1, 10 * KiB))])

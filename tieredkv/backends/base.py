@@ -354,8 +354,9 @@ class Tier(ABC):
         deletes), before its space is reused: write-back demotes it to the next tier of its route,
         as its tenant's record. ``payload`` is a view of the record's bytes where they lie, valid
         during the call only (the space is reused right after): a listener copies what it keeps,
-        and one that keeps nothing costs no copy (a full CPU tier evicts a record per store). The default passes nothing on (a tier that evicts nothing a
-        route still needs, or whose server evicts: Redis ``maxmemory``); the CPU tier overrides it.
+        and one that keeps nothing costs no copy (a full CPU tier evicts a record per store). The
+        default passes nothing on (a tier that evicts nothing a route still needs, or whose
+        server evicts: Redis ``maxmemory``); the CPU tier overrides it.
         Set by the pipeline once the tier is open."""
 
     def set_removal_listener(self, fn: RemovalListener | None) -> None:

@@ -76,12 +76,11 @@ class WriteBack:
         some rule writes back, with ``tier`` first among two or more. Every route a job takes is
         one of the rules' or narrower (:meth:`GroupRoute.among`: write-back only where the
         rule's is), and a group no rule names writes through."""
-        names = self.policy.tier_names
-        return any(
-            rule.write == "back" and len(tiers) > 1 and tiers[0] == tier
-            for rule in self.policy.rules
-            for tiers in [tuple(rule.tiers) or names]
-        )
+        for rule in self.policy.rules:
+            tiers = tuple(rule.tiers) or self.policy.tier_names
+            if rule.write == "back" and len(tiers) > 1 and tiers[0] == tier:
+                return True
+        return False
 
     def evict_listener(self, tier: str) -> Callable[[bytes, memoryview, int], None]:
         """The eviction listener of tier ``tier`` (``set_evict_listener``): :meth:`on_evict` of

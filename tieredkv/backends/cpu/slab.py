@@ -317,12 +317,12 @@ class SlabTier(TenantBooks):
             for tenant in list(self._over):
                 key = self._tenant_victim(tenant, reserved, cls)
                 if key is not None:
-                    self._evict(key, self._index[key])
+                    self._evict_many([key])
                     self._count("tenant_evictions")
                     return True
         for key in self._policies[cls].victims():
             if key not in reserved and not self.is_pinned(key):
-                self._evict(key, self._index[key])  # ends the iteration: the policy changes
+                self._evict_many([key])  # ends the iteration: the policy changes
                 return True
         return False
 
@@ -337,19 +337,8 @@ class SlabTier(TenantBooks):
                 victims.append(key)
                 if len(victims) >= want:
                     break
-        index, listener, mv = self._index, self._evict_listener, self._mv
-        dropped: list[bytes] = []
-        for key in reversed(victims):  # _evict, with the counts once for the batch
-            slot = index[key]
-            if listener is not None and mv is not None:
-                if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
-                    continue
-                listener(key, mv[slot.offset : slot.offset + slot.length], slot.tenant)
-            self._drop(key, slot)
-            dropped.append(key)
-        self._count("evictions", len(victims))
-        if self._removal_listener is not None and dropped:
-            self._removed(dropped)
+        victims.reverse()
+        self._evict_many(victims)
 
     def _reclaim_segment(self, cls: int, reserved: set[bytes], segs: set[int]) -> None:
         """Evict a whole segment of another class (all unpinned) and carve it for ``cls``."""
@@ -364,24 +353,30 @@ class SlabTier(TenantBooks):
                 best = seg
         if best is None:
             return
-        for key in list(self._seg_keys[best]):
-            self._evict(key, self._index[key])
+        self._evict_many(list(self._seg_keys[best]))
         owner = self._seg_cls.pop(best)
         del self._seg_keys[best]
         base = best * self._seg_bytes
         self._free[owner] = [o for o in self._free[owner] if not base <= o < base + self._seg_bytes]
         self._carve(best, cls)
 
-    def _evict(self, key: bytes, slot: _Slot) -> None:
-        if self._evict_listener is not None and self._mv is not None:
-            if not self._check(key, slot):  # corrupt: counted and dropped, not passed on
-                self._count("evictions")
-                return
-            self._evict_listener(key, self._mv[slot.offset : slot.offset + slot.length], slot.tenant)
-        self._drop(key, slot)
-        self._count("evictions")
-        if self._removal_listener is not None:
-            self._removed((key,))
+    def _evict_many(self, keys: list[bytes]) -> None:
+        """Evict ``keys`` (indexed, in this order; their slots go on the free lists in it): each
+        passed to the evict listener first (corrupt ones are counted and dropped, not passed
+        on), then dropped; counted, and told to the removal listener, once for the batch."""
+        index, listener, mv = self._index, self._evict_listener, self._mv
+        dropped: list[bytes] = []
+        for key in keys:
+            slot = index[key]
+            if listener is not None and mv is not None:
+                if not self._check(key, slot):
+                    continue
+                listener(key, mv[slot.offset : slot.offset + slot.length], slot.tenant)
+            self._drop(key, slot)
+            dropped.append(key)
+        self._count("evictions", len(keys))
+        if self._removal_listener is not None and dropped:
+            self._removed(dropped)
 
     def _drop(self, key: bytes, slot: _Slot) -> None:
         del self._index[key]
@@ -445,8 +440,8 @@ class SlabTier(TenantBooks):
         # gets the freed slots in the order they lie in the slab (a job's chunks back to back: one
         # copy per run, as after the slab's own evictions). The listener (write-back) only queues:
         # the index holds them all still.
-        for key in reversed(victims):
-            self._evict(key, self._index[key])
+        victims.reverse()
+        self._evict_many(victims)
         self._count("tenant_evictions", len(victims))
 
     def _reserve_tenants(self, items: list[tuple[bytes, int]], tenant: int | Sequence[int]) -> list[_Slot]:

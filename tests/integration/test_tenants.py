@@ -456,3 +456,29 @@ async def test_cpu_tier_room_a_tenant_makes_comes_back_in_slab_order() -> None:
             assert tier.span_view(slots) is not None, [s.offset for s in slots]
             tier.commit(list(zip(keys, slots)))
         assert tier.counters["tenant_evictions"] == 24
+
+
+async def test_cpu_tier_a_tenants_batch_into_a_full_tier_evicts_its_room_in_one_walk() -> None:
+    """A tenant's batch into a full tier (every record the default tenant's, no quota in the way)
+    finds its room as the default tenant's does: the oldest records that are neither pinned nor
+    read since, exactly as many as it needs, in one walk of the policy (one removal notice for
+    the batch, not one per record), and their slots come back in slab order (one copy)."""
+    tier = CPUTier(CPUTierConfig(capacity_bytes="1MiB", segment_bytes="1MiB", min_slot_bytes="16KiB"))
+    heard: list[list[bytes]] = []
+    tier.set_removal_listener(heard.append)
+    async with tier:
+        old = [NS.key(b"old" + i.to_bytes(29, "big"), 0) for i in range(64)]  # the whole slab
+        tier.commit(list(zip(old, tier.reserve([(k, CHUNK) for k in old]))))
+        tier.pin_many([old[1]])
+        (lent,) = tier.borrow([old[2]])  # read: the newest now (and pinned while lent)
+        tier.give_back([old[2]], [lent])
+        keys = [NS.key(b"new" + i.to_bytes(29, "big"), 0) for i in range(4)]
+        slots = tier.reserve([(k, CHUNK) for k in keys], A)
+        assert tier.span_view(slots) is None  # 0, 3, 4, 5: not back to back around the pinned one
+        assert [s.offset for s in slots] == sorted(s.offset for s in slots)
+        tier.commit(list(zip(keys, slots)))
+        assert len(heard) == 1 and sorted(heard[0]) == sorted([old[0], old[3], old[4], old[5]])  # one notice
+        assert tier.counters["evictions"] == 4 and tier.counters.get("tenant_evictions", 0) == 0
+        held = await tier.contains_many(old + keys)
+        assert [o for o, h in zip(old, held) if not h] == [old[0], old[3], old[4], old[5]]
+        assert all(held[len(old) :])

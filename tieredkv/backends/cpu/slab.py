@@ -30,6 +30,7 @@ to fit its quota (:meth:`SlabTier._make_room`).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -95,33 +96,7 @@ class SlabTier(TenantBooks):
             raise TierClosedError(f"tier {self.name!r} is not open")
         if tenant:
             return self._reserve_tenants(items, tenant)
-        plan: list[_Slot] = []
-        reserved: set[bytes] = set()
-        segs: set[int] = set()
-        now = time.time()
-        seg_bytes, seg_reserved, free_lists = self._seg_bytes, self._seg_reserved, self._free
-        cls_of: dict[int, int] = {}  # one class lookup per distinct size (a job's chunks share one)
-        try:
-            for key, n in items:
-                cls = cls_of.get(n)
-                if cls is None:
-                    cls = cls_of[n] = self._class_for(n)
-                free = free_lists[cls]
-                if not free and not self._free_segs and not self._over:  # a full tier: room for the rest at once
-                    self._evict_for(cls, sum(1 for _, m in items[len(plan) :] if m == n), reserved)
-                if free:  # the common case: a free slot of the class
-                    off = free.pop()
-                    seg = off // seg_bytes
-                else:
-                    off, seg = self._allocate(cls, reserved, segs)
-                plan.append(_Slot(off, cls, seg, n, b"", now))
-                reserved.add(key)
-                segs.add(seg)
-                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
-        except TierFullError:
-            self.abort(plan)
-            raise
-        return plan
+        return self._take_slots(items, self._classes(items), None)
 
     def slot_view(self, slot: _Slot) -> Any:
         """``uint8`` tensor view of a reserved or borrowed slot's payload bytes."""
@@ -289,6 +264,51 @@ class SlabTier(TenantBooks):
             f" {self._seg_bytes}-byte segment; raise segment_bytes to at least {length}"
         )
 
+    def _classes(self, items: list[tuple[bytes, int]]) -> list[int]:
+        """The slot class of each ``(key, nbytes)`` (one lookup per distinct size: a job's chunks share one)."""
+        cls_of: dict[int, int] = {}
+        out: list[int] = []
+        for _, n in items:
+            cls = cls_of.get(n)
+            if cls is None:
+                cls = cls_of[n] = self._class_for(n)
+            out.append(cls)
+        return out
+
+    def _take_slots(
+        self, items: list[tuple[bytes, int]], classes: list[int], tenants: Sequence[int] | None
+    ) -> list[_Slot]:
+        """A reserved slot per item (of class ``classes[i]``, for tenant ``tenants[i]``; None: the
+        default tenant), all or nothing (TierFullError, every slot taken given back): a free slot
+        of its class, else what :meth:`_allocate` finds. A full tier (no free slot of the class,
+        no free segment, no tenant over its quota) evicts the room the rest of the batch needs in
+        that class at once (:meth:`_evict_for`). Nothing is charged to a tenant here."""
+        plan: list[_Slot] = []
+        reserved: set[bytes] = set()
+        segs: set[int] = set()
+        now = time.time()
+        seg_bytes, seg_reserved, free_lists = self._seg_bytes, self._seg_reserved, self._free
+        try:
+            for (key, n), cls, t in zip(items, classes, itertools.repeat(0) if tenants is None else tenants):
+                free = free_lists[cls]
+                if not free and not self._free_segs and not self._over:  # a full tier: room for the rest at once
+                    self._evict_for(cls, classes[len(plan) :].count(cls), reserved)
+                if free:  # the common case: a free slot of the class
+                    off = free.pop()
+                    seg = off // seg_bytes
+                else:
+                    off, seg = self._allocate(cls, reserved, segs)
+                plan.append(_Slot(off, cls, seg, n, b"", now, True, 0, False, t))
+                reserved.add(key)
+                segs.add(seg)
+                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
+        except TierFullError:
+            for slot in plan:
+                self._unreserve(slot)
+                self._release(slot)
+            raise
+        return plan
+
     def _allocate(self, cls: int, reserved: set[bytes], segs: set[int]) -> tuple[int, int]:
         free = self._free[cls]
         if not free and self._free_segs:
@@ -452,14 +472,9 @@ class SlabTier(TenantBooks):
         if len(tenants) != len(items):
             raise ValueError(f"reserve: {len(items)} items but {len(tenants)} tenants")
         sizes = self._class_sizes
-        cls_of: dict[int, int] = {}
-        classes: list[int] = []
+        classes = self._classes(items)
         need: dict[int, int] = {}
-        for (_, n), t in zip(items, tenants):
-            cls = cls_of.get(n)
-            if cls is None:
-                cls = cls_of[n] = self._class_for(n)
-            classes.append(cls)
+        for cls, t in zip(classes, tenants):
             if t:
                 need[t] = need.get(t, 0) + sizes[cls]
         for t, nbytes in need.items():
@@ -468,29 +483,8 @@ class SlabTier(TenantBooks):
                 raise self._refuse(t, f"a store of {nbytes} bytes is larger than its whole quota ({lim} bytes)")
         batch = {k for k, _ in items}
         for t, nbytes in need.items():
-            self._make_room(t, nbytes, batch, sorted(set(cls_of.values())))
-        plan: list[_Slot] = []
-        reserved: set[bytes] = set()
-        segs: set[int] = set()
-        now = time.time()
-        seg_bytes, seg_reserved = self._seg_bytes, self._seg_reserved
-        try:
-            for (key, n), t, cls in zip(items, tenants, classes):
-                free = self._free[cls]
-                if free:
-                    off = free.pop()
-                    seg = off // seg_bytes
-                else:
-                    off, seg = self._allocate(cls, reserved, segs)
-                plan.append(_Slot(off, cls, seg, n, b"", now, True, 0, False, t))
-                reserved.add(key)
-                segs.add(seg)
-                seg_reserved[seg] = seg_reserved.get(seg, 0) + 1
-        except TierFullError:
-            for slot in plan:  # not charged yet
-                self._unreserve(slot)
-                self._release(slot)
-            raise
+            self._make_room(t, nbytes, batch, sorted(set(classes)))
+        plan = self._take_slots(items, classes, tenants)
         for t, nbytes in need.items():  # charged once per tenant, when every slot is had
             self._charge(t, nbytes)
             self._add(self._tresv, t, nbytes)

@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         tb.BATCH_BYTES = batch_bytes  # the pipeline side reads it per call
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
-    from tieredkv.bench import STEADY_MALLOC, bench_redis_server, steady_malloc
+    from tieredkv.bench import STEADY_MALLOC, steady_malloc
 
     # The same heap settings on both sides: this process (tieredkv.bench.steady_malloc) and
     # LMCache's child, through glibc's environment variables for them.
@@ -794,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from tieredkv.testing.servers import RedisServer
+
     torch.set_num_threads(a.threads)
     work = a.workdir or tempfile.mkdtemp(prefix="tieredkv-peers-")
     os.makedirs(work, exist_ok=True)
@@ -804,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     lmc: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     try:
-        with bench_redis_server() as srv:  # its freed memory kept, for both sides alike
+        with RedisServer() as srv:
             log(f"==> redis-server on {srv.url}; disk files under {work} ({info['workdir_fs']['fstype']})")
             for kind in kinds:  # tieredkv's rounds interleaved with LMCache's, pair by pair
                 sides = [

@@ -21,7 +21,6 @@ from tieredkv.bench import (
     KiB,
     MiB,
     add_run_args,
-    bench_redis_server,
     floored_figures,
     judged_lines,
     machine_info,
@@ -37,6 +36,7 @@ from tieredkv.bench import (
     tier_tables,
 )
 from tieredkv.config import TierConfigBase
+from tieredkv.testing.servers import RedisServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sizes, total, reps = run_plan(a)
     steady_malloc()  # this process is a bench: raw baselines at the medium's limit
-    with bench_redis_server() as srv:  # its freed memory kept, as a server in its steady state
+    with RedisServer() as srv:
         tiers = [tier_config(kind, srv.url) for kind in a.tiers.split(",")]
         results = run_tier_bench(
             tiers, sizes, total, reps, log=lambda m: print(m, file=sys.stderr), layouts=a.layouts.split(",")

@@ -301,9 +301,7 @@ def run_tier_bench(
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 STEADY_MALLOC = {"M_TRIM_THRESHOLD": 1 << 30, "M_TOP_PAD": 64 * MiB, "M_MMAP_THRESHOLD": 32 * MiB}
 #: How this process was set up for the bench, reported by :func:`machine_info`.
-_SETUP: dict[str, Any] = {"malloc": "glibc defaults", "redis_server_env": None}
-#: The environment a bench's own ``redis-server`` starts with (:func:`bench_redis_server`).
-STEADY_REDIS_ENV = {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+_SETUP: dict[str, Any] = {"malloc": "glibc defaults"}
 
 
 def steady_malloc() -> bool:
@@ -332,27 +330,6 @@ def steady_malloc() -> bool:
     if ok:
         _SETUP["malloc"] = dict(STEADY_MALLOC)
     return ok
-
-
-def bench_redis_server() -> Any:
-    """A private ``redis-server`` for a bench (not started): its allocator keeps the pages of
-    freed values (:data:`STEADY_REDIS_ENV`: jemalloc's decay off), as a server in its steady
-    state reuses them; reported by :func:`machine_info`. For a bench's server only, never a
-    deployment's.
-
-    Debian's server links the system jemalloc, which hands a freed value's pages back to the
-    kernel within 10 s (``dirty_decay_ms`` 10000), and this machine kind's guest hands them on to
-    its host (free page reporting): every bench round deletes what it stored, so the next
-    round's ``SET`` commands faulted their values' memory in from the host again. That was the Redis
-    "slow mode" of stop 51 to stop 56 (the server's kernel time 400-870 ms per 256 MiB stored
-    against 190-230, the tier's 1-4 MiB stores at 0.26-0.50 GB/s in some runs). Kept (stop 57,
-    three runs each way of 1 and 4 MiB stores, 5 reps, alternated): the tier stored 1.28-2.15
-    GB/s against 0.33-1.44, and the raw clients rose alike (pipelined redis-py 1.59-3.05
-    against 0.98-1.51). Every side of a run uses the same server."""
-    from tieredkv.localredis import RedisServer
-
-    _SETUP["redis_server_env"] = dict(STEADY_REDIS_ENV)
-    return RedisServer(env=STEADY_REDIS_ENV)
 
 
 @contextlib.contextmanager
@@ -678,7 +655,6 @@ def machine_info() -> dict[str, Any]:
         "redis_server": redis_v,
         "loadavg": os.getloadavg(),
         "malloc": _SETUP["malloc"],
-        "redis_server_env": _SETUP["redis_server_env"],
         "page_reporting": _page_reporting(),
     }
 

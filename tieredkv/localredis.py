@@ -21,7 +21,6 @@ socket. A missing ``redis-server`` / ``redis-cli`` is an error, never a skip.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import shutil
 import signal
@@ -30,7 +29,7 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -179,7 +178,6 @@ class RedisServer:
         maxmemory_policy: e.g. ``"noeviction"`` or ``"allkeys-lru"``.
         requirepass: password clients must AUTH with.
         extra_args: more ``redis-server`` arguments (``["--user", "alice on >pw ~* +@all"]``).
-        env: variables added to the server's environment (``{"MALLOC_CONF": ...}``).
         port: fixed port; by default a free one is chosen (and re-chosen if taken at start).
         startup_timeout: seconds to wait for PING to answer.
 
@@ -196,7 +194,6 @@ class RedisServer:
         requirepass: str | None = None,
         extra_args: list[str] | None = None,
         *,
-        env: Mapping[str, str] | None = None,
         port: int | None = None,
         startup_timeout: float = 15.0,
         stop_timeout: float = 5.0,
@@ -206,9 +203,6 @@ class RedisServer:
         self.maxmemory_policy = maxmemory_policy
         self.requirepass = requirepass
         self.extra_args = list(extra_args or [])
-        #: Variables added to the server's environment (its allocator's settings, e.g.
-        #: ``MALLOC_CONF`` for the jemalloc Debian's server links); None: this process's as it is.
-        self.env = dict(env) if env is not None else None
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self._fixed_port = port is not None
@@ -306,7 +300,6 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             cwd=self.dir,
-            env=None if self.env is None else {**os.environ, **self.env},
         )
         self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
         self._wait_ready()

@@ -623,25 +623,6 @@ def test_steady_malloc_is_reported_with_the_results() -> None:
     assert bench.machine_info()["page_reporting"] == " ".join(w for w in cmdline if w.startswith("page_reporting"))
 
 
-def test_a_benchs_redis_server_keeps_its_freed_memory_and_the_results_say_so() -> None:
-    """The tiers and peers benches start their server through ``bench_redis_server``: its
-    jemalloc never hands freed values' pages back (read from the running server's own allocator
-    stats), a plain ``RedisServer`` keeps jemalloc's defaults, and ``machine_info`` reports the
-    server's environment once a bench made one."""
-    from tieredkv.localredis import RedisServer, redis_command
-
-    def decay(srv: RedisServer) -> str:
-        stats = redis_command(srv.port, "MEMORY", "MALLOC-STATS").decode()
-        return next(line.split(":", 1)[1].split()[0] for line in stats.splitlines() if "opt.dirty_decay_ms" in line)
-
-    with RedisServer() as plain:
-        assert decay(plain) != "-1"
-    with bench.bench_redis_server() as srv:
-        assert decay(srv) == "-1"
-        assert redis_command(srv.port, "PING") == b"+PONG"
-    assert bench.machine_info()["redis_server_env"] == bench.STEADY_REDIS_ENV
-
-
 def test_the_lmdb_stages_bench_measures_every_stage_on_records_that_read_back(tmp_path: Path) -> None:
     """benchmarks/bench_lmdb_stages.py (``./scripts/bench stages``): each stage writes, and its
     records are read back and compared (a stage that lost or mangled one raises)."""

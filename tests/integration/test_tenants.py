@@ -184,6 +184,58 @@ def test_two_threads_storing_for_two_tenants_each_stay_within_their_quota() -> N
         assert store.tiers[0].counters["evictions"] == (256 - 64) + (256 - 32)
 
 
+def test_two_threads_storing_for_two_tenants_into_a_full_tier_evict_their_oldest_and_keep_the_books() -> None:
+    """Two engine threads store for two tenants at once, twice what the tier holds, no quota in
+    the way: once the slab is full every batch evicts its room in one walk (tenants' batches
+    too). Each tenant keeps a run of its newest chunks, the books add up to what is held, and
+    every record still held loads byte-exact."""
+    config = cfg(tenants={"quotas": {"acme": "8MiB", "bravo": "8MiB"}})
+    with tieredkv.open_store(config) as store:
+        dev = Device(store, 512 + 256)
+        keys = {"acme": keys_of(store, "acme", 256), "bravo": keys_of(store, "bravo", 256)}
+        first = {"acme": 0, "bravo": 256}
+        go = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def flood(name: str) -> None:
+            try:
+                go.wait(timeout=30)
+                for i in range(0, 256, 16):
+                    chunks = [(k, (first[name] + i + j,)) for j, k in enumerate(keys[name][i : i + 16])]
+                    while store.store(0, chunks, tenant=name) is None:  # back-pressure: offer it again
+                        store.drain(1.0)
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=flood, args=(n,)) for n in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert store.drain(30)
+        assert all(r.ok for r in store.poll())
+        cpu = store.tiers[0]
+        assert cpu.counters["evictions"] == 512 - 256 and cpu.counters.get("tenant_evictions", 0) == 0
+        usage = store.tenant_usage()["cpu"]
+        assert usage is not None
+        kept = {}
+        for name, tid in (("acme", A), ("bravo", B)):
+            held = [s is KeyState.HIT for s, _ in store.lookup(keys[name])]
+            n = sum(held)
+            assert held == [False] * (256 - n) + [True] * n, name  # its oldest went first
+            assert usage.get(tid, 0) == n * CHUNK, (name, n, usage)
+            kept[name] = n
+        assert sum(kept.values()) == 256  # the whole slab, nothing lost or counted twice
+        for name, n in kept.items():
+            if not n:
+                continue
+            job = store.load(0, [(k, (512 + i,)) for i, k in enumerate(keys[name][-n:])], tenant=name)
+            assert job is not None and store.wait([job])[job].ok
+            src = first[name] + 256 - n
+            assert torch.equal(dev.kv[512 : 512 + n], dev.kv[src : src + n])
+
+
 class _HeldMove:
     """Fault injection around a real queued host move (``move_pieces_async``'s ticket): it
     reports itself not over until the test opens the gate, so the slot store that made it stays
